@@ -1,0 +1,122 @@
+"""The project's exception tree.
+
+Exceptions from trio, httpx, h2 and torch never escape ``backends/``: adapters
+translate them here, and the HTTP layer maps ``status`` to a response in one
+place (``backends.openai_server.error_response``)::
+
+    HeadraceError                      status  type
+    ├── ClientError                    4xx     invalid_request_error
+    │   ├── BadRequest                 400
+    │   │   └── ContextLengthExceeded  400     code=context_length_exceeded
+    │   ├── ModelNotFound              404     code=model_not_found
+    │   ├── PayloadTooLarge            413
+    │   └── RateLimited                429     (+ retry_after)
+    └── UpstreamError                  5xx     server_error / upstream_error
+        ├── BackendUnavailable         503     (+ retry_after): refused, down, overloaded
+        ├── BackendTimeout             504     no progress within the deadline
+        ├── BackendProtocolError       502     malformed answer from a backend
+        └── StreamBroken               502     died mid-stream (migratable)
+
+Client errors are the caller's fault and are never retried; upstream errors
+may be retried on another backend (before the first token) or migrated (after).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendProtocolError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "BadRequest",
+    "ClientError",
+    "ContextLengthExceeded",
+    "HeadraceError",
+    "ModelNotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "StreamBroken",
+    "UpstreamError",
+]
+
+
+class HeadraceError(Exception):
+    """Base of every error headrace raises on purpose."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+
+class ClientError(HeadraceError):
+    """The request is at fault (4xx); retrying it elsewhere will not help."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class BadRequest(ClientError):
+    status = 400
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(ClientError):
+    status = 404
+    code = "model_not_found"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    code = "payload_too_large"
+
+
+class RateLimited(ClientError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamError(HeadraceError):
+    """A backend failed (5xx); another backend may succeed."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class BackendUnavailable(UpstreamError):
+    status = 503
+    code = "backend_unavailable"
+
+
+class BackendTimeout(UpstreamError):
+    status = 504
+    code = "backend_timeout"
+
+
+class BackendProtocolError(UpstreamError):
+    status = 502
+    code = "backend_protocol_error"
+
+
+class StreamBroken(UpstreamError):
+    """The backend died after the stream started; the tokens so far are valid."""
+
+    status = 502
+    code = "stream_broken"
