@@ -68,14 +68,16 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     extra: dict[str, Any] = {}
 
 
-class TopLogprob(msgspec.Struct, array_like=False):
+class TopLogprob(msgspec.Struct):
     token_id: int
     logprob: float
+    token: str = ""  # the token's text piece, when the backend can decode it
 
 
 class Logprob(msgspec.Struct):
     token_id: int
     logprob: float
+    token: str = ""
     top: list[TopLogprob] = []
 
 

@@ -8,7 +8,10 @@ place (``backends.openai_server.error_response``)::
     ├── ClientError                    4xx     invalid_request_error
     │   ├── BadRequest                 400
     │   │   └── ContextLengthExceeded  400     code=context_length_exceeded
+    │   ├── Unauthorized               401     code=invalid_api_key
+    │   ├── NotFound                   404     unknown path
     │   ├── ModelNotFound              404     code=model_not_found
+    │   ├── MethodNotAllowed           405
     │   ├── PayloadTooLarge            413
     │   └── RateLimited                429     (+ retry_after)
     └── UpstreamError                  5xx     server_error / upstream_error
@@ -31,10 +34,13 @@ __all__ = [
     "ClientError",
     "ContextLengthExceeded",
     "HeadraceError",
+    "MethodNotAllowed",
     "ModelNotFound",
+    "NotFound",
     "PayloadTooLarge",
     "RateLimited",
     "StreamBroken",
+    "Unauthorized",
     "UpstreamError",
 ]
 
@@ -120,3 +126,19 @@ class StreamBroken(UpstreamError):
 
     status = 502
     code = "stream_broken"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+    code = "method_not_allowed"

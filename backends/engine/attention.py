@@ -1,0 +1,130 @@
+"""Paged attention in plain torch: no custom kernels, so it runs on CPU and CUDA alike.
+
+The KV cache of one layer is two tensors ``[num_blocks, block_size, n_kv_heads, head_dim]``.
+A token at absolute position ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``; the runner computes
+those slots (``slot_mapping``) and the model writes new K/V through them.
+
+Reading is a gather of each sequence's blocks. Sequences that add exactly one token
+this step (decode) are attended in ONE batched, masked matmul: that is where batching
+pays on CPU. Sequences that add several tokens (prefill chunks, speculative drafts)
+are attended one by one with ``scaled_dot_product_attention``; a prefill that starts
+at position 0 attends to its own fresh K/V without touching the cache at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMetadata", "PrefillSpan", "paged_attention", "write_kv"]
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """A sequence adding ``end - start`` tokens this step, at positions
+    ``context_len - (end - start) .. context_len - 1``."""
+
+    start: int  # first row in the flat token batch
+    end: int
+    context_len: int  # tokens in the cache after this step (computed + new)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token goes and what each sequence attends to. Built by the runner,
+    shared by every layer of one forward pass."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    decode_rows: torch.Tensor  # [B] int64: rows of the flat batch that are decode tokens
+    decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
+    decode_context_lens: torch.Tensor  # [B] int64: tokens in cache incl. the new one
+    prefills: tuple[PrefillSpan, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_rows.shape[0])
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store new keys/values: k, v: [T, Hkv, D]; caches: [NB, BS, Hkv, D]; slots: [T]."""
+    n_kv, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention of the new tokens over their sequences' cached context.
+
+    q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to the cache);
+    returns [T, H, D]."""
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta)
+    for span in meta.prefills:
+        out[span.start : span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache: [NB, BS, Hkv, D]; block_table: [..., MB] -> [..., MB * BS, Hkv, D]."""
+    blocks = cache[block_table]  # [..., MB, BS, Hkv, D]
+    return blocks.flatten(-4, -3)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """One query per sequence, all sequences at once. q: [B, H, D] -> [B, H, D]."""
+    batch, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    keys = _gather(k_cache, meta.decode_block_tables)  # [B, S, Hkv, D]
+    values = _gather(v_cache, meta.decode_block_tables)  # [B, S, Hkv, D]
+    seq = keys.shape[1]
+    qg = q.view(batch, n_kv, group, head_dim).float()  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.float()) * head_dim**-0.5  # [B, Hkv, G, S]
+    valid = torch.arange(seq, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [B, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, values.float())  # [B, Hkv, G, D]
+    return out.reshape(batch, n_heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: PrefillSpan,
+) -> torch.Tensor:
+    """Causal attention for one sequence's new tokens -> [Tq, H, D]."""
+    n_new = span.end - span.start
+    qs = q[span.start : span.end].transpose(0, 1)  # [H, Tq, D]
+    if span.context_len == n_new:
+        # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
+        ks = k[span.start : span.end].transpose(0, 1)  # [Hkv, Tq, D]
+        vs = v[span.start : span.end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)
+    ks = _gather(k_cache, span.block_table)[: span.context_len].transpose(0, 1)  # [Hkv, S, D]
+    vs = _gather(v_cache, span.block_table)[: span.context_len].transpose(0, 1)
+    first = span.context_len - n_new  # absolute position of the first new token
+    rows = torch.arange(n_new, device=q.device)[:, None] + first  # [Tq, 1]
+    cols = torch.arange(span.context_len, device=q.device)[None, :]  # [1, S]
+    mask = cols <= rows  # [Tq, S]
+    out = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,129 @@
+"""The model runner: owns the device, the weights and the paged KV cache.
+
+The scheduler hands it a list of :class:`ScheduledSeq` ("compute the KV of these
+tokens of that sequence"); the runner flattens them into one batch (``input_ids``,
+``positions``, ``slot_mapping``, per-sequence block tables), runs ONE forward pass for
+all of them, and returns float32 logits for the rows that need sampling. Decode
+sequences of a step share one batched attention call (see attention.py), so a step
+of 32 decoding sequences costs one pass over the weights, not 32.
+
+The KV cache is one tensor ``[L, 2, num_blocks, block_size, n_kv_heads, head_dim]``;
+layer ``i`` gets the views ``kv[i, 0]`` and ``kv[i, 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backends.engine.attention import AttentionMetadata, PrefillSpan
+from backends.engine.model import ModelArgs, Transformer
+from backends.engine.scheduler import ScheduledSeq
+
+__all__ = ["ModelRunner", "kv_bytes_per_block", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"``: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Transformer,
+        num_kv_blocks: int,
+        block_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        weight = model.tok_embeddings.weight
+        self.device = torch.device(device) if device is not None else weight.device
+        self.dtype = dtype or weight.dtype
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model.reset_rope()
+        self.args = model.args
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        a = self.args
+        # kv: [L, 2, NB, BS, Hkv, D]
+        self.kv = torch.zeros(
+            a.n_layers, 2, num_kv_blocks, block_size, a.n_kv_heads, a.head_dim, device=self.device, dtype=self.dtype
+        )
+        self._kv_views = [(self.kv[i, 0], self.kv[i, 1]) for i in range(a.n_layers)]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.args.max_seq_len
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledSeq], logits_per_seq: Sequence[int] | None = None) -> torch.Tensor:
+        """One forward pass over every scheduled sequence's new tokens.
+
+        Returns float32 logits ``[N, V]``. By default one row per sequence that needs
+        sampling (its last new token), in order. With ``logits_per_seq[i] = k`` the
+        last ``k`` new tokens of sequence ``i`` each give a row (speculative
+        verification), rows of one sequence contiguous and in position order."""
+        if not scheduled:
+            return torch.empty(0, self.args.vocab_size, device=self.device)
+        counts = list(logits_per_seq) if logits_per_seq is not None else [int(s.needs_sampling) for s in scheduled]
+        if len(counts) != len(scheduled) or any(not 0 <= k <= s.num_new_tokens for k, s in zip(counts, scheduled)):
+            raise ValueError("logits_per_seq must give 0..num_new_tokens rows for each scheduled sequence")
+        input_ids, positions, meta, rows = self._prepare(scheduled, counts)
+        hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
+        return self.model.compute_logits(hidden[rows])  # [N, V]
+
+    def _prepare(
+        self, scheduled: Sequence[ScheduledSeq], counts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for item, count in zip(scheduled, counts, strict=True):
+            seq, start, end = item.seq, item.start, item.end
+            table = seq.block_table
+            if len(table) * bs < end or end > self.args.max_seq_len or end > len(seq.token_ids):
+                raise ValueError(f"{seq!r}: cannot compute positions [{start}, {end}) with {len(table)} blocks")
+            row0 = len(ids)
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            rows += range(len(ids) - count, len(ids))
+            if end - start == 1:
+                decode_rows.append(row0)
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                block_table = torch.tensor(table[: -(-end // bs)], dtype=torch.int64, device=self.device)
+                prefills.append(PrefillSpan(row0, len(ids), end, block_table))
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(len(padded), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=dev),
+            prefills=tuple(prefills),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(pos, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+        )

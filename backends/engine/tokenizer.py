@@ -1,0 +1,257 @@
+"""Tokenizer and chat template, taken from the same file as the weights.
+
+A GGUF file carries its vocabulary as llama.cpp metadata (``tokenizer.ggml.*``); we
+rebuild a Hugging Face ``tokenizers`` byte-level BPE from it, with the pre-tokenizer
+llama.cpp uses for that ``tokenizer.ggml.pre``. A Hugging Face directory carries
+``tokenizer.json`` and ``tokenizer_config.json``. Either way nothing is fetched from
+the network.
+
+Chat templates are Jinja, rendered in a sandbox (they come from model files, i.e.
+from strangers) with the helpers Hugging Face templates expect (``raise_exception``,
+``tojson``, ``strftime_now``).
+
+:class:`IncrementalDetokenizer` turns a token stream into a text stream without ever
+emitting half of a multi-byte character (vLLM's prefix/read offsets).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from backends.errors import BadRequest, HeadraceError
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class TokenizerError(HeadraceError):
+    """The model file has no usable tokenizer (a startup error, not a request error)."""
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's split rules per ``tokenizer.ggml.pre`` (llama-vocab.cpp)."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in {"smollm", "starcoder", "refact", "command-r"}:
+        # GPT-2 regex, but every digit is its own token.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"}:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return byte_level
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and the chat template of one model."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None,
+        add_bos_token: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # ---- construction -------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from ``tokenizer.ggml.*`` keys (values already decoded to Python)."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        backend.decoder = decoders.ByteLevel()
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+        user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+        backend.add_special_tokens(special)
+        backend.add_tokens(user)
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        eos_ids = [int(i) for i in (eos, eot) if i is not None]
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            backend,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_files(
+        cls, tokenizer_json: str, tokenizer_config: Mapping[str, Any], generation_eos: Iterable[int] = ()
+    ) -> Tokenizer:
+        """Build from a ``tokenizer.json`` path and the parsed ``tokenizer_config.json``."""
+        backend = HFTokenizer.from_file(tokenizer_json)
+        bos_id = _token_id(backend, tokenizer_config.get("bos_token"))
+        eos_id = _token_id(backend, tokenizer_config.get("eos_token"))
+        eos_ids = [i for i in (eos_id, *generation_eos) if i is not None]
+        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            chat_template=_template_text(tokenizer_config.get("chat_template")),
+        )
+
+    # ---- text <-> ids --------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        self.check_ids(ids)
+        text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def check_ids(self, ids: Iterable[int]) -> None:
+        """Raise :class:`BadRequest` for an id outside the vocabulary."""
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
+                raise BadRequest(f"token id {i!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token: str | None = self.backend.id_to_token(token_id)
+        return token
+
+    # ---- chat ------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render a conversation to the prompt text the model was trained on."""
+        if self.chat_template is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        special = {
+            "bos_token": self._token_text(self.bos_token_id),
+            "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        }
+        try:
+            return self._template.render(
+                messages=[_plain_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **special,
+                **extra,
+            )
+        except jinja2.TemplateError as exc:
+            raise BadRequest(f"chat template failed: {exc}", param="messages") from exc
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _token_id(backend: HFTokenizer, token: Any) -> int | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} in older configs
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    found: int | None = backend.token_to_id(token)
+    return found
+
+
+def _template_text(template: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of named templates."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts -> one string, which is what templates index into."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise BadRequest("only text content parts are supported", param="messages")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    elif content is None:
+        out["content"] = ""
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing list of token ids.
+
+    Decodes a short window ``ids[prefix:]`` and emits only what lies past
+    ``ids[prefix:read]``; a window ending in U+FFFD is an incomplete UTF-8 sequence,
+    so nothing is emitted until the next token completes it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # A little prompt context, so a leading space of the first output token survives.
+        self.ids: list[int] = list(prompt_ids[-4:])
+        self._prefix = 0
+        self._read = len(self.ids)
+        self.text = ""
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Add tokens; return the text they complete (maybe "")."""
+        self.ids.extend(token_ids)
+        before = self._tok.backend.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._tok.backend.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new

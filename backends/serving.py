@@ -1,0 +1,122 @@
+"""Serve an ASGI app with hypercorn's trio worker: the one HTTP stack shared by
+the router, the engine server and the mock server.
+
+HTTP/1.1, HTTP/2 cleartext (prior knowledge and Upgrade) and HTTP/2 over TLS
+with ALPN. Graceful shutdown: when ``shutdown`` is set, stop accepting and let
+in-flight streams finish for up to ``graceful_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import h2.events
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol import h2 as hypercorn_h2
+from hypercorn.trio import serve as hypercorn_serve
+
+__all__ = ["ServeOptions", "serve", "wait_for_signal"]
+
+log = logging.getLogger(__name__)
+
+
+def _patch_hypercorn_h2_data_after_close() -> None:
+    """hypercorn 0.18 raises KeyError for DATA on a stream it already closed
+    (e.g. after answering 413 before the body ended), and that KeyError tears
+    down the whole server nursery: one client could stop the router. Drop such
+    frames (still crediting flow control) before hypercorn sees them."""
+    protocol = hypercorn_h2.H2Protocol
+    if getattr(protocol, "_headrace_patched", False):
+        return
+    original = protocol._handle_events
+
+    async def _handle_events(self: Any, events: list[h2.events.Event]) -> None:
+        kept = []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                continue
+            kept.append(event)
+        await original(self, kept)
+
+    protocol._handle_events = _handle_events  # type: ignore[method-assign]
+    protocol._headrace_patched = True  # type: ignore[attr-defined]
+
+
+_patch_hypercorn_h2_data_after_close()
+
+
+class ServeOptions:
+    """Where and how to listen. ``port=0`` picks a free port."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        graceful_timeout: float = 30.0,
+        keep_alive_timeout: float = 75.0,
+        access_log: bool = False,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.certfile = certfile
+        self.keyfile = keyfile
+        self.graceful_timeout = graceful_timeout
+        self.keep_alive_timeout = keep_alive_timeout
+        self.access_log = access_log
+
+    def hypercorn_config(self) -> HypercornConfig:
+        config = HypercornConfig()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        config.bind = [f"{host}:{self.port}"]
+        config.certfile = self.certfile
+        config.keyfile = self.keyfile
+        config.alpn_protocols = ["h2", "http/1.1"]
+        config.graceful_timeout = self.graceful_timeout
+        config.keep_alive_timeout = self.keep_alive_timeout
+        # Streams are long-lived; allow many concurrent ones per connection.
+        config.h2_max_concurrent_streams = 1000
+        config.accesslog = "-" if self.access_log else None
+        config.errorlog = "-"
+        return config
+
+
+async def serve(
+    app: Callable[..., Any],
+    options: ServeOptions,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until ``shutdown`` is set; ``task_status.started`` gets the
+    base URL actually bound (``http://127.0.0.1:54321``)."""
+
+    class _Started:
+        def started(self, binds: list[str] | None = None) -> None:
+            url = (binds or [""])[0]
+            task_status.started(url)
+
+    trigger = shutdown.wait if shutdown is not None else None
+    await hypercorn_serve(
+        app,
+        options.hypercorn_config(),
+        shutdown_trigger=trigger,
+        task_status=_Started(),  # type: ignore[arg-type]
+        mode="asgi",
+    )
+
+
+async def wait_for_signal(shutdown: trio.Event) -> None:
+    """Set ``shutdown`` on the first SIGTERM or SIGINT (graceful drain)."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: draining", signal.Signals(signum).name)
+            shutdown.set()
+            return

@@ -1,0 +1,174 @@
+"""The shared OpenAI frontend, over real HTTP/2 on loopback, against a tiny
+in-test backend whose output is a pure function of the request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+
+from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
+from backends.errors import BackendUnavailable
+from backends.openai_server import OpenAIServer
+from backends.serving import ServeOptions, serve
+
+
+class CountingBackend:
+    """Emits tokens 0..max_tokens-1 as words; records cancellations."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.cancelled = 0
+        self.in_flight = 0
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="counting", models=("m1", "m2"), token_ids=True)
+
+    async def health(self) -> Health:
+        return Health(ok=True)
+
+    async def aclose(self) -> None:
+        return None
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.prompt == "overload":
+            raise BackendUnavailable("busy", retry_after=2)
+        n = request.max_tokens or 4
+        prompt_ids = request.prompt_token_ids or [1, 2, 3]
+        self.in_flight += 1
+        try:
+            for i in range(n):
+                await trio.sleep(self.delay)
+                last = i == n - 1
+                yield Event(
+                    token_ids=[i],
+                    text=f" t{i}",
+                    prompt_token_ids=prompt_ids if i == 0 else None,
+                    seed=request.seed if i == 0 else None,
+                    finish_reason="length" if last else None,
+                    usage=Usage(len(prompt_ids), n) if last else None,
+                )
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.fixture
+async def served(nursery: trio.Nursery) -> AsyncIterator[tuple[str, CountingBackend]]:
+    backend = CountingBackend()
+    url = await nursery.start(serve, OpenAIServer(backend, max_body_bytes=10_000), ServeOptions())
+    yield url, backend
+
+
+async def test_completion_non_streaming_has_text_usage_and_finish(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post("/v1/completions", json={"model": "m1", "prompt": "hi", "max_tokens": 3})
+    assert r.http_version == "HTTP/2"
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["choices"][0]["text"] == " t0 t1 t2"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["total_tokens"] == 6
+
+
+async def test_chat_streaming_frames_sse_with_stable_id_and_usage(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    payload = {
+        "model": "m2",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "n": 2,
+        "seed": 5,
+    }
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post("/v1/chat/completions", json=payload)
+    lines = [line for line in r.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    by_index: dict[int, list[int]] = {0: [], 1: []}
+    seeds = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index[choice["index"]] += choice["token_ids"]
+        if "seed" in choice:
+            seeds[choice["index"]] = choice["seed"]
+    assert by_index == {0: [0, 1], 1: [0, 1]}
+    assert seeds == {0: 5, 1: 6}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code"),
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b'{"prompt": 5}', 400, None),
+        ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "model_not_found"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, None),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, None),
+        ("/v1/completions", b'{"prompt": "' + b"a" * 20_000 + b'"}', 413, "payload_too_large"),
+        ("/v1/nowhere", b"{}", 404, "not_found"),
+    ],
+)
+async def test_bad_input_gets_openai_error_shape(
+    served: tuple[str, CountingBackend], path: str, body: bytes, status: int, code: str | None
+) -> None:
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert err["code"] == code
+
+
+async def test_wrong_method_is_405(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.get("/v1/completions")
+    assert r.status_code == 405
+
+
+async def test_overload_before_first_token_is_503_with_retry_after(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post("/v1/completions", json={"prompt": "overload", "stream": True})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "2"
+
+
+async def test_client_disconnect_cancels_backend_stream(served: tuple[str, CountingBackend]) -> None:
+    url, backend = served
+    backend.delay = 0.05
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        async with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "stream": True}) as r:
+            async for _ in r.aiter_lines():
+                break
+        assert backend.in_flight == 1
+    with trio.fail_after(1):
+        while backend.in_flight:
+            await trio.sleep(0.01)
+    assert backend.cancelled == 1
+
+
+async def test_oversized_h2_body_does_not_take_the_server_down(served: tuple[str, CountingBackend]) -> None:
+    """hypercorn used to crash its whole nursery on DATA after an early 413."""
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        for _ in range(3):
+            r = await client.post("/v1/completions", content=b"x" * 200_000)
+            assert r.status_code == 413
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200
