@@ -1,0 +1,173 @@
+"""``headrace bench``: open-loop load against a router or any OpenAI server.
+
+Subcommands: ``headrace bench engine`` (closed-loop throughput at fixed
+concurrency), ``headrace bench roofline`` (memory-bandwidth decode floor),
+``headrace bench baseline`` (Hugging Face transformers generate()). Without a
+subcommand it runs the load generator; see ``headrace bench --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from backends.errors import ClientError, HeadraceError
+from bench.client import RequestSpec
+from bench.connect import FALLBACK_MODEL, HttpVersion, Target, discover
+from bench.loadgen import LoadConfig, run_rate
+from bench.report import compare, default_path, format_compare, format_table, summarize_run
+from bench.report import write_json as write_report
+
+__all__ = ["add_common_arguments", "main", "pick_model", "run_load"]
+
+RESULTS_DIR = "bench/results"
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by the load and engine benchmarks."""
+    p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="approximate prompt length")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--http", choices=("auto", "2", "1.1"), default="auto",
+                   help="auto: h2 (prior knowledge on http://, ALPN on https://), "
+                        "falling back to HTTP/1.1")
+    p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    p.add_argument("--seed", type=int, default=0, help="seeds arrivals and prompts")
+    p.add_argument("--json", dest="json_path", help="JSON report path")
+    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--results-dir", default=RESULTS_DIR,
+                   help="where default JSON/PNG paths go (default: %(default)s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="headrace bench",
+        description="Open-loop Poisson load generator. Other modes: "
+                    "'headrace bench engine|roofline|baseline --help'.")
+    add_common_arguments(p)
+    p.add_argument("--rps", type=float, nargs="+", default=[5.0],
+                   help="offered load(s) in requests/s; several give a load curve")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="SSE streaming (default on; needed for TTFT and ITL)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly max_tokens (vLLM/headrace extension)")
+    p.add_argument("--max-outstanding", type=int, default=512,
+                   help="arrivals beyond this many in flight are dropped (counted as errors)")
+    p.add_argument("--compare-direct", metavar="URL",
+                   help="also run the same schedule straight at this backend")
+    return p
+
+
+def pick_model(requested: str | None, target: Target) -> str:
+    if requested:
+        return requested
+    if target.models:
+        return target.models[0]
+    print(f"headrace bench: {target.url} lists no models; using {FALLBACK_MODEL!r}",
+          file=sys.stderr)
+    return FALLBACK_MODEL
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.prompt_tokens < 1 or args.max_tokens < 1:
+        raise ClientError("--prompt-tokens and --max-tokens must be >= 1")
+    if args.timeout <= 0:
+        raise ClientError("--timeout must be > 0")
+
+
+def _spec(args: argparse.Namespace, model: str) -> RequestSpec:
+    return RequestSpec(model=model, endpoint=args.endpoint, max_tokens=args.max_tokens,
+                       stream=args.stream, temperature=args.temperature,
+                       ignore_eos=args.ignore_eos, timeout=args.timeout)
+
+
+async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """Every rate at the target (and at ``--compare-direct``); the JSON document."""
+    _check(args)
+    http: HttpVersion = args.http
+    target = await discover(args.target, http, args.api_key)
+    direct = await discover(args.compare_direct, http, args.api_key) if args.compare_direct else None
+    spec = _spec(args, pick_model(args.model, target))
+    summaries, comparisons = [], []
+    for rate in args.rps:
+        config = LoadConfig(rate=rate, duration=args.duration, seed=args.seed,
+                            prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
+        label = "routed" if direct else "target"
+        run = await run_rate(target.url, target.http, spec, config, api_key=args.api_key,
+                             label=f"{label} {rate:g} rps")
+        summaries.append(summarize_run(run, label=label))
+        if direct is not None:
+            run = await run_rate(direct.url, direct.http, spec, config, api_key=args.api_key,
+                                 label=f"direct {rate:g} rps")
+            summaries.append(summarize_run(run, label="direct"))
+            comparisons.append(compare(summaries[-2], summaries[-1]))
+    return {
+        "kind": "load",
+        "target": {"url": target.url, "http": target.http_version},
+        "direct": {"url": direct.url, "http": direct.http_version} if direct else None,
+        "request": {"model": spec.model, "endpoint": spec.endpoint, "stream": spec.stream,
+                    "max_tokens": spec.max_tokens, "prompt_tokens": args.prompt_tokens,
+                    "ignore_eos": spec.ignore_eos, "max_outstanding": args.max_outstanding},
+        "runs": summaries,
+        "router_added_latency": comparisons,
+    }
+
+
+def finish(args: argparse.Namespace, kind: str, document: dict[str, Any], plotter: Any) -> None:
+    """Write the JSON report and (unless ``--no-plot``) the PNG; say where."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = args.json_path or default_path(args.results_dir, kind, stamp, "json")
+    print(f"wrote {write_report(json_path, document)}", file=sys.stderr)
+    if not args.no_plot:
+        png = args.plot_path or default_path(args.results_dir, kind, stamp, "png")
+        print(f"wrote {plotter(document, Path(png))}", file=sys.stderr)
+
+
+def _plot_load(document: dict[str, Any], path: Path) -> Path:
+    from bench.plot import plot_load
+
+    return plot_load(document["runs"], path)
+
+
+def _load_main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    document = trio.run(run_load, args)
+    print(format_table(document["runs"]))
+    if document["router_added_latency"]:
+        print()
+        print(format_compare(document["router_added_latency"]))
+    finish(args, "load", document, _plot_load)
+    return 0
+
+
+def _sub(name: str) -> Any:
+    if name == "engine":
+        from bench import engine_bench
+        return engine_bench.main
+    if name == "roofline":
+        from bench import roofline
+        return roofline.main
+    from bench import transformers_baseline
+    return transformers_baseline.main
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv and argv[0] in {"engine", "roofline", "baseline"}:
+            result: int = _sub(argv[0])(argv[1:])
+            return result
+        return _load_main(argv)
+    except HeadraceError as exc:
+        print(f"headrace bench: error: {exc.message}", file=sys.stderr)
+        return 2 if isinstance(exc, ClientError) else 1

@@ -1,0 +1,97 @@
+"""An incremental Server-Sent Events parser, bytes in, events out.
+
+Timing a stream means noticing each event the moment its blank line arrives,
+whatever way the bytes were cut into network chunks: an event, a line, a
+``\\r\\n`` pair or a multi-byte UTF-8 character may be split across chunks. The
+parser is sans-I/O (feed bytes, get events) so it is tested without sockets.
+It follows the WHATWG rules that matter for OpenAI-style streams: lines end in
+``\\r\\n``, ``\\n`` or ``\\r``; ``data:`` lines of one event join with ``\\n``; a
+single space after the colon is dropped; ``:`` starts a comment; a blank line
+dispatches the event.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+import msgspec
+
+__all__ = ["SSEEvent", "SSEParser"]
+
+
+class SSEEvent(msgspec.Struct, frozen=True):
+    data: str
+    event: str = "message"
+
+
+class SSEParser:
+    """Feed raw bytes with :meth:`feed`; each call returns the events it completed."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buffer = ""
+        self._data: list[str] = []
+        self._event = ""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        self._buffer += self._decoder.decode(chunk)
+        return self._drain(final=False)
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream: flush a last event that lacked its blank line (lenient)."""
+        self._buffer += self._decoder.decode(b"", final=True)
+        events = self._drain(final=True)
+        if self._buffer:
+            events += self._line(self._buffer)
+            self._buffer = ""
+        if self._data:
+            events += self._line("")
+        return events
+
+    def _drain(self, *, final: bool) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        while True:
+            line = self._next_line(final=final)
+            if line is None:
+                return events
+            events += self._line(line)
+
+    def _next_line(self, *, final: bool) -> str | None:
+        """Pop one complete line, or ``None``. A trailing ``\\r`` waits for the
+        next chunk, which may start with the ``\\n`` of the same line break."""
+        buf = self._buffer
+        cr, lf = buf.find("\r"), buf.find("\n")
+        ends = [i for i in (cr, lf) if i >= 0]
+        if not ends:
+            return None
+        end = min(ends)
+        width = 1
+        if buf[end] == "\r":
+            if end + 1 == len(buf) and not final:
+                return None
+            if end + 1 < len(buf) and buf[end + 1] == "\n":
+                width = 2
+        self._buffer = buf[end + width :]
+        return buf[:end]
+
+    def _line(self, line: str) -> list[SSEEvent]:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return []
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        return []
+
+    def _dispatch(self) -> list[SSEEvent]:
+        if not self._data:
+            self._event = ""
+            return []
+        event = SSEEvent(data="\n".join(self._data), event=self._event or "message")
+        self._data, self._event = [], ""
+        return [event]
