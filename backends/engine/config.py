@@ -37,6 +37,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_batched_tokens: Pos = 512
     max_model_len: Pos | None = None  # None: the model's context
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # record KV events for KV-aware routing (drain them!)
     default_max_tokens: Pos = 256  # when a request sets none (capped by the context left)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,240 @@
+"""The engine loop: requests in, a few tokens per request per step out.
+
+``step()`` is the whole loop (nano-vllm's shape)::
+
+    schedule --> runner.execute --> sample --> commit --> stop checks --> outputs
+
+The engine owns the scheduler (and through it the block manager) and decides
+when a sequence stops on token ids: EOS (unless ``ignore_eos``), ``stop_token_ids``,
+``max_tokens``, the context length. Stop *strings* need text, so the caller that
+detokenizes handles them (:class:`backends.engine.stop.StopMatcher`): on a match
+it ends its stream with ``finish_reason="stop"`` and calls :meth:`LLMEngine.abort`
+to free the sequence.
+
+The runner is anything with ``execute(scheduled) -> Tensor[num_sampled, V]``
+and ``num_kv_blocks`` (plus optional ``max_model_len`` and ``vocab_size``);
+tests use a fake whose logits are a pure function of the tokens so far.
+
+Not thread-safe: one caller drives ``add_request`` / ``abort`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from backends.base import FinishReason, Logprob, Usage
+from backends.engine.block_manager import BlockManager
+from backends.engine.config import EngineConfig
+from backends.engine.sampling import sample
+from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerStatistics
+from backends.engine.sequence import SamplingParams, SeqEvent, Sequence
+from backends.errors import BadRequest, ContextLengthExceeded
+
+__all__ = ["EngineStatistics", "LLMEngine", "Runner", "StepOutput"]
+
+
+class Runner(Protocol):
+    num_kv_blocks: int
+
+    def execute(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor: ...
+
+
+class StepOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request. ``new_token_ids`` includes a
+    stop/EOS token that ended the sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[Logprob] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the finished output
+    seed: int = 0  # the seed in use (drawn when the request had none)
+
+
+class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_requests_added: int
+    num_requests_finished: int
+    num_tokens_generated: int
+    num_steps: int
+    num_preemptions: int
+    kv_usage: float
+    prefix_hit_rate: float
+    mean_batch_size: float
+    last_batch_size: int
+    scheduler: SchedulerStatistics
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Any,
+        tokenizer: Any = None,
+        *,
+        eos_token_ids: Seq[int] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = getattr(tokenizer, "eos_token_ids", ())
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.block_size = getattr(runner, "block_size", config.block_size)
+        self.num_kv_blocks: int = runner.num_kv_blocks
+        model_len = getattr(runner, "max_model_len", None)
+        if model_len is None:
+            model_len = config.max_model_len or self.num_kv_blocks * self.block_size
+        self.max_model_len: int = config.resolve_max_model_len(model_len)
+        self.vocab_size: int | None = getattr(runner, "vocab_size", None)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks,
+            self.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            record_events=config.enable_kv_events,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self._rng = rng or random.Random()
+        self._pending: list[StepOutput] = []  # abort outputs, delivered by the next step()
+        self._added = 0
+        self._finished = 0
+        self._generated = 0
+
+    # -- requests -------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Sequence:
+        """Queue a request; it joins the batch at the next step. Raises
+        :class:`BadRequest` / :class:`ContextLengthExceeded` for bad input."""
+        if self.scheduler.get(request_id) is not None:
+            raise BadRequest(f"request id {request_id!r} is already running", param="request_id")
+        prompt = list(prompt_token_ids)
+        self._check_prompt(prompt, params.max_tokens)
+        if params.seed is None:
+            params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
+        seq = Sequence(request_id, prompt, params, priority=priority)
+        self.scheduler.add(seq)
+        self._added += 1
+        return seq
+
+    def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        if not prompt:
+            raise BadRequest("the prompt must have at least one token", param="prompt")
+        v = self.vocab_size
+        if v is not None and any(not 0 <= t < v for t in prompt):
+            raise BadRequest(f"prompt token ids must be in [0, {v})", param="prompt_token_ids")
+        total = len(prompt) + max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length {self.max_model_len}",
+                param="max_tokens",
+            )
+        if -(-total // self.block_size) > self.num_kv_blocks:
+            raise ContextLengthExceeded(
+                f"prompt + max_tokens ({total} tokens) exceeds the KV cache "
+                f"({self.num_kv_blocks * self.block_size} tokens)",
+                param="max_tokens",
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (its blocks are freed at once); the next ``step()``
+        returns its final output. False if it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._finished += 1
+        self._pending.append(self._output(seq, [], None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the loop -------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        logits = self.runner.execute(plan.scheduled)  # [num_sampled, V]
+        seqs = [s.seq for s in plan.scheduled if s.needs_sampling]
+        results = sample(logits, seqs, self.eos_token_ids)
+        self.scheduler.commit(plan, [t for t, _ in results])
+        for seq, (token, lp) in zip(seqs, results, strict=True):
+            outputs.append(self._after_token(seq, token, lp))
+        return outputs
+
+    def _after_token(self, seq: Sequence, token: int, lp: Logprob | None) -> StepOutput:
+        self._generated += 1
+        event = self._stop_event(seq, token)
+        if event is not None:
+            self.scheduler.finish(seq, event)
+            self._finished += 1
+        return self._output(seq, [token], None if lp is None else [lp])
+
+    def _stop_event(self, seq: Sequence, token: int) -> SeqEvent | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return SeqEvent.STOP
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return SeqEvent.LENGTH
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[int], lps: list[Logprob] | None) -> StepOutput:
+        reason = seq.status.finish_reason
+        usage = None
+        if reason is not None:
+            usage = Usage(
+                prompt_tokens=seq.num_prompt_tokens,
+                completion_tokens=seq.num_output_tokens,
+                cached_tokens=seq.num_cached_tokens,
+            )
+        return StepOutput(
+            request_id=seq.seq_id,
+            new_token_ids=tokens,
+            logprobs=lps,
+            finished=reason is not None,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=usage,
+            seed=seq.params.seed or 0,
+        )
+
+    # -- introspection --------------------------------------------------------
+
+    def drain_kv_events(self) -> list[Any]:
+        return self.block_manager.drain_events()
+
+    def statistics(self) -> EngineStatistics:
+        s = self.scheduler.statistics()
+        return EngineStatistics(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_requests_added=self._added,
+            num_requests_finished=self._finished,
+            num_tokens_generated=self._generated,
+            num_steps=s.num_steps,
+            num_preemptions=s.num_preemptions,
+            kv_usage=s.kv.usage,
+            prefix_hit_rate=s.kv.prefix_hit_rate,
+            mean_batch_size=s.mean_batch_size,
+            last_batch_size=s.last_batch_size,
+            scheduler=s,
+        )
