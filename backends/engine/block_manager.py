@@ -223,12 +223,19 @@ class BlockManager:
         full = num_tokens // bs
         del seq.block_hashes[full:]
         keep = self.blocks_needed(num_tokens)
-        if keep > full and seq.num_registered_blocks > full:
-            keep = full
+        if (
+            keep > full
+            and full < len(seq.block_table)
+            and self._is_registered(seq.block_table[full])
+        ):
+            keep = full  # the cut block is in the prefix cache: never write into it
         seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
         self._release(reversed(seq.block_table[keep:]))
         del seq.block_table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens, keep * bs)
+
+    def _is_registered(self, block_id: int) -> bool:
+        return self._blocks[block_id].block_hash is not None
 
     # -- registration ---------------------------------------------------------
 
