@@ -1,0 +1,74 @@
+"""The load generator against a real streaming server on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from bench.cli import main
+from bench.client import RequestSpec
+from bench.connect import discover
+from bench.loadgen import LoadConfig, run_rate
+from bench.schedule import poisson_schedule
+from tests.bench.fake_openai import FakeOpenAI, serve, serve_in_thread
+
+TTFT = 0.05
+
+
+async def test_a_short_open_loop_run_times_every_streamed_request_over_h2() -> None:
+    app = FakeOpenAI(ttft=TTFT, gap=0.002)
+    async with trio.open_nursery() as nursery:
+        url, stop = await serve(nursery, app)
+        target = await discover(url, "auto", None)
+        assert target.http_version == "HTTP/2" and target.models == ("tiny",)
+        spec = RequestSpec(model="tiny", endpoint="chat", max_tokens=6)
+        config = LoadConfig(rate=8.0, duration=2.0, seed=11)
+        run = await run_rate(url, target.http, spec, config)
+        stop.set()
+    expected = len(poisson_schedule(8.0, 2.0, seed=11))
+    assert len(run.results) == expected == app.requests
+    assert all(r.ok for r in run.results), [r.detail for r in run.results if not r.ok]
+    assert all(r.ttft is not None and r.ttft > TTFT for r in run.results)
+    assert all(r.output_tokens == 6 and len(r.itl) == 5 for r in run.results)
+    assert all(b["stream_options"] == {"include_usage": True} for b in app.bodies)
+
+
+async def test_an_unreachable_target_is_reported_as_unavailable() -> None:
+    from backends.errors import BackendUnavailable
+
+    with trio.socket.socket() as sock:  # a port nobody listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(BackendUnavailable, match="cannot reach"):
+        await discover(f"http://127.0.0.1:{port}", "auto", None)
+
+
+def test_the_cli_compares_router_and_direct_and_writes_json_and_png(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slow, fast = FakeOpenAI(ttft=0.08, gap=0.002), FakeOpenAI(ttft=TTFT, gap=0.002)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    with serve_in_thread(slow) as routed, serve_in_thread(fast) as direct:
+        rc = main(["--target", routed, "--compare-direct", direct, "--rps", "6", "12",
+                   "--duration", "1", "--max-tokens", "4", "--seed", "3",
+                   "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    n = [len(poisson_schedule(r, 1.0, seed=3)) for r in (6.0, 12.0)]
+    assert [run["counts"]["ok"] for run in doc["runs"]] == [n[0], n[0], n[1], n[1]]
+    assert slow.requests == fast.requests == sum(n)
+    assert [c["rate"] for c in doc["router_added_latency"]] == [6.0, 12.0]
+    for c in doc["router_added_latency"]:  # the "router" adds ~30 ms before the first token
+        assert 0.015 < c["ttft_ms"]["p50"]["delta"] / 1000 < 0.2
+        assert c["ttft_ms"]["p50"]["ratio"] > 1.2
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "routed" in table and "direct" in table and "router added latency" in table
+
+
+def test_the_cli_rejects_bad_options_with_a_clear_message(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--target", "ftp://x", "--rps", "1", "--duration", "1"]) == 2
+    assert "http:// or https://" in capsys.readouterr().err
