@@ -255,3 +255,13 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += new
         return new
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back (an incomplete
+        character decodes as U+FFFD, as every other server does)."""
+        before = self._tok.backend.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._tok.backend.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new

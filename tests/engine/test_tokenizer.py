@@ -1,0 +1,114 @@
+"""Tokenizer from GGUF metadata / tokenizer.json, chat templates, streaming detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.engine.loader import default_model_path, read_checkpoint
+from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from backends.errors import BadRequest
+from tests.engine import tiny
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_gguf: Path) -> Tokenizer:
+    return read_checkpoint(str(tiny_gguf)).tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    return read_checkpoint(default_model_path()).tokenizer
+
+
+def test_gguf_and_tokenizer_json_tokenize_alike(tiny_dir: Path, tok: Tokenizer) -> None:
+    hf = read_checkpoint(str(tiny_dir / "hf")).tokenizer
+    text = "the winter in the water, <|im_start|>an ant"
+    assert tok.encode(text) == hf.encode(text)
+    assert tok.eos_token_ids == hf.eos_token_ids == (tiny.EOS_ID,)
+
+
+def test_merges_and_special_tokens_apply(tok: Tokenizer) -> None:
+    ids = tok.encode(" the<|im_end|>")
+    assert ids == [tok.backend.token_to_id("Ġthe"), 2]
+    assert tok.decode(ids) == " the"
+    assert tok.decode(ids, skip_special_tokens=False) == " the<|im_end|>"
+
+
+def test_smollm2_matches_its_reference_tokenization(smol: Tokenizer) -> None:
+    """Known ids from SmolLM2's own tokenizer.json; digits are split one by one."""
+    assert smol.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert len(smol.encode("2024")) == 4
+    assert smol.eos_token_ids == (2,)
+
+
+def test_chat_template_renders_with_generation_prompt(smol: Tokenizer) -> None:
+    text = smol.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_template_raise_exception_is_a_bad_request() -> None:
+    t = Tokenizer(
+        Tokenizer.from_gguf_metadata(_meta()).backend,
+        bos_token_id=None,
+        eos_token_ids=[2],
+        chat_template="{{ raise_exception('roles must alternate') }}",
+    )
+    with pytest.raises(BadRequest, match="roles must alternate"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_is_sandboxed() -> None:
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    t = Tokenizer(Tokenizer.from_gguf_metadata(_meta()).backend, bos_token_id=None, eos_token_ids=[2], chat_template=evil)
+    with pytest.raises(BadRequest):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_no_template_is_a_bad_request(tmp_path: Path, tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+    path = tiny.write_gguf(tiny_hf_model, tmp_path / "nochat.gguf", chat_template=None)
+    with pytest.raises(BadRequest, match="no chat template"):
+        read_checkpoint(str(path)).tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_out_of_vocabulary_ids_are_rejected(tok: Tokenizer) -> None:
+    with pytest.raises(BadRequest, match="outside the vocabulary"):
+        tok.check_ids([1, tok.vocab_size])
+    with pytest.raises(BadRequest):
+        tok.decode([-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)), min_size=1, max_size=30))
+def test_streaming_text_equals_full_decode_and_never_splits_a_character(text: str) -> None:
+    """The tiny vocabulary is bytes, so multi-byte characters span several tokens."""
+    tok = _tiny_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids=tok.encode("hi"))
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def _meta() -> dict[str, object]:
+    tokens, types, merges = tiny.vocab()
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+
+
+_TINY: list[Tokenizer] = []
+
+
+def _tiny_tokenizer() -> Tokenizer:
+    if not _TINY:
+        _TINY.append(Tokenizer.from_gguf_metadata(_meta()))
+    return _TINY[0]
