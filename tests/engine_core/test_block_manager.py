@@ -174,7 +174,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     assert bm.num_free_blocks == bm.num_blocks - len(refs)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops, num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), caching=st.booleans())
 def test_random_operations_never_leak_or_corrupt(ops, num_blocks, block_size, caching) -> None:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)

@@ -195,7 +195,7 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     assert bm.num_free_blocks == bm.num_blocks - len(refs)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     requests=st.lists(request, min_size=1, max_size=8),
     bs=st.integers(1, 4),
