@@ -1,0 +1,178 @@
+"""The router assembled: actors, supervisor, dispatcher, metrics, HTTP app.
+
+::
+
+    client ─h2─> hypercorn ─> Router (ASGI)
+                               ├─ /health /ready /metrics ─> ops app (no auth)
+                               └─ everything else ────────> api app (auth -> tenant)
+                                    OpenAIServer(Dispatcher) decodes, validates,
+                                    Dispatcher.stream: policy.pick -> BackendActor.stream
+                                    -> Backend.stream ; retry before first token
+
+Both apps are :class:`~backends.openai_server.OpenAIServer` over the same
+dispatcher; they differ in authentication, so that probes and scrapers need
+no API key while every API and admin call does (when keys are configured).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from contextvars import ContextVar
+from typing import Any
+
+import msgspec
+import trio
+
+from backends.base import Backend
+from backends.errors import BadRequest, NotFound, Unauthorized
+from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
+from policies.base import RoutingPolicy
+from policies.registry import create_policy
+from router.actors import BackendActor, Supervisor
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
+
+__all__ = ["OPS_PATHS", "NamedBackend", "Router"]
+
+# The tenant of the request being served: set by the authenticate hook, which
+# runs in the request's own task, and read back for the metrics labels.
+_TENANT: ContextVar[str] = ContextVar("headrace_tenant", default="default")
+
+OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class NamedBackend(msgspec.Struct, frozen=True):
+    """A backend client with the name and weight the router knows it by."""
+
+    name: str
+    backend: Backend
+    weight: float = 1.0
+
+
+class AdminAction(msgspec.Struct, forbid_unknown_fields=True):
+    backend: str
+    action: str
+
+
+class Router:
+    """One router: call :meth:`run` in a nursery, serve ``router`` as ASGI."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        backends: Sequence[NamedBackend],
+        *,
+        policy: RoutingPolicy | None = None,
+    ) -> None:
+        self.config = config
+        h = config.health
+        self.actors = [
+            BackendActor(b.name, b.backend, weight=b.weight, probe_interval=h.interval, probe_timeout=h.timeout)
+            for b in backends
+        ]
+        self.metrics = RouterMetrics()
+        self.dispatcher = Dispatcher(
+            self.actors,
+            policy if policy is not None else create_policy(config.routing.policy),
+            max_attempts=config.routing.max_attempts,
+            retry_after=config.routing.retry_after,
+            recorder=self.metrics,
+        )
+        self.metrics.add_collector(
+            StatisticsCollector(lambda: [a.statistics() for a in self.actors], self.dispatcher.statistics)
+        )
+        self.supervisor = Supervisor(self.actors, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
+        limit = config.server.max_body_bytes
+        self.api = OpenAIServer(
+            self.dispatcher,
+            extra_routes={("GET", "/admin/backends"): self._list_backends, ("POST", "/admin/backends"): self._admin},
+            authenticate=self._authenticate if config.auth.keys else None,
+            max_body_bytes=limit,
+        )
+        self.ops = OpenAIServer(
+            self.dispatcher,
+            extra_routes={("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics},
+            max_body_bytes=limit,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the actors until cancelled, then close every backend client."""
+        try:
+            await self.supervisor.run(task_status=task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.dispatcher.aclose()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        app = self.ops if scope.get("path") in OPS_PATHS else self.api
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        # Observed here rather than through OpenAIServer's hook: the status is
+        # the one actually sent, and 499 means the body never completed.
+        start, status, complete = trio.current_time(), 0, False
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal status, complete
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        token = _TENANT.set("anonymous" if self.config.auth.keys else "default")
+        try:
+            await app(scope, receive, watch)
+        finally:
+            route = scope["path"] if (scope["method"], scope["path"]) in app.routes else "other"
+            self.metrics.observe(route, status if complete else 499, _TENANT.get(), trio.current_time() - start)
+            _TENANT.reset(token)
+
+    def actor(self, name: str) -> BackendActor:
+        for actor in self.actors:
+            if actor.name == name:
+                return actor
+        raise NotFound(f"no backend named {name!r}", param="backend")
+
+    # ------------------------------------------------------------ hooks and routes
+
+    def _authenticate(self, headers: dict[str, str]) -> str:
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and key:
+            for known, tenant in self.config.auth.keys.items():
+                if hmac.compare_digest(known.encode(), key.strip().encode()):
+                    _TENANT.set(tenant)
+                    return tenant
+        raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
+
+    async def _ready(self, request: HTTPRequest) -> Response:
+        ready = self.dispatcher.ready()
+        up = [a.name for a in self.actors if a.eligible(None)]
+        return json_response({"ready": ready, "backends_up": up}, 200 if ready else 503)
+
+    async def _metrics(self, request: HTTPRequest) -> Response:
+        return Response(200, self.metrics.render(), content_type=CONTENT_TYPE)
+
+    async def _list_backends(self, request: HTTPRequest) -> Response:
+        data = [msgspec.to_builtins(a.statistics()) for a in self.actors]
+        return json_response({"object": "list", "data": data})
+
+    async def _admin(self, request: HTTPRequest) -> Response:
+        """``{"backend": name, "action": "drain" | "undrain"}``."""
+        try:
+            action = msgspec.json.decode(request.body, type=AdminAction)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"expected {{\"backend\": name, \"action\": \"drain\"|\"undrain\"}}: {exc}") from None
+        actor = self.actor(action.backend)
+        if action.action == "drain":
+            actor.drain()
+        elif action.action == "undrain":
+            actor.undrain()
+        else:
+            raise BadRequest(f"unknown action {action.action!r}; use drain or undrain", param="action")
+        return json_response(msgspec.to_builtins(actor.statistics()))
+

@@ -1,0 +1,166 @@
+"""The router's configuration: one TOML file decoded into frozen Structs.
+
+Every field has a default, so an empty file (or none) is a working config;
+unknown keys are errors, so a typo is caught at startup, not ignored. The
+command line overrides fields after decoding (:func:`with_overrides`). Example::
+
+    [server]
+    host = "0.0.0.0"
+    port = 8000
+    drain_timeout = 30
+
+    [routing]
+    policy = "least_loaded"      # resolved through policies.registry
+
+    [auth]
+    keys = { "sk-team-a" = "tenant-a" }
+
+    [[backends]]
+    url = "http://10.0.0.5:8000"
+    kind = "openai"              # "openai" | "engine" | "mock"
+    name = "gpu-a"
+    weight = 2
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "AuthConfig",
+    "BackendSpec",
+    "ConfigError",
+    "HealthConfig",
+    "RouterConfig",
+    "RoutingConfig",
+    "ServerConfig",
+    "decode_config",
+    "load_config",
+    "with_overrides",
+]
+
+Positive = Annotated[float, Meta(gt=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+BackendKind = Literal["openai", "engine", "mock"]
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message says where and why."""
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    certfile: str | None = None
+    keyfile: str | None = None
+    drain_timeout: Positive = 30.0  # seconds streams may run on after SIGTERM
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    access_log: bool = False
+
+
+class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: str = "round_robin"
+    max_attempts: PositiveInt = 3  # backends tried before the first token
+    retry_after: Positive = 1.0  # seconds suggested to clients when no backend is up
+
+
+class HealthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    interval: Positive = 2.0  # seconds between probes of one backend
+    timeout: Positive = 2.0  # a probe slower than this counts as failed
+    restart_backoff: Positive = 0.1  # first delay before restarting a crashed actor
+    restart_backoff_max: Positive = 10.0
+
+
+class AuthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    keys: dict[str, str] = {}  # API key -> tenant; empty: no authentication
+
+
+class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    url: str | None = None  # None: in-process (mock)
+    kind: BackendKind = "openai"
+    name: str | None = None  # default: derived from kind and position
+    weight: Positive = 1.0
+    model: str | None = None  # for in-process mocks: the model name served
+
+
+class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    server: ServerConfig = ServerConfig()
+    routing: RoutingConfig = RoutingConfig()
+    health: HealthConfig = HealthConfig()
+    auth: AuthConfig = AuthConfig()
+    backends: tuple[BackendSpec, ...] = ()
+
+    def backend_names(self) -> list[str]:
+        return [spec.name or f"{spec.kind}-{i}" for i, spec in enumerate(self.backends)]
+
+
+def decode_config(raw: dict[str, Any]) -> RouterConfig:
+    """Type-check a parsed TOML document; raise ConfigError naming the field."""
+    try:
+        config = msgspec.convert(raw, RouterConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    _check(config)
+    return config
+
+
+def load_config(path: str | Path | None) -> RouterConfig:
+    """Read and decode ``path``; ``None`` gives the defaults."""
+    if path is None:
+        return RouterConfig()
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+    try:
+        return decode_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def with_overrides(config: RouterConfig, **fields: Any) -> RouterConfig:
+    """Replace fields given on the command line (``None`` = not given).
+    ``backends`` replaces the list; any other name is looked up in the
+    ``server``, ``routing`` and ``health`` sections, in that order."""
+    doc = msgspec.to_builtins(config)
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key == "backends":
+            doc["backends"] = msgspec.to_builtins(value)
+            continue
+        section = next((name for name, cls in _SECTIONS.items() if key in cls.__struct_fields__), None)
+        if section is None:
+            raise ConfigError(f"no configuration field named {key!r}")
+        doc[section][key] = value
+    return decode_config(doc)
+
+
+_SECTIONS: dict[str, type[_Base]] = {"server": ServerConfig, "routing": RoutingConfig, "health": HealthConfig}
+
+
+def _check(config: RouterConfig) -> None:
+    names = config.backend_names()
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+    for name, spec in zip(names, config.backends, strict=True):
+        if spec.kind != "mock" and not spec.url:
+            raise ConfigError(f"backend {name!r}: kind {spec.kind!r} needs a url")
+        if spec.url is not None and not spec.url.startswith(("http://", "https://")):
+            raise ConfigError(f"backend {name!r}: url must start with http:// or https://")
+    if (config.server.certfile is None) != (config.server.keyfile is None):
+        raise ConfigError("server.certfile and server.keyfile go together")
