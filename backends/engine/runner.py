@@ -65,6 +65,10 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.args.max_seq_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSeq], logits_per_seq: Sequence[int] | None = None) -> torch.Tensor:
         """One forward pass over every scheduled sequence's new tokens.

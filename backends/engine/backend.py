@@ -1,0 +1,366 @@
+"""The built-in engine as an in-process :class:`~backends.base.Backend`.
+
+One actor owns the :class:`LLMEngine`: the engine loop task. Request streams never
+touch the engine; they queue commands (add, abort) and read their outputs from a
+per-request memory channel::
+
+    stream()  --add/abort-->  _commands  --+
+                                           v
+    engine loop:  apply commands -> trio.to_thread(engine.step) -> route StepOutputs
+                                                                  -> per-request channel
+    stream()  <--StepOutput-- channel: detokenize, stop strings -> Event
+
+The model step runs in a worker thread, so the event loop keeps serving HTTP while
+the CPU multiplies matrices. Commands are applied only between steps (the engine is
+not thread-safe), so a cancelled consumer's sequence is aborted and its blocks freed
+within one step. Stop strings need text, so they are matched here (the engine only
+knows token ids); a match ends the stream and aborts the sequence.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import trio
+
+from backends.base import BackendInfo, Event, GenerateRequest, Health, KVEvent, Usage
+from backends.engine.config import EngineConfig
+from backends.engine.engine import LLMEngine, StepOutput
+from backends.engine.loader import load_model
+from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
+from backends.engine.sequence import SamplingParams, Sequence
+from backends.engine.stop import StopMatcher
+from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from backends.errors import BackendUnavailable, BadRequest, ContextLengthExceeded, HeadraceError, StreamBroken
+
+__all__ = ["BackendStatistics", "EngineBackend", "build_engine", "open_engine_backend"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_KV_EVENT_HISTORY = 10_000
+
+
+def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer, str]:
+    """Load the model, size the KV cache, wire runner and engine (blocking: seconds)."""
+    device = resolve_device(config.device)
+    dtype = _DTYPES[config.dtype]
+    loaded = load_model(config.model, dtype=dtype, device=device)
+    max_len = config.resolve_max_model_len(loaded.args.max_seq_len)
+    per_block = kv_bytes_per_block(loaded.args, config.block_size, dtype)
+    num_blocks = config.resolve_num_kv_blocks(per_block, max_len, device.type)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device=device, dtype=dtype)
+    engine = LLMEngine(config, runner, loaded.tokenizer)
+    return engine, loaded.tokenizer, loaded.name
+
+
+class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    num_active_streams: int
+    num_steps: int
+    num_step_errors: int
+    tokens_per_second: float  # generated tokens over the last ~10 s
+    batch_size_histogram: dict[int, int]  # upper bucket bound -> steps
+    last_kv_event_seq: int
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    outputs: trio.MemorySendChannel[StepOutput | HeadraceError]
+    seq: Sequence | None = None
+
+
+@dataclass
+class _Rate:
+    """Generated tokens per second over a sliding window of step timestamps."""
+
+    window: float = 10.0
+    points: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+
+    def add(self, now: float, tokens: int) -> None:
+        self.points.append((now, tokens))
+        while self.points and self.points[0][0] < now - self.window:
+            self.points.popleft()
+
+    def rate(self, now: float) -> float:
+        recent = [n for t, n in self.points if t >= now - self.window]
+        return sum(recent) / self.window
+
+
+class EngineBackend:
+    """Serve an :class:`LLMEngine` in-process. Start :meth:`run` in a nursery (or use
+    :func:`open_engine_backend`) before streaming."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        max_queued_requests: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_queued_requests = max_queued_requests
+        self._requests: dict[str, _Request] = {}
+        self._commands: collections.deque[tuple[str, str]] = collections.deque()  # (op, request_id)
+        self._wakeup = trio.Event()
+        self._running = False
+        self._stepping = False  # a step is running in the worker thread: queue commands
+        self._closed = False
+        self._fatal: str | None = None
+        self._steps = 0
+        self._step_errors = 0
+        self._rate = _Rate()
+        self._histogram = dict.fromkeys(_BATCH_BUCKETS, 0)
+        self._kv_events: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_HISTORY)
+        self._kv_changed = trio.Event()
+
+    # ---- Backend protocol ----------------------------------------------------------
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(
+            name="engine",
+            models=(self.model_name,),
+            max_context=self.engine.max_model_len,
+            token_ids=True,
+            kv_events=self.engine.config.enable_kv_events,
+            seeds=True,
+            block_size=self.engine.block_size,
+        )
+
+    async def health(self) -> Health:
+        if self._fatal is not None:
+            return Health(ok=False, detail=self._fatal)
+        if not self._running:
+            return Health(ok=False, detail="engine loop not running")
+        return Health(ok=True)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Generate for ``request``; closing or cancelling the iterator aborts it."""
+        prompt = self.prompt_ids(request)
+        params = self._params(request, len(prompt))
+        rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}"
+        send, recv = trio.open_memory_channel[StepOutput | HeadraceError](params.max_tokens + 2)
+        self._submit(rid, _Request(prompt, params, request.priority, send))
+        try:
+            async for event in self._events(rid, request, prompt, recv):
+                yield event
+        finally:
+            self._abort(rid)
+
+    # ---- request side ----------------------------------------------------------------
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """Token ids of the request's input: ids, messages (chat template) or text."""
+        tok = self.tokenizer
+        if request.prompt_token_ids is not None:
+            tok.check_ids(request.prompt_token_ids)
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            messages = [msgspec.structs.asdict(m) for m in request.messages]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(request.prompt or "")
+
+    def _params(self, request: GenerateRequest, n_prompt: int) -> SamplingParams:
+        room = self.engine.max_model_len - n_prompt
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {n_prompt} tokens; this model's context is {self.engine.max_model_len}",
+                param="prompt",
+            )
+        default = min(self.engine.config.default_max_tokens, room)
+        params = SamplingParams.from_request(request, default_max_tokens=default)
+        stop_ids = set(params.stop_token_ids)
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in stop_ids):
+            raise BadRequest("stop_token_ids must be in the vocabulary", param="stop_token_ids")
+        return params
+
+    def _submit(self, rid: str, req: _Request) -> None:
+        if self._closed or self._fatal is not None:
+            raise BackendUnavailable(self._fatal or "engine is shutting down", retry_after=1.0)
+        if not self._running:
+            raise BackendUnavailable("engine loop not running", retry_after=1.0)
+        if len(self._requests) >= self.max_queued_requests:
+            raise BackendUnavailable("engine queue is full", retry_after=1.0)
+        if not self._stepping:  # the engine is ours right now: errors reach the caller directly
+            req.seq = self.engine.add_request(rid, req.prompt, req.params, req.priority)
+            self._requests[rid] = req
+        else:
+            self._requests[rid] = req
+            self._commands.append(("add", rid))
+        self._wakeup.set()
+
+    def _abort(self, rid: str) -> None:
+        if self._requests.pop(rid, None) is None:
+            return
+        if self._stepping:  # applied as soon as the step in flight returns
+            self._commands.append(("abort", rid))
+        else:
+            self.engine.abort(rid)
+        self._wakeup.set()
+
+    async def _events(
+        self,
+        rid: str,
+        request: GenerateRequest,
+        prompt: list[int],
+        recv: trio.MemoryReceiveChannel[StepOutput | HeadraceError],
+    ) -> AsyncIterator[Event]:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        stops = StopMatcher(request.stop)
+        first, emitted = True, 0
+        async with recv:
+            async for out in recv:
+                if isinstance(out, HeadraceError):
+                    raise out
+                emitted += len(out.new_token_ids)
+                text, stopped = stops.feed(detok.push(out.new_token_ids))
+                if out.finished and not stopped:
+                    tail, stopped_tail = stops.feed(detok.flush())
+                    text += tail + ("" if stopped_tail else stops.flush())
+                    stopped = stopped_tail
+                event = Event(token_ids=list(out.new_token_ids), text=text, logprobs=out.logprobs)
+                if first:
+                    event.prompt_token_ids, event.seed, first = prompt, out.seed, False
+                if stopped or out.finished:
+                    event.finish_reason = "stop" if stopped else out.finish_reason
+                    event.usage = self._usage(rid, prompt, emitted, out.usage)
+                    yield event
+                    return
+                yield event
+        raise StreamBroken("engine stopped before the generation finished")
+
+    def _usage(self, rid: str, prompt: list[int], emitted: int, usage: Usage | None) -> Usage:
+        if usage is not None:
+            return usage
+        req = self._requests.get(rid)
+        cached = req.seq.num_cached_tokens if req is not None and req.seq is not None else 0
+        return Usage(prompt_tokens=len(prompt), completion_tokens=emitted, cached_tokens=cached)
+
+    # ---- the engine loop (the actor) -------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine loop. Returns after :meth:`aclose`; cancel it to stop at once."""
+        self._running = True
+        task_status.started()
+        try:
+            while not self._closed:
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    continue
+                await self._step()
+        finally:
+            self._running = False
+            for req in self._requests.values():
+                req.outputs.close()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            op, rid = self._commands.popleft()
+            if op == "abort":
+                self.engine.abort(rid)
+                continue
+            req = self._requests.get(rid)
+            if req is None:  # cancelled before it was added
+                continue
+            try:
+                req.seq = self.engine.add_request(rid, req.prompt, req.params, req.priority)
+            except HeadraceError as exc:
+                req.outputs.send_nowait(exc)
+
+    async def _step(self) -> None:
+        self._stepping = True
+        try:
+            outputs = await trio.to_thread.run_sync(self.engine.step)
+        except Exception as exc:  # a torch/runtime failure: fail the batch, keep serving
+            log.exception("engine step failed")
+            self._step_errors += 1
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            self._stepping = False
+        self._steps += 1
+        self._record(outputs)
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is not None:
+                req.outputs.send_nowait(out)
+        events = self.engine.drain_kv_events()
+        if events:
+            self._kv_events.extend(events)
+            self._kv_changed.set()
+            self._kv_changed = trio.Event()
+
+    def _fail_all(self, detail: str) -> None:
+        for rid, req in list(self._requests.items()):
+            self.engine.abort(rid)
+            req.outputs.send_nowait(StreamBroken(detail))
+
+    def _record(self, outputs: list[StepOutput]) -> None:
+        tokens = sum(len(o.new_token_ids) for o in outputs)
+        self._rate.add(trio.current_time(), tokens)
+        batch = self.engine.statistics().last_batch_size
+        bucket = next((b for b in _BATCH_BUCKETS if batch <= b), _BATCH_BUCKETS[-1])
+        self._histogram[bucket] += 1
+
+    # ---- KV events ------------------------------------------------------------------------
+
+    async def kv_events(self, since: int = -1) -> AsyncIterator[KVEvent]:
+        """KV events with ``seq > since``, then new ones as they happen (forever).
+        Events older than the last 10,000 are gone; a subscriber that fell that far
+        behind sees a gap in ``seq`` and should resynchronise."""
+        last = since
+        while True:
+            changed = self._kv_changed
+            for event in list(self._kv_events):
+                if event.seq > last:
+                    last = event.seq
+                    yield event
+            await changed.wait()
+
+    # ---- statistics -------------------------------------------------------------------------
+
+    def statistics(self) -> BackendStatistics:
+        return BackendStatistics(
+            num_active_streams=len(self._requests),
+            num_steps=self._steps,
+            num_step_errors=self._step_errors,
+            tokens_per_second=self._rate.rate(trio.current_time()),
+            batch_size_histogram=dict(self._histogram),
+            last_kv_event_seq=self._kv_events[-1].seq if self._kv_events else -1,
+        )
+
+
+@asynccontextmanager
+async def open_engine_backend(
+    engine: LLMEngine, tokenizer: Tokenizer, *, model_name: str, max_queued_requests: int = 1024
+) -> AsyncIterator[EngineBackend]:
+    """An :class:`EngineBackend` with its loop running; the loop stops on exit."""
+    backend = EngineBackend(engine, tokenizer, model_name=model_name, max_queued_requests=max_queued_requests)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.run)
+        try:
+            yield backend
+        finally:
+            await backend.aclose()
+            nursery.cancel_scope.cancel()
+
