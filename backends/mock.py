@@ -1,0 +1,466 @@
+"""A deterministic fake backend, for tests and benchmarks.
+
+Its output is a pure function of (prompt token ids, seed, position): the token
+at absolute position ``p`` is drawn from a small word vocabulary by hashing
+``(seed, p, rolling hash of every preceding id)``. So a request resumed with
+``prompt + emitted ids``, the same seed and ``max_tokens - k`` continues
+exactly like the uninterrupted run, and a test can tell an exact resume from a
+sloppy one.
+
+Token ids 0..255 are bytes (prompt text tokenizes as its UTF-8 bytes); ids from
+256 up are words of the vocabulary. Chat messages are rendered into text by a
+trivial template. Time is spent with ``trio.sleep`` (so a ``MockClock`` drives
+it) and faults are injected in-process as :mod:`backends.errors` exceptions;
+``backends.mock_server`` injects the same faults at the HTTP level instead.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal
+
+import msgspec
+import trio
+
+from backends.base import (
+    BackendInfo,
+    ChatMessage,
+    Event,
+    GenerateRequest,
+    Health,
+    Logprob,
+    TopLogprob,
+    Usage,
+)
+from backends.errors import (
+    BackendProtocolError,
+    BackendUnavailable,
+    BadRequest,
+    ContextLengthExceeded,
+    HeadraceError,
+    ModelNotFound,
+    StreamBroken,
+    UpstreamError,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB",
+    "Fault",
+    "MockBackend",
+    "MockConfig",
+    "MockStatistics",
+    "decode_ids",
+    "encode_text",
+    "fault_applies",
+    "parse_fault",
+    "render_chat",
+]
+
+MASK64 = (1 << 64) - 1
+BYTE_IDS = 256
+
+DEFAULT_VOCAB: tuple[str, ...] = tuple(
+    " " + w
+    for w in [
+        "the",
+        "river",
+        "runs",
+        "under",
+        "a",
+        "stone",
+        "bridge",
+        "and",
+        "water",
+        "turns",
+        "its",
+        "wheel",
+        "of",
+        "an",
+        "old",
+        "mill",
+        "where",
+        "grain",
+        "becomes",
+        "flour",
+        "while",
+        "clouds",
+        "drift",
+        "over",
+        "green",
+        "hills",
+        "toward",
+        "quiet",
+        "towns",
+        "near",
+        "tall",
+        "pines",
+        "in",
+        "morning",
+        "light",
+        "every",
+        "day",
+        "slowly",
+        "again",
+    ]
+)
+
+FaultKind = Literal["cut", "stall", "status", "malformed", "no_done", "slow_first_token"]
+
+
+class Fault(msgspec.Struct, frozen=True, kw_only=True):
+    """One injected failure. ``after`` counts tokens already sent."""
+
+    kind: FaultKind
+    after: int = 0
+    status: int = 500
+    retry_after: float | None = None
+    delay_s: float = 0.0
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse the CLI spelling: ``cut-after=N``, ``stall-after=N``,
+    ``malformed-after=N``, ``no-done``, ``slow-first-token=MS``,
+    ``status=500|503[:retry-after=S]``, ``429[:retry-after=S]``."""
+    head, _, tail = spec.strip().partition(":")
+    name, _, value = head.partition("=")
+    retry_after = _parse_retry_after(tail, spec)
+    try:
+        if name in ("cut-after", "stall-after", "malformed-after"):
+            kind = {"cut-after": "cut", "stall-after": "stall", "malformed-after": "malformed"}[
+                name
+            ]
+            return Fault(kind=kind, after=_non_negative(int(value)))  # type: ignore[arg-type]
+        if name == "no-done" and not value:
+            return Fault(kind="no_done")
+        if name == "slow-first-token":
+            return Fault(kind="slow_first_token", delay_s=_non_negative(float(value)) / 1000)
+        if name == "status" or (name.isdigit() and not value):
+            code = int(value if name == "status" else name)
+            if not 400 <= code <= 599:
+                raise ValueError
+            return Fault(kind="status", status=code, retry_after=retry_after)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"bad fault {spec!r}: use cut-after=N, stall-after=N, malformed-after=N, no-done, "
+        "slow-first-token=MS, status=500|503[:retry-after=S] or 429[:retry-after=S]"
+    )
+
+
+def _parse_retry_after(tail: str, spec: str) -> float | None:
+    if not tail:
+        return None
+    key, _, value = tail.partition("=")
+    try:
+        if key != "retry-after":
+            raise ValueError
+        return _non_negative(float(value))
+    except ValueError:
+        raise ValueError(f"bad fault {spec!r}: the suffix must be retry-after=SECONDS") from None
+
+
+def _non_negative(x: float) -> float:
+    if x < 0:
+        raise ValueError
+    return x
+
+
+def fault_applies(seed: int, index: int, rate: float) -> bool:
+    """Whether request number ``index`` is hit: a deterministic draw."""
+    if rate >= 1.0:
+        return True
+    return random.Random(_mix(seed, index, 0xFA17)).random() < rate
+
+
+class MockConfig(msgspec.Struct, frozen=True, kw_only=True):
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    max_tokens: int = 256  # output length cap; also the default when a request has none
+    max_context: int = 4096
+    models: tuple[str, ...] = ("mock",)
+    name: str = "mock"
+    vocab: tuple[str, ...] = DEFAULT_VOCAB
+    faults: Sequence[Fault] = ()
+    fault_rate: float = 1.0
+    seed: int = 0  # for fault draws and for seeds drawn for seedless requests
+
+
+class MockStatistics(msgspec.Struct, frozen=True):
+    in_flight: int
+    started: int
+    completed: int
+    cancelled: int
+    failed: int
+    rejected: int  # refused before starting (bad request, context length)
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 over a sequence of integers."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & MASK64)) & MASK64
+        h = (h + 0x9E3779B97F4A7C15) & MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & MASK64
+        h ^= h >> 31
+    return h
+
+
+def encode_text(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def render_chat(messages: Sequence[ChatMessage]) -> str:
+    parts = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else _content_text(m.content)
+        parts.append(f"<|{m.role}|>{content}\n")
+    return "".join(parts) + "<|assistant|>"
+
+
+def _content_text(content: list[object] | None) -> str:
+    if content is None:
+        return ""
+    texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    return "".join(t for t in texts if isinstance(t, str))
+
+
+def decode_ids(ids: Sequence[int], vocab: Sequence[str] = DEFAULT_VOCAB) -> str:
+    """Text of ids: byte runs decode as UTF-8, words as themselves."""
+    out, run = [], bytearray()
+    for t in ids:
+        if t < BYTE_IDS:
+            run.append(t)
+            continue
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+        out.append(_word(t, vocab))
+    if run:
+        out.append(run.decode("utf-8", errors="replace"))
+    return "".join(out)
+
+
+def _word(token_id: int, vocab: Sequence[str]) -> str:
+    i = token_id - BYTE_IDS
+    return vocab[i] if 0 <= i < len(vocab) else f"<{token_id}>"
+
+
+class _Generation:
+    """The sans-I/O core of one stream: each ``step()`` draws one token and
+    returns what to emit. Holds back text that may begin a stop string."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        seed: int,
+        limit: int,
+        request: GenerateRequest,
+        vocab: Sequence[str],
+    ) -> None:
+        self.seed, self.limit, self.vocab = seed, limit, vocab
+        self.position = len(prompt)
+        self.hash = 0
+        for t in prompt:
+            self.hash = _mix(self.hash, t)
+        self.stops = list(request.stop)
+        self.stop_ids = set(request.stop_token_ids)
+        self.logprobs = request.logprobs
+        self.emitted = 0
+        self.pending = ""
+
+    def step(self) -> tuple[int, str, list[Logprob] | None, Literal["stop", "length"] | None]:
+        token = BYTE_IDS + _mix(self.seed, self.position, self.hash) % len(self.vocab)
+        logprobs = self._logprobs(token) if self.logprobs is not None else None
+        self.hash = _mix(self.hash, token)
+        self.position += 1
+        self.emitted += 1
+        if token in self.stop_ids:
+            return token, self._flush(), logprobs, "stop"
+        text, stopped = self._text(_word(token, self.vocab))
+        if stopped:
+            return token, text, logprobs, "stop"
+        if self.emitted >= self.limit:
+            return token, text + self._flush(), logprobs, "length"
+        return token, text, logprobs, None
+
+    def _text(self, piece: str) -> tuple[str, bool]:
+        buf = self.pending + piece
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0
+        )
+        self.pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def _flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+    def _logprobs(self, token: int) -> list[Logprob]:
+        n = self.logprobs or 0
+        chosen = -round((_mix(self.seed, self.position, self.hash, 1) % 4000) / 1000.0 + 0.01, 3)
+        top = [TopLogprob(token, chosen, _word(token, self.vocab))] if n else []
+        v = len(self.vocab)
+        for j in range(1, n):
+            alt = BYTE_IDS + (token - BYTE_IDS + j) % v
+            top.append(TopLogprob(alt, round(chosen - 0.5 * j, 3), _word(alt, self.vocab)))
+        return [Logprob(token, chosen, _word(token, self.vocab), top)]
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class MockBackend:
+    """The deterministic fake as a :class:`~backends.base.Backend`."""
+
+    def __init__(self, config: MockConfig | None = None) -> None:
+        self.config = config or MockConfig()
+        self._seeds = random.Random(self.config.seed)
+        self._requests = 0
+        self._in_flight = self._started = self._completed = 0
+        self._cancelled = self._failed = self._rejected = 0
+
+    def info(self) -> BackendInfo:
+        c = self.config
+        return BackendInfo(
+            name=c.name, models=c.models, max_context=c.max_context, token_ids=True, seeds=True
+        )
+
+    async def health(self) -> Health:
+        return Health(ok=True)
+
+    async def aclose(self) -> None:
+        return None
+
+    def statistics(self) -> MockStatistics:
+        return MockStatistics(
+            self._in_flight,
+            self._started,
+            self._completed,
+            self._cancelled,
+            self._failed,
+            self._rejected,
+        )
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            if any(t < 0 for t in request.prompt_token_ids):
+                raise BadRequest("prompt token ids must be non-negative", param="prompt")
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            return encode_text(render_chat(request.messages))
+        return encode_text(request.prompt or "")
+
+    def _limit(self, request: GenerateRequest, n_prompt: int) -> int:
+        c = self.config
+        if request.model and c.models and request.model not in c.models:
+            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+        asked = request.max_tokens
+        if asked is not None and asked < 1:
+            raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+        if n_prompt + (asked or 1) > c.max_context:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {c.max_context} tokens; the request has "
+                f"{n_prompt} prompt tokens and asks for {asked or 1} more.",
+                param="max_tokens",
+            )
+        return min(asked or c.max_tokens, c.max_tokens, c.max_context - n_prompt)
+
+    def _draw_faults(self) -> list[Fault]:
+        index, self._requests = self._requests, self._requests + 1
+        c = self.config
+        return list(c.faults) if c.faults and fault_applies(c.seed, index, c.fault_rate) else []
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        try:
+            prompt = self.prompt_ids(request)
+            limit = self._limit(request, len(prompt))
+        except HeadraceError:
+            self._rejected += 1
+            raise
+        seed = (request.seed if request.seed is not None else self._seeds.getrandbits(63)) & MASK64
+        faults = self._draw_faults()
+        self._in_flight += 1
+        self._started += 1
+        outcome = "cancelled"
+        try:
+            gen = _Generation(prompt, seed, limit, request, self.config.vocab)
+            async for event in self._run(gen, prompt, seed, faults):
+                if event.finish_reason is not None:
+                    outcome = "completed"
+                yield event
+            outcome = "completed"
+        except HeadraceError:
+            outcome = "failed"
+            raise
+        finally:
+            self._in_flight -= 1
+            self._count(outcome)
+
+    def _count(self, outcome: str) -> None:
+        if outcome == "completed":
+            self._completed += 1
+        elif outcome == "failed":
+            self._failed += 1
+        else:
+            self._cancelled += 1
+
+    async def _run(
+        self, gen: _Generation, prompt: list[int], seed: int, faults: list[Fault]
+    ) -> AsyncIterator[Event]:
+        delay = sum(f.delay_s for f in faults if f.kind == "slow_first_token")
+        await trio.sleep(self.config.ttft_s + delay)
+        _raise_status(faults)
+        while True:
+            await _token_fault(faults, gen.emitted)
+            token, text, logprobs, finish = gen.step()
+            first = gen.emitted == 1
+            event = Event(
+                token_ids=[token],
+                text=text,
+                logprobs=logprobs,
+                prompt_token_ids=prompt if first else None,
+                seed=seed if first else None,
+            )
+            if finish is not None:
+                if any(f.kind == "no_done" for f in faults):
+                    yield event
+                    return
+                event.finish_reason = finish
+                event.usage = Usage(prompt_tokens=len(prompt), completion_tokens=gen.emitted)
+                yield event
+                return
+            yield event
+            await trio.sleep(self.config.tpot_s)
+
+
+def _raise_status(faults: list[Fault]) -> None:
+    for f in faults:
+        if f.kind != "status":
+            continue
+        if f.status in (429, 503):
+            raise BackendUnavailable(
+                f"injected fault: status {f.status}", retry_after=f.retry_after
+            )
+        raise UpstreamError(f"injected fault: status {f.status}")
+
+
+async def _token_fault(faults: list[Fault], emitted: int) -> None:
+    """Faults that fire once ``after`` tokens have been sent."""
+    for f in faults:
+        if f.after != emitted:
+            continue
+        if f.kind == "cut":
+            raise StreamBroken(f"injected fault: stream cut after {emitted} tokens")
+        if f.kind == "malformed":
+            raise BackendProtocolError(f"injected fault: malformed chunk after {emitted} tokens")
+        if f.kind == "stall":
+            await trio.sleep_forever()

@@ -1,0 +1,642 @@
+"""Any OpenAI-compatible server as a :class:`~backends.base.Backend`.
+
+vLLM, SGLang, llama.cpp, TGI, the built-in engine's server and ``headrace
+mock`` all speak ``POST /v1/completions`` and ``/v1/chat/completions`` with
+SSE streaming. This adapter drives them through one ``httpx.AsyncClient`` (one
+connection pool) per backend, over HTTP/1.1, HTTP/2 with prior knowledge, or
+TLS with ALPN. It asks for token ids (``return_token_ids``, vLLM's extension,
+honoured by the engine and the mock) and reads ``token_ids`` /
+``prompt_token_ids`` / ``seed`` when offered, and works on text alone when not.
+
+Every httpx, h2, trio, TLS and JSON failure is translated here, once::
+
+    connect refused, DNS, reset before the response   BackendUnavailable
+    HTTP 429 / 503 (+ Retry-After)                     BackendUnavailable(retry_after)
+    HTTP 400 context length / 404 / other 4xx          ContextLengthExceeded / ModelNotFound / ClientError
+    HTTP 5xx                                           UpstreamError
+    no bytes for ``stall_timeout`` (or headers late)   BackendTimeout
+    reset, or the stream ends without [DONE]           StreamBroken (migratable)
+    a chunk that is not the OpenAI shape               BackendProtocolError
+
+Cancelling the consumer closes the HTTP stream at once. httpcore 1.0 drops an
+unfinished HTTP/2 response without telling the server (and without crediting
+the connection's flow-control window for data still in flight), so on an early
+close we send RST_STREAM(CANCEL) ourselves; over HTTP/1.1 the connection is
+closed.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import ssl
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import h2.errors
+import h2.exceptions
+import httpx
+import msgspec
+import trio
+
+from backends.base import BackendInfo, Event, GenerateRequest, Health, Logprob, TopLogprob, Usage
+from backends.errors import (
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    BadRequest,
+    ClientError,
+    ContextLengthExceeded,
+    HeadraceError,
+    MethodNotAllowed,
+    ModelNotFound,
+    PayloadTooLarge,
+    StreamBroken,
+    Unauthorized,
+    UpstreamError,
+)
+
+__all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "SSEDecoder", "status_error"]
+
+MAX_ERROR_BODY = 64 * 1024
+_TRANSPORT_ERRORS = (
+    httpx.TransportError,
+    h2.exceptions.H2Error,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    OSError,
+)
+
+
+class HTTPBackendStatistics(msgspec.Struct, frozen=True):
+    in_flight: int
+    started: int
+    completed: int
+    failed: int
+    cancelled: int
+
+
+# ---------------------------------------------------------------- SSE framing
+
+
+class SSEDecoder:
+    """Incremental ``text/event-stream`` parser: bytes in, ``data`` payloads
+    out. Handles chunks split anywhere, CRLF / CR / LF line ends, comments,
+    multi-line data and fields we ignore (event, id, retry)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buffer += chunk
+        out: list[str] = []
+        while True:
+            line, found = self._next_line()
+            if not found:
+                return out
+            if not line:
+                if self._data:
+                    out.append("\n".join(self._data))
+                    self._data = []
+                continue
+            self._field(line)
+
+    def _next_line(self) -> tuple[bytes, bool]:
+        buf = self._buffer
+        i = next((k for k, b in enumerate(buf) if b in (10, 13)), -1)
+        if i < 0:
+            return b"", False
+        if buf[i] == 13 and i + 1 == len(buf):
+            return b"", False  # a CR at the end may be the first half of CRLF
+        end = i + 2 if buf[i] == 13 and buf[i + 1] == 10 else i + 1
+        self._buffer = buf[end:]
+        return buf[:i], True
+
+    def _field(self, line: bytes) -> None:
+        if line.startswith(b":"):
+            return  # comment (keep-alive)
+        name, _, value = line.partition(b":")
+        if name != b"data":
+            return
+        try:
+            self._data.append(value.removeprefix(b" ").decode("utf-8"))
+        except UnicodeDecodeError:
+            raise BackendProtocolError("stream data is not UTF-8") from None
+
+
+# ---------------------------------------------------------------- chunks -> events
+
+
+def _finish(reason: object) -> Literal["stop", "length", "abort"]:
+    return reason if reason in ("length", "abort") else "stop"  # type: ignore[return-value]
+
+
+def _int_list(value: object, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+        raise BackendProtocolError(f"{what} is not a list of token ids")
+    return value
+
+
+def _usage(obj: object) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    details = obj.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=int(obj.get("prompt_tokens") or 0),
+        completion_tokens=int(obj.get("completion_tokens") or 0),
+        cached_tokens=int(cached or 0),
+    )
+
+
+def _logprobs(obj: object, ids: list[int]) -> list[Logprob] | None:
+    """Both OpenAI shapes: completions' parallel arrays, chat's ``content``."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        if isinstance(obj.get("content"), list):
+            entries = [
+                (
+                    e["token"],
+                    e["logprob"],
+                    [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []],
+                )
+                for e in obj["content"]
+            ]
+        else:
+            tops = obj.get("top_logprobs") or [None] * len(obj["tokens"])
+            entries = [
+                (tok, lp, list((top or {}).items()))
+                for tok, lp, top in zip(obj["tokens"], obj["token_logprobs"], tops, strict=True)
+            ]
+        return [
+            Logprob(
+                ids[i] if i < len(ids) else -1,
+                float(lp),
+                str(tok),
+                [TopLogprob(-1, float(v), str(k)) for k, v in top],
+            )
+            for i, (tok, lp, top) in enumerate(entries)
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BackendProtocolError(f"malformed logprobs in chunk: {exc!r}") from None
+
+
+class _ChunkParser:
+    """OpenAI stream chunks -> Events. The event with ``finish_reason`` is
+    held until the usage chunk or ``[DONE]``, so it leaves with usage; a
+    stream that never says ``[DONE]`` never delivers it (the tokens in it are
+    then regenerated by a resume, which keeps resumes exact)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.prompt_ids: list[int] | None = None
+        self.seed: int | None = None
+        self.final: Event | None = None
+        self.usage: Usage | None = None
+        self.events = 0
+        self.tokens = 0
+        self.saw_ids = False
+        self.done = False
+
+    def feed(self, data: str) -> list[Event]:
+        if data.strip() == "[DONE]":
+            self.done = True
+            return [self._final()]
+        if self.done:
+            raise BackendProtocolError("data after [DONE]")
+        try:
+            obj = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            raise BackendProtocolError(f"malformed chunk: {data[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise BackendProtocolError(f"chunk is not a JSON object: {data[:200]!r}")
+        if "error" in obj:
+            raise self._stream_error(obj["error"])
+        self._absorb(obj)
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            raise BackendProtocolError(f"chunk without choices: {data[:200]!r}")
+        return [e for e in (self._choice(c) for c in choices) if e is not None]
+
+    def _absorb(self, obj: dict[str, Any]) -> None:
+        ids = _int_list(obj.get("prompt_token_ids"), "prompt_token_ids")
+        if ids is not None and self.prompt_ids is None:
+            self.prompt_ids = ids
+        if isinstance(obj.get("seed"), int) and self.seed is None:
+            self.seed = obj["seed"]
+        usage = _usage(obj.get("usage"))
+        if usage is not None:
+            self.usage = usage
+
+    def _choice(self, c: object) -> Event | None:
+        if not isinstance(c, dict) or c.get("index", 0) != 0:
+            raise BackendProtocolError(f"unexpected choice {c!r} (asked for one)")
+        self._absorb(c)
+        if self.final is not None:
+            raise BackendProtocolError("tokens after finish_reason")
+        ids = _int_list(c.get("token_ids"), "token_ids")
+        self.saw_ids = self.saw_ids or ids is not None
+        ids = ids or []
+        text = self._text(c)
+        event = Event(token_ids=ids, text=text, logprobs=_logprobs(c.get("logprobs"), ids))
+        self.tokens += len(ids)
+        if c.get("finish_reason") is not None:
+            event.finish_reason = _finish(c["finish_reason"])
+            self.final = event
+            return None
+        if not ids and not text:
+            return None  # a role-only or empty delta
+        return self._stamp(event)
+
+    def _text(self, c: dict[str, Any]) -> str:
+        value = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
+        if value is not None and not isinstance(value, str):
+            raise BackendProtocolError("chunk text is not a string")
+        return value or ""
+
+    def _stamp(self, event: Event) -> Event:
+        if self.events == 0:
+            event.prompt_token_ids, event.seed = self.prompt_ids, self.seed
+        self.events += 1
+        return event
+
+    def _final(self) -> Event:
+        if self.final is None:
+            raise BackendProtocolError("stream ended with [DONE] but no finish_reason")
+        usage = self.usage or Usage(len(self.prompt_ids or []), self.tokens)
+        self.final.usage = usage
+        return self._stamp(self.final)
+
+    def _stream_error(self, err: object) -> HeadraceError:
+        message, type_, code = _error_fields(err)
+        if type_ == "invalid_request_error":
+            return BadRequest(message, code=code)
+        if self.events:
+            return StreamBroken(f"backend failed mid-stream: {message}")
+        if code == "backend_unavailable":
+            return BackendUnavailable(message)
+        return UpstreamError(message)
+
+
+# ---------------------------------------------------------------- status codes
+
+
+def _error_fields(err: object) -> tuple[str, str | None, str | None]:
+    """(message, type, code) from OpenAI's ``{"error": {...}}``, vLLM's flat
+    ``{"object": "error", "message": ...}`` or anything else."""
+    if isinstance(err, dict) and isinstance(err.get("error"), dict):
+        err = err["error"]
+    if isinstance(err, dict):
+        code = err.get("code")
+        return (
+            str(err.get("message") or err),
+            err.get("type"),
+            code if isinstance(code, str) else None,
+        )
+    return str(err), None, None
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def status_error(status: int, body: bytes, retry_after: str | None = None) -> HeadraceError:
+    """The one mapping from a backend's non-200 answer to our error tree."""
+    try:
+        message, _, code = _error_fields(msgspec.json.decode(body))
+    except msgspec.DecodeError:
+        message, code = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}", None
+    if status in (429, 503):
+        return BackendUnavailable(message, retry_after=_retry_after(retry_after))
+    if status == 400 and (code == "context_length_exceeded" or "context length" in message.lower()):
+        return ContextLengthExceeded(message)
+    known: dict[int, type[HeadraceError]] = {
+        400: BadRequest, 401: Unauthorized, 403: Unauthorized, 404: ModelNotFound, 405: MethodNotAllowed,
+        408: BackendTimeout, 413: PayloadTooLarge, 422: BadRequest, 504: BackendTimeout,
+    }  # fmt: skip
+    if status in known:
+        return known[status](message)
+    if 400 <= status < 500:
+        exc = ClientError(message)
+        exc.status = status
+        return exc
+    if status >= 500:
+        return UpstreamError(message)
+    return BackendProtocolError(f"unexpected HTTP {status}: {message}")
+
+
+def _transport_error(exc: BaseException, *, started: bool) -> HeadraceError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(
+        exc, (httpx.ConnectTimeout, httpx.PoolTimeout)
+    ):
+        return BackendTimeout(f"backend timed out: {exc!r}")
+    if started:
+        return StreamBroken(f"backend stream broke: {exc!r}")
+    return BackendUnavailable(f"backend unreachable: {exc!r}")
+
+
+async def _reset_h2_stream(response: httpx.Response) -> None:
+    """Send RST_STREAM(CANCEL) for an HTTP/2 response closed before its end.
+    Reaches into httpcore 1.0 (httpx stream -> pool stream -> h2 stream); if
+    that layout changes this does nothing and the stream is merely dropped."""
+    if response.http_version != "HTTP/2":
+        return
+    inner: object = response.stream
+    for attr in ("_stream", "_httpcore_stream", "_stream"):
+        inner = getattr(inner, attr, None)
+    conn, stream_id = getattr(inner, "_connection", None), getattr(inner, "_stream_id", None)
+    state = getattr(conn, "_h2_state", None)
+    if state is None or stream_id is None:
+        return
+    try:
+        state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+    except h2.exceptions.ProtocolError:
+        return  # already closed: the response had ended
+    try:
+        await conn._write_outgoing_data(getattr(inner, "_request", None) or response.request)  # type: ignore[union-attr]
+    except (*_TRANSPORT_ERRORS, AttributeError, TypeError):
+        return
+
+
+# ---------------------------------------------------------------- the backend
+
+
+def _tls_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext | bool:
+    if isinstance(verify, str):
+        return ssl.create_default_context(cafile=verify)
+    return verify
+
+
+class OpenAIHTTPBackend:
+    """One OpenAI-compatible server. ``http2``: HTTP/2 (prior knowledge on
+    ``http://``, ALPN with HTTP/1.1 fallback on ``https://``); False: HTTP/1.1.
+    ``token_ids``: True (the server honours ``return_token_ids``), False (never
+    ask), "auto" (ask, and report what the answers show). ``stall_timeout``:
+    the longest gap without a byte once streaming; ``first_token_timeout``:
+    the longest wait for the response and its first event (default: the same)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        http2: bool = True,
+        api_key: str | None = None,
+        token_ids: bool | Literal["auto"] = "auto",
+        connect_timeout: float = 5.0,
+        stall_timeout: float = 60.0,
+        first_token_timeout: float | None = None,
+        health_timeout: float = 5.0,
+        verify: ssl.SSLContext | str | bool = True,
+        max_connections: int = 100,
+        name: str | None = None,
+    ) -> None:
+        url = httpx.URL(base_url.rstrip("/").removesuffix("/v1"))
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"base_url must be http(s)://host[:port], got {base_url!r}")
+        if token_ids not in (True, False, "auto"):
+            raise ValueError("token_ids must be True, False or 'auto'")
+        self.base_url, self.model, self.token_ids = str(url), model, token_ids
+        self.name = name or f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+        self.stall_timeout = stall_timeout
+        self.first_token_timeout = (
+            first_token_timeout if first_token_timeout is not None else stall_timeout
+        )
+        self.health_timeout = health_timeout
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            http1=not http2 or url.scheme == "https",
+            http2=http2,
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
+            ),
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
+            verify=_tls_context(verify),
+            trust_env=False,
+        )
+        self._models: tuple[str, ...] | None = None
+        self._max_context: int | None = None
+        self._saw_ids = False
+        self._in_flight = self._started = self._completed = self._failed = self._cancelled = 0
+
+    # ------------------------------------------------------------ Backend
+
+    def info(self) -> BackendInfo:
+        models = self._models if self._models is not None else ((self.model,) if self.model else ())
+        ids = self.token_ids if isinstance(self.token_ids, bool) else self._saw_ids
+        return BackendInfo(
+            name=self.name, models=models, max_context=self._max_context, token_ids=ids
+        )
+
+    def statistics(self) -> HTTPBackendStatistics:
+        return HTTPBackendStatistics(
+            self._in_flight, self._started, self._completed, self._failed, self._cancelled
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def health(self) -> Health:
+        """``GET /health``, falling back to ``GET /v1/models`` where the
+        server has no health route."""
+        try:
+            with trio.fail_after(self.health_timeout):
+                response = await self._client.get("/health")
+                if response.status_code == 404:
+                    response = await self._client.get("/v1/models")
+        except trio.TooSlowError:
+            return Health(ok=False, detail=f"no answer within {self.health_timeout}s")
+        except _TRANSPORT_ERRORS as exc:
+            return Health(ok=False, detail=f"unreachable: {exc!r}")
+        ok = response.status_code == 200
+        return Health(ok=ok, detail="" if ok else f"HTTP {response.status_code}")
+
+    async def refresh(self) -> BackendInfo:
+        """Read ``/v1/models`` (names, and ``max_model_len`` where vLLM gives
+        it) into the cache behind :meth:`info`."""
+        try:
+            with trio.fail_after(self.health_timeout):
+                response = await self._client.get("/v1/models")
+        except trio.TooSlowError:
+            raise BackendTimeout(f"/v1/models: no answer within {self.health_timeout}s") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise _transport_error(exc, started=False) from exc
+        if response.status_code != 200:
+            raise status_error(
+                response.status_code, response.content, response.headers.get("retry-after")
+            )
+        try:
+            data = msgspec.json.decode(response.content)["data"]
+            self._models = tuple(str(m["id"]) for m in data)
+            lengths = [m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)]
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
+            raise BackendProtocolError(
+                f"malformed /v1/models answer: {response.content[:200]!r}"
+            ) from None
+        self._max_context = min(lengths) if lengths else None
+        return self.info()
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        path, payload = self._payload(request)
+        self._in_flight += 1
+        self._started += 1
+        outcome = "cancelled"
+        try:
+            async for event in self._stream(path, payload):
+                if event.finish_reason is not None:
+                    outcome = "completed"
+                yield event
+        except HeadraceError:
+            outcome = "failed"
+            raise
+        finally:
+            self._in_flight -= 1
+            self._count(outcome)
+
+    def _count(self, outcome: str) -> None:
+        if outcome == "completed":
+            self._completed += 1
+        elif outcome == "failed":
+            self._failed += 1
+        else:
+            self._cancelled += 1
+
+    # ------------------------------------------------------------ internals
+
+    def _payload(self, req: GenerateRequest) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = dict(req.extra)
+        chat = req.prompt_token_ids is None and req.messages is not None
+        if chat:
+            body["messages"] = [msgspec.to_builtins(m) for m in req.messages or []]
+        else:
+            body["prompt"] = (
+                req.prompt_token_ids if req.prompt_token_ids is not None else (req.prompt or "")
+            )
+        model = req.model or self.model or (self._models[0] if self._models else None)
+        if model:
+            body["model"] = model
+        body.update(
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=req.temperature,
+            top_p=req.top_p,
+        )
+        optional: dict[str, Any] = {
+            "max_tokens": req.max_tokens,
+            "seed": req.seed,
+            "stop": req.stop or None,
+            "top_k": req.top_k or None,
+            "min_p": req.min_p or None,
+            "repetition_penalty": req.repetition_penalty if req.repetition_penalty != 1.0 else None,
+            "presence_penalty": req.presence_penalty or None,
+            "frequency_penalty": req.frequency_penalty or None,
+            "min_tokens": req.min_tokens or None,
+            "stop_token_ids": req.stop_token_ids or None,
+            "ignore_eos": req.ignore_eos or None,
+            "priority": req.priority or None,
+            "return_token_ids": True if self.token_ids is not False else None,
+        }
+        if req.logprobs is not None:
+            optional.update(
+                {"logprobs": True, "top_logprobs": req.logprobs}
+                if chat
+                else {"logprobs": req.logprobs}
+            )
+        body.update({k: v for k, v in optional.items() if v is not None})
+        return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncIterator[Event]:
+        response = await self._open(path, payload)
+        try:
+            parser = _ChunkParser(chat=path.endswith("/chat/completions"))
+            async for event in self._events(response, parser):
+                yield event
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await _reset_h2_stream(response)
+                await response.aclose()
+
+    async def _open(self, path: str, payload: dict[str, Any]) -> httpx.Response:
+        """Send the request; return the 200 streaming response or raise."""
+        request = self._client.build_request("POST", path, json=payload)
+        try:
+            with trio.fail_after(self.first_token_timeout):
+                response = await self._client.send(request, stream=True)
+        except trio.TooSlowError:
+            raise BackendTimeout(f"no response within {self.first_token_timeout}s") from None
+        except _TRANSPORT_ERRORS as exc:
+            raise _transport_error(exc, started=False) from exc
+        if response.status_code == 200:
+            return response
+        try:
+            with trio.move_on_after(self.stall_timeout):
+                body = await _read_limited(response)
+        except _TRANSPORT_ERRORS:
+            body = b""
+        finally:
+            await response.aclose()
+        raise status_error(response.status_code, body, response.headers.get("retry-after"))
+
+    async def _events(self, response: httpx.Response, parser: _ChunkParser) -> AsyncIterator[Event]:
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            raise BackendProtocolError(
+                f"expected an SSE stream, got {content_type or 'no content type'!r}"
+            )
+        decoder = SSEDecoder()
+        chunks = response.aiter_bytes().__aiter__()
+        while True:
+            chunk = await self._next_chunk(chunks, parser)
+            if chunk is None:
+                break
+            for data in decoder.feed(chunk):
+                events = parser.feed(data)
+                self._saw_ids = self._saw_ids or parser.saw_ids
+                for event in events:
+                    yield event
+        if not parser.done:
+            raise StreamBroken(f"stream ended without [DONE] after {parser.events} events")
+
+    async def _next_chunk(self, chunks: AsyncIterator[bytes], parser: _ChunkParser) -> bytes | None:
+        """The next bytes, or None at the end; a gap over the stall timeout
+        (or a break) becomes an error, with the tokens-so-far telling which."""
+        timeout = self.stall_timeout if parser.events or parser.done else self.first_token_timeout
+        with trio.move_on_after(timeout):
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+            except _TRANSPORT_ERRORS as exc:
+                if parser.done:
+                    return None  # broke after [DONE]: everything arrived
+                raise _transport_error(exc, started=True) from exc
+        if parser.done:
+            return None  # [DONE] came; the server is slow to end the stream
+        raise BackendTimeout(
+            f"no bytes from the backend for {timeout}s (after {parser.events} events)"
+        )
+
+
+async def _read_limited(response: httpx.Response) -> bytes:
+    body = b""
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > MAX_ERROR_BODY:
+            break
+    return body[:MAX_ERROR_BODY]
