@@ -72,6 +72,8 @@ def plot_engine(levels: Sequence[dict[str, Any]], path: str | os.PathLike[str], 
     axes[1].set_title("time to first token")
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
         ax.set_xlabel("concurrency")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

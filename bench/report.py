@@ -39,7 +39,8 @@ def summarize_run(run: RunResult, *, label: str) -> dict[str, Any]:
     out_tokens = sum(r.output_tokens for r in ok)
 
     def ms(values: list[float]) -> dict[str, Any]:
-        return msgspec.to_builtins(summarize(values, scale=1000.0))
+        out: dict[str, Any] = msgspec.to_builtins(summarize(values, scale=1000.0))
+        return out
 
     return {
         "label": label,

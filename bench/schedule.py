@@ -16,7 +16,7 @@ __all__ = ["make_prompt", "poisson_schedule"]
 
 # Common English words that byte-level BPE vocabularies (Llama, GPT-2, SmolLM)
 # encode as one token each with their leading space, so N words ~ N tokens.
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is that for it as was with be by on not he this are or his from at "
     "which but have an they you were her she there been one all we their has would when if "
     "so no will more can about other some time them these may only new its into than any "
@@ -26,7 +26,8 @@ _WORDS = (
     "life being under never day same another know while last might us great old year off "
     "come since against go came right used take three small large next early young water "
     "house city place number part music open black white light paper river sound table"
-).split()
+)
+_WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
 
 def poisson_schedule(rate: float, duration: float, seed: int) -> list[float]:

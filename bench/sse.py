@@ -32,15 +32,20 @@ class SSEParser:
         self._buffer = ""
         self._data: list[str] = []
         self._event = ""
+        self._skip_lf = False  # the last chunk ended in CR: a leading LF belongs to it
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        self._buffer += self._decoder.decode(chunk)
-        return self._drain(final=False)
+        text = self._decoder.decode(chunk)
+        if text and self._skip_lf:
+            self._skip_lf = False
+            text = text.removeprefix("\n")
+        self._buffer += text
+        return self._drain()
 
     def close(self) -> list[SSEEvent]:
         """End of stream: flush a last event that lacked its blank line (lenient)."""
         self._buffer += self._decoder.decode(b"", final=True)
-        events = self._drain(final=True)
+        events = self._drain()
         if self._buffer:
             events += self._line(self._buffer)
             self._buffer = ""
@@ -48,17 +53,18 @@ class SSEParser:
             events += self._line("")
         return events
 
-    def _drain(self, *, final: bool) -> list[SSEEvent]:
+    def _drain(self) -> list[SSEEvent]:
         events: list[SSEEvent] = []
         while True:
-            line = self._next_line(final=final)
+            line = self._next_line()
             if line is None:
                 return events
             events += self._line(line)
 
-    def _next_line(self, *, final: bool) -> str | None:
-        """Pop one complete line, or ``None``. A trailing ``\\r`` waits for the
-        next chunk, which may start with the ``\\n`` of the same line break."""
+    def _next_line(self) -> str | None:
+        """Pop one complete line, or ``None``. A ``\\r`` ends a line at once (an
+        event is timed when its bytes arrive); if the next chunk starts with
+        ``\\n``, that ``\\n`` is the rest of the same line break."""
         buf = self._buffer
         cr, lf = buf.find("\r"), buf.find("\n")
         ends = [i for i in (cr, lf) if i >= 0]
@@ -67,9 +73,9 @@ class SSEParser:
         end = min(ends)
         width = 1
         if buf[end] == "\r":
-            if end + 1 == len(buf) and not final:
-                return None
-            if end + 1 < len(buf) and buf[end + 1] == "\n":
+            if end + 1 == len(buf):
+                self._skip_lf = True
+            elif buf[end + 1] == "\n":
                 width = 2
         self._buffer = buf[end + width :]
         return buf[:end]

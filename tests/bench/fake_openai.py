@@ -91,7 +91,7 @@ async def serve(nursery: trio.Nursery, app: FakeOpenAI) -> tuple[str, trio.Event
     """Serve ``app`` in ``nursery``; returns its URL and the event that stops it."""
     stop = trio.Event()
     binds = await nursery.start(
-        lambda task_status: hypercorn_serve(app, _config(), shutdown_trigger=stop.wait,
+        lambda task_status: hypercorn_serve(app, _config(), shutdown_trigger=stop.wait,  # type: ignore[arg-type]
                                             task_status=task_status))
     return binds[0], stop
 

@@ -1,0 +1,209 @@
+"""``headrace bench engine``: throughput of one server at fixed concurrency.
+
+Closed loop on purpose (unlike the load generator): ``c`` streams each send a
+request, wait for its end, send the next, for ``--duration`` seconds per
+level. That holds the batch the server sees at about ``c`` and so measures
+what batching buys: aggregate output tokens/s, per-stream decode tokens/s
+(1 / time per output token) and TTFT at each concurrency. Any OpenAI-compatible
+server works; ``--ignore-eos`` (on by default) makes every request generate
+exactly ``--max-tokens`` so levels are comparable. ``--transformers-baseline``
+also runs :mod:`bench.transformers_baseline` in the same process and quotes
+ratios against it (start the server with the same model and dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from backends.errors import ClientError, HeadraceError
+from bench.cli import add_common_arguments, finish, pick_model
+from bench.client import RequestResult, RequestSpec, send_request
+from bench.connect import discover, make_client
+from bench.loadgen import Sender
+from bench.progress import ProgressBar, run_progress
+from bench.schedule import make_prompt
+from bench.stats import summarize
+
+__all__ = ["format_levels", "main", "run_closed_loop", "summarize_level"]
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.next_index = 0
+        self.results: list[RequestResult] = []
+        self.tokens = 0
+
+    def take(self) -> int:
+        self.next_index += 1
+        return self.next_index - 1
+
+
+async def _stream_worker(send: Sender, loop: _Loop, deadline: float, run_start: float,
+                         seed: int, prompt_tokens: int) -> None:
+    while True:  # at least one request per stream, then until the deadline
+        index = loop.take()
+        result = await send(index, make_prompt(seed, index, prompt_tokens),
+                            trio.current_time(), run_start)
+        loop.results.append(result)
+        loop.tokens += result.output_tokens if result.ok else 0
+        if trio.current_time() >= deadline:
+            return
+
+
+async def run_closed_loop(concurrency: int, duration: float, send: Sender, *, seed: int = 0,
+                          prompt_tokens: int = 32,
+                          progress: ProgressBar | None = None) -> tuple[float, list[RequestResult]]:
+    """``concurrency`` back-to-back streams for ``duration`` s: (wall s, results)."""
+    if concurrency < 1 or duration <= 0:
+        raise ClientError("concurrency must be >= 1 and duration > 0")
+    loop = _Loop()
+    start = trio.current_time()
+
+    def status(now: float) -> tuple[float, str]:
+        return (min(1.0, (now - start) / duration),
+                f"{now - start:5.1f}s done {len(loop.results)} tokens {loop.tokens}")
+
+    async with trio.open_nursery() as outer:
+        if progress is not None:
+            outer.start_soon(run_progress, progress, status)
+        async with trio.open_nursery() as streams:
+            for _ in range(concurrency):
+                streams.start_soon(_stream_worker, send, loop, start + duration, start, seed,
+                                   prompt_tokens)
+        outer.cancel_scope.cancel()
+    wall = trio.current_time() - start
+    if progress is not None:
+        progress.close(f"{wall:5.1f}s done {len(loop.results)} tokens {loop.tokens}")
+    return wall, sorted(loop.results, key=lambda r: r.index)
+
+
+def summarize_level(concurrency: int, wall: float, results: list[RequestResult]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+
+    def ms(values: list[float]) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.to_builtins(summarize(values, scale=1000.0))
+        return out
+
+    return {
+        "concurrency": concurrency, "wall_s": wall, "requests": len(results), "ok": len(ok),
+        "errors": dict(sorted(Counter(r.error for r in results if r.error).items())),
+        "output_tokens": tokens, "aggregate_tok_s": tokens / max(wall, 1e-9),
+        "per_stream_tok_s": msgspec.to_builtins(
+            summarize([1.0 / t for r in ok if (t := r.tpot)])),
+        "ttft_ms": ms([r.ttft for r in ok if r.ttft is not None]),
+        "e2e_ms": ms([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+def format_levels(levels: list[dict[str, Any]]) -> str:
+    head = (f"{'conc':>5} {'req':>5} {'err':>4} {'agg tok/s':>10} {'stream p50':>11} "
+            f"{'stream min':>10} {'ttft p50':>9} {'ttft p99':>9}")
+    lines = [head, "-" * len(head)]
+    for lv in levels:
+        ps, tt = lv["per_stream_tok_s"], lv["ttft_ms"]
+        lines.append(
+            f"{lv['concurrency']:>5} {lv['requests']:>5} {lv['requests'] - lv['ok']:>4} "
+            f"{lv['aggregate_tok_s']:>10.1f} {ps['p50'] or 0:>11.1f} "
+            f"{ps['min'] or 0:>10.1f} {tt['p50'] or 0:>9.1f} {tt['p99'] or 0:>9.1f}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headrace bench engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(p)
+    p.set_defaults(max_tokens=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per concurrency level")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests before the levels")
+    p.add_argument("--transformers-baseline", action="store_true",
+                   help="also time transformers generate() here and quote ratios")
+    p.add_argument("--baseline-dtype", choices=("float32", "bfloat16"), default="float32")
+    return p
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    target = await discover(args.target, args.http, args.api_key)
+    spec = RequestSpec(model=pick_model(args.model, target), endpoint=args.endpoint,
+                       max_tokens=args.max_tokens, stream=True, temperature=args.temperature,
+                       ignore_eos=args.ignore_eos, timeout=args.timeout)
+    levels = []
+    async with make_client(target.url, target.http, max_connections=max(args.concurrency),
+                           api_key=args.api_key, timeout=args.timeout) as client:
+        async def send(index: int, prompt: str, planned: float, run_start: float) -> RequestResult:
+            return await send_request(client, spec, prompt, index=index, start=planned,
+                                      run_start=run_start)
+
+        for i in range(args.warmup):
+            warm = await send(-1 - i, make_prompt(args.seed, -1 - i, args.prompt_tokens),
+                              trio.current_time(), trio.current_time())
+            if not warm.ok:
+                raise ClientError(f"warm-up request failed: {warm.error}: {warm.detail}")
+        for c in args.concurrency:
+            wall, results = await run_closed_loop(
+                c, args.duration, send, seed=args.seed, prompt_tokens=args.prompt_tokens,
+                progress=ProgressBar(f"engine c={c}"))
+            levels.append(summarize_level(c, wall, results))
+    return {"kind": "engine", "target": {"url": target.url, "http": target.http_version},
+            "request": {"model": spec.model, "endpoint": spec.endpoint,
+                        "max_tokens": spec.max_tokens, "prompt_tokens": args.prompt_tokens,
+                        "ignore_eos": spec.ignore_eos},
+            "levels": levels}
+
+
+def baseline_ratios(levels: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
+    """Engine aggregate tok/s over transformers tok/s, where concurrency = batch."""
+    by_c = {lv["concurrency"]: lv for lv in levels}
+    return [{"batch": r["batch"], "engine_tok_s": by_c[r["batch"]]["aggregate_tok_s"],
+             "transformers_tok_s": r["tok_s"],
+             "ratio": by_c[r["batch"]]["aggregate_tok_s"] / r["tok_s"]}
+            for r in baseline["results"] if r["batch"] in by_c]
+
+
+def _plot(document: dict[str, Any], path: Path) -> Path:
+    from bench.plot import plot_engine
+
+    return plot_engine(document["levels"], path)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except HeadraceError as exc:
+        print(f"headrace bench engine: error: {exc.message}", file=sys.stderr)
+        return 2 if isinstance(exc, ClientError) else 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    if any(c < 1 for c in args.concurrency) or args.duration <= 0:
+        raise ClientError("--concurrency values must be >= 1 and --duration > 0")
+    document = trio.run(_run, args)
+    print(format_levels(document["levels"]))
+    if args.transformers_baseline:
+        from bench.transformers_baseline import format_results, run_baseline
+
+        batches = tuple(sorted({c for c in args.concurrency if c in (1, 16)} or {1}))
+        baseline = run_baseline(dtype=args.baseline_dtype, batches=batches,
+                                max_new_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)
+        document["transformers_baseline"] = baseline
+        document["ratios"] = baseline_ratios(document["levels"], baseline)
+        print(format_results(baseline))
+        for r in document["ratios"]:
+            print(f"batch {r['batch']}: engine {r['engine_tok_s']:.1f} tok/s vs transformers "
+                  f"{r['transformers_tok_s']:.1f} = {r['ratio']:.2f}x")
+    finish(args, "engine", document, _plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""The closed-loop engine benchmark: fixed concurrency, throughput per level."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from bench.cli import main
+from bench.client import RequestResult
+from bench.engine_bench import run_closed_loop, summarize_level
+from tests.bench.fake_openai import FakeOpenAI, serve_in_thread
+
+
+async def test_the_closed_loop_keeps_exactly_c_requests_in_flight_until_the_deadline(
+        autojump_clock: trio.testing.MockClock) -> None:
+    in_flight, peak = 0, 0
+
+    async def send(index: int, prompt: str, planned: float, run_start: float) -> RequestResult:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await trio.sleep(1.0)
+        in_flight -= 1
+        return RequestResult(index=index, scheduled=planned - run_start, output_tokens=10,
+                             ttft=0.1, e2e=1.0)
+
+    wall, results = await run_closed_loop(4, 10.0, send)
+    assert peak == 4
+    assert len(results) == 40 and wall == pytest.approx(10.0)  # 4 streams x 10 back-to-back
+    level = summarize_level(4, wall, results)
+    assert level["aggregate_tok_s"] == pytest.approx(40.0)
+    assert level["per_stream_tok_s"]["p50"] == pytest.approx(10.0)  # 9 tokens in 0.9 s
+    assert level["ttft_ms"]["p50"] == pytest.approx(100.0)
+
+
+async def test_every_stream_sends_at_least_once_even_past_a_short_deadline(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async def send(index: int, prompt: str, planned: float, run_start: float) -> RequestResult:
+        await trio.sleep(5.0)
+        return RequestResult(index=index, scheduled=0.0, error="http_503")
+
+    wall, results = await run_closed_loop(3, 1.0, send)
+    assert len(results) == 3 and wall == pytest.approx(5.0)
+    assert summarize_level(3, wall, results)["errors"] == {"http_503": 3}
+
+
+def test_engine_cli_against_a_streaming_server_writes_a_table_json_and_png(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    app = FakeOpenAI(ttft=0.02, gap=0.004)
+    with serve_in_thread(app) as url:
+        rc = main(["engine", "--target", url, "--concurrency", "1", "3", "--duration", "0.5",
+                   "--max-tokens", "8", "--results-dir", str(tmp_path)])
+    assert rc == 0
+    (report,) = tmp_path.glob("engine-*.json")
+    doc = json.loads(report.read_text())
+    assert [lv["concurrency"] for lv in doc["levels"]] == [1, 3]
+    assert all(lv["ok"] == lv["requests"] > 0 for lv in doc["levels"])
+    assert doc["levels"][1]["aggregate_tok_s"] > doc["levels"][0]["aggregate_tok_s"]
+    assert all(b["ignore_eos"] is True and b["max_tokens"] == 8 for b in app.bodies)
+    assert next(tmp_path.glob("engine-*.png")).read_bytes()[:4] == b"\x89PNG"
+    assert "agg tok/s" in capsys.readouterr().out
