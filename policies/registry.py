@@ -37,7 +37,7 @@ class PolicyError(Exception):
 
 def _package(ep: importlib.metadata.EntryPoint) -> str:
     dist = ep.dist
-    return dist.name if dist is not None else ep.value.split(":", 1)[0]
+    return dist.name if dist is not None else ep.value.split(":", 1)[0].split(".", 1)[0]
 
 
 def _discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None) -> dict[str, importlib.metadata.EntryPoint]:

@@ -19,7 +19,7 @@ it is never silently dropped::
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -104,21 +104,20 @@ class BackendActor:
             try:
                 health = await self.backend.health()
                 ok, detail = health.ok, health.detail
+                if ok:
+                    await self._refresh_info()
             except HeadraceError as exc:
-                detail = exc.message
-        if ok:
-            ok, detail = self._refresh_info(detail)
+                ok, detail = False, exc.message
         self._counts["probes"] += 1
         self._counts["probe_failures"] += 0 if ok else 1
         self._detail = detail
         self._apply(HealthEvent.PROBE_OK if ok else HealthEvent.PROBE_FAILED)
 
-    def _refresh_info(self, detail: str) -> tuple[bool, str]:
-        try:
-            self.info = self.backend.info()
-        except HeadraceError as exc:
-            return False, f"info failed: {exc.message}"
-        return True, detail
+    async def _refresh_info(self) -> None:
+        """Re-read the backend's models (adapters over HTTP fetch them in
+        ``refresh()``; in-process ones answer ``info()`` directly)."""
+        refresh: Callable[[], Awaitable[BackendInfo]] | None = getattr(self.backend, "refresh", None)
+        self.info = await refresh() if refresh is not None else self.backend.info()
 
     def _apply(self, event: HealthEvent) -> None:
         before = self.state

@@ -91,6 +91,7 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str | None = None  # default: derived from kind and position
     weight: Positive = 1.0
     model: str | None = None  # for in-process mocks: the model name served
+    options: dict[str, Any] = {}  # adapter settings, e.g. a mock's {tpot_s = 0.05}
 
 
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -6,9 +6,11 @@ routes to when nothing is configured: today two in-process mock backends.
 
 from __future__ import annotations
 
+import msgspec
+
 from backends.base import Backend
 from router.app import NamedBackend
-from router.config import BackendSpec, RouterConfig
+from router.config import BackendSpec, ConfigError, RouterConfig
 
 __all__ = ["build_backend", "build_backends", "default_backends"]
 
@@ -25,11 +27,24 @@ def build_backend(spec: BackendSpec, name: str) -> Backend:
     if spec.url is None:  # config validation allows this for mocks only
         from backends.mock import MockBackend, MockConfig
 
-        mock: Backend = MockBackend(MockConfig(name=name, models=(spec.model or DEFAULT_MODEL,)))
+        unknown = sorted(set(spec.options) - set(MockConfig.__struct_fields__))
+        if unknown:
+            raise ConfigError(f"backend {name!r}: unknown mock options: {', '.join(unknown)}")
+        fields = {"name": name, "models": (spec.model or DEFAULT_MODEL,), **spec.options}
+        try:
+            config = msgspec.convert(fields, MockConfig)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"backend {name!r}: invalid options: {exc}") from None
+        mock: Backend = MockBackend(config)
         return mock
+    if spec.options:
+        raise ConfigError(f"backend {name!r}: options are only understood by in-process mocks")
     from backends.openai_http import OpenAIHTTPBackend
 
-    http: Backend = OpenAIHTTPBackend(spec.url, name=name)
+    try:
+        http: Backend = OpenAIHTTPBackend(spec.url, name=name, token_ids=True if spec.kind == "engine" else "auto")
+    except ValueError as exc:
+        raise ConfigError(f"backend {name!r}: {exc}") from None
     return http
 
 

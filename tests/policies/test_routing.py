@@ -1,0 +1,125 @@
+"""Routing policies are plain synchronous objects with exact, checkable output."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.base import BackendView, RouteRequest, RoutingPolicy
+from policies.registry import PolicyError, available, create_policy
+from policies.routing import LeastLoaded, RoundRobin
+
+REQ = RouteRequest(model="m")
+POLICIES_DIR = Path(__file__).resolve().parents[2] / "policies"
+
+
+def views(*names: str, **loads: int) -> list[BackendView]:
+    return [BackendView(name=n, in_flight=loads.get(n, 0)) for n in names]
+
+
+def test_policies_never_import_io_libraries() -> None:
+    """Sans-I/O: no module in policies/ imports trio, httpx, hypercorn (or router/backends)."""
+    banned = {"trio", "httpx", "hypercorn", "h2", "anyio", "asyncio", "socket", "time", "router", "backends"}
+    files = sorted(POLICIES_DIR.glob("*.py"))
+    assert files
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in banned, f"{path.name} imports {name}"
+
+
+def test_round_robin_cycles_equal_backends_in_order() -> None:
+    rr = RoundRobin()
+    picks = [rr.pick(views("a", "b", "c"), REQ, 0.0) for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_round_robin_is_smooth_for_weights() -> None:
+    """nginx's example: weights 5,1,1 interleave as a a b a c a a."""
+    rr = RoundRobin()
+    cands = [BackendView(name="a", weight=5), BackendView(name="b"), BackendView(name="c")]
+    assert "".join(rr.pick(cands, REQ, 0.0) or "" for _ in range(7)) == "aabacaa"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=5), st.integers(1, 3))
+def test_round_robin_serves_each_backend_exactly_its_weight_per_cycle(weights: list[int], cycles: int) -> None:
+    rr = RoundRobin()
+    cands = [BackendView(name=f"b{i}", weight=w) for i, w in enumerate(weights)]
+    counts = Counter(rr.pick(cands, REQ, 0.0) for _ in range(sum(weights) * cycles))
+    assert counts == {f"b{i}": w * cycles for i, w in enumerate(weights)}
+
+
+def test_round_robin_skips_a_backend_that_left_and_takes_it_back() -> None:
+    rr = RoundRobin()
+    assert [rr.pick(views("a", "b"), REQ, 0.0) for _ in range(2)] == ["a", "b"]
+    assert [rr.pick(views("b"), REQ, 0.0) for _ in range(2)] == ["b", "b"]
+    assert sorted(rr.pick(views("a", "b"), REQ, 0.0) or "" for _ in range(2)) == ["a", "b"]
+
+
+def test_least_loaded_picks_fewest_in_flight_per_weight() -> None:
+    ll = LeastLoaded()
+    assert ll.pick(views("a", "b", "c", a=3, b=1, c=2), REQ, 0.0) == "b"
+    heavy = [BackendView(name="a", in_flight=4, weight=4), BackendView(name="b", in_flight=2)]
+    assert ll.pick(heavy, REQ, 0.0) == "a"  # 4/4 = 1 < 2/1
+
+
+def test_least_loaded_rotates_among_ties() -> None:
+    ll = LeastLoaded()
+    picks = [ll.pick(views("x", "y", "z", z=1), REQ, 0.0) for _ in range(4)]
+    assert picks == ["x", "y", "x", "y"]
+
+
+@pytest.mark.parametrize("policy", [RoundRobin(), LeastLoaded()])
+def test_no_candidates_means_no_pick(policy: RoutingPolicy) -> None:
+    assert policy.pick([], REQ, 0.0) is None
+
+
+def test_registry_finds_builtins_by_name() -> None:
+    assert available() == ["least_loaded", "round_robin"]
+    assert isinstance(create_policy("round_robin"), RoundRobin)
+    assert isinstance(create_policy("least_loaded"), LeastLoaded)
+
+
+def test_registry_rejects_unknown_names_listing_known_ones() -> None:
+    with pytest.raises(PolicyError, match="unknown routing policy 'nope'; known: least_loaded, round_robin"):
+        create_policy("nope")
+
+
+def _ep(name: str, value: str) -> importlib.metadata.EntryPoint:
+    return importlib.metadata.EntryPoint(name, value, "headrace.policies")
+
+
+def test_plugin_policy_is_loaded_from_its_entry_point() -> None:
+    eps = [_ep("lucky", "policies.routing:LeastLoaded"), _ep("round_robin", "policies.routing:RoundRobin")]
+    assert available(eps) == ["least_loaded", "lucky", "round_robin"]
+    assert isinstance(create_policy("lucky", eps), LeastLoaded)
+
+
+def test_failing_plugin_raises_an_error_naming_its_package() -> None:
+    eps = [_ep("broken", "acme_routing.missing:Policy")]
+    with pytest.raises(PolicyError, match="'broken' from package acme_routing failed to load"):
+        create_policy("broken", eps)
+
+
+def test_plugin_without_pick_is_rejected() -> None:
+    eps = [_ep("odd", "collections:OrderedDict")]
+    with pytest.raises(PolicyError, match="no pick"):
+        create_policy("odd", eps)
+
+
+def test_two_packages_claiming_one_name_is_an_error() -> None:
+    eps = [_ep("round_robin", "acme.rr:RR")]
+    with pytest.raises(PolicyError, match="registered twice"):
+        available(eps)

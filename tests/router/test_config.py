@@ -1,0 +1,108 @@
+"""The TOML config decodes into frozen Structs; mistakes exit 2 with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from router.config import BackendSpec, ConfigError, RouterConfig, decode_config, load_config, with_overrides
+from router.factory import build_backends, default_backends
+from router.server import main
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "headrace.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_full_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            """
+[server]
+port = 0
+drain_timeout = 5
+[routing]
+policy = "least_loaded"
+[auth]
+keys = { "sk-a" = "team-a" }
+[[backends]]
+url = "http://127.0.0.1:9000"
+name = "gpu-a"
+weight = 2
+[[backends]]
+kind = "mock"
+""",
+        )
+    )
+    assert config.server.port == 0 and config.server.drain_timeout == 5.0
+    assert config.routing.policy == "least_loaded"
+    assert config.auth.keys == {"sk-a": "team-a"}
+    assert config.backend_names() == ["gpu-a", "mock-1"]
+    assert config.backends[0] == BackendSpec(url="http://127.0.0.1:9000", name="gpu-a", weight=2.0)
+
+
+def test_no_file_means_defaults_and_defaults_are_two_mocks() -> None:
+    config = load_config(None)
+    assert config == RouterConfig()
+    assert [s.kind for s in default_backends(config)] == ["mock", "mock"]
+    assert [b.name for b in build_backends(config)] == ["mock-0", "mock-1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server]\nprot = 1", "unknown field `prot`"),
+        ("[server]\nport = 70000", "$.server.port"),
+        ("[routing]\nmax_attempts = 0", "$.routing.max_attempts"),
+        ("[[backends]]\nurl = 'http://a'\nweight = -1", "$.backends[0].weight"),
+        ("[[backends]]\nkind = 'openai'", "needs a url"),
+        ("[[backends]]\nkind = 'grpc'\nurl = 'http://a'", "$.backends[0].kind"),
+        ("[[backends]]\nurl = 'ftp://a'", "must start with http"),
+        ("[[backends]]\nurl = 'http://a'\nname='x'\n[[backends]]\nurl = 'http://b'\nname='x'", "repeated: x"),
+        ("[server]\ncertfile = 'c.pem'", "go together"),
+        ("port = [", "not valid TOML"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_command_line_overrides_fields() -> None:
+    config = with_overrides(RouterConfig(), port=0, policy="least_loaded", host=None)
+    assert (config.server.port, config.routing.policy, config.server.host) == (0, "least_loaded", "127.0.0.1")
+    with pytest.raises(ConfigError, match="no configuration field named 'nope'"):
+        with_overrides(RouterConfig(), nope=1)
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        RouterConfig().server.port = 1  # type: ignore[misc]
+    assert msgspec.to_builtins(RouterConfig())["server"]["drain_timeout"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "-1"], "server.port"),
+        (["--policy", "fastest"], "unknown routing policy 'fastest'"),
+        (["--config", "/nonexistent.toml"], "cannot read config"),
+        (["--backend", "localhost:9"], "must start with http"),
+    ],
+)
+def test_serve_exits_2_on_bad_config(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("headrace serve: ") and message in err
+
+
+def test_serve_mock_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "[[backends]]\nkind = 'mock'\noptions = { tpot = 1 }")
+    assert main(["--config", path]) == 2
+    assert "unknown mock options: tpot" in capsys.readouterr().err

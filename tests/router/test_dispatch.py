@@ -1,0 +1,144 @@
+"""The dispatcher routes through the policy, retries before the first token,
+refuses with 503 when nothing is eligible, and records timings."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from backends.base import Event, GenerateRequest
+from backends.errors import BackendProtocolError, BackendUnavailable, BadRequest, StreamBroken
+from policies.routing import LeastLoaded, RoundRobin
+from router.actors import BackendActor
+from router.dispatch import Dispatcher, route_request
+from tests.router.fakes import FakeBackend
+
+
+class ListRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float]] = []
+
+    def queue_time(self, backend: str, seconds: float) -> None:
+        self.calls.append(("queue", backend, seconds))
+
+    def time_to_first_token(self, backend: str, seconds: float) -> None:
+        self.calls.append(("ttft", backend, seconds))
+
+    def inter_token_latency(self, backend: str, seconds: float) -> None:
+        self.calls.append(("itl", backend, seconds))
+
+
+async def actors_for(*fakes: FakeBackend) -> list[BackendActor]:
+    actors = [BackendActor(f.name, f) for f in fakes]
+    for a in actors:
+        await a.probe()
+    return actors
+
+
+async def collect(d: Dispatcher, **kw: object) -> list[Event]:
+    return [e async for e in d.stream(GenerateRequest(**kw))]  # type: ignore[arg-type]
+
+
+async def test_round_robin_spreads_requests_over_backends() -> None:
+    a, b = FakeBackend("a"), FakeBackend("b")
+    d = Dispatcher(await actors_for(a, b), RoundRobin())
+    for _ in range(4):
+        events = await collect(d, max_tokens=2)
+        assert [e.text for e in events] == [" t0", " t1"]
+    assert (a.started, b.started) == (2, 2)
+
+
+async def test_failure_before_first_token_is_retried_on_another_backend() -> None:
+    bad = FakeBackend("a", fail_before=BackendUnavailable("refused"))
+    good = FakeBackend("b")
+    d = Dispatcher(await actors_for(bad, good), RoundRobin())
+    events = await collect(d, max_tokens=3)
+    assert "".join(e.text for e in events) == " t0 t1 t2"
+    assert (bad.started, good.started) == (1, 1)
+    assert d.statistics().retries == 1
+
+
+async def test_attempts_are_bounded_and_the_last_error_is_raised() -> None:
+    fakes = [FakeBackend(n, fail_before=BackendProtocolError(f"{n} garbled")) for n in "abc"]
+    d = Dispatcher(await actors_for(*fakes), RoundRobin(), max_attempts=2)
+    with pytest.raises(BackendProtocolError, match="b garbled"):
+        await collect(d)
+    assert [f.started for f in fakes] == [1, 1, 0]
+
+
+async def test_client_errors_are_not_retried() -> None:
+    a, b = FakeBackend("a", fail_before=BadRequest("bad prompt")), FakeBackend("b")
+    d = Dispatcher(await actors_for(a, b), RoundRobin())
+    with pytest.raises(BadRequest):
+        await collect(d)
+    assert b.started == 0
+
+
+async def test_failure_after_first_token_is_passed_on_not_retried() -> None:
+    a, b = FakeBackend("a", break_after=2), FakeBackend("b")
+    d = Dispatcher(await actors_for(a, b), RoundRobin())
+    got = []
+    with pytest.raises(StreamBroken):
+        async for event in d.stream(GenerateRequest(max_tokens=5)):
+            got += event.token_ids
+    assert got == [0, 1] and b.started == 0
+
+
+async def test_no_eligible_backend_is_unavailable_with_retry_after() -> None:
+    a = FakeBackend("a", models=("m",))
+    actors = await actors_for(a)
+    d = Dispatcher(actors, RoundRobin(), retry_after=3.0)
+    with pytest.raises(BackendUnavailable) as info:
+        await collect(d, model="other")
+    assert info.value.retry_after == 3.0 and info.value.status == 503
+    actors[0].drain()
+    with pytest.raises(BackendUnavailable):
+        await collect(d, model="m")
+    assert not d.ready()
+    assert d.statistics().unavailable == 2
+
+
+async def test_draining_backend_gets_no_new_requests() -> None:
+    a, b = FakeBackend("a"), FakeBackend("b")
+    actors = await actors_for(a, b)
+    d = Dispatcher(actors, RoundRobin())
+    actors[0].drain()
+    for _ in range(3):
+        await collect(d)
+    assert (a.started, b.started) == (0, 3)
+
+
+async def test_model_routes_only_to_backends_serving_it_and_info_is_the_union() -> None:
+    a, b = FakeBackend("a", models=("x",)), FakeBackend("b", models=("y", "x"))
+    d = Dispatcher(await actors_for(a, b), RoundRobin())
+    for _ in range(3):
+        await collect(d, model="y")
+    assert (a.started, b.started) == (0, 3)
+    assert d.info().models == ("x", "y")
+
+
+async def test_least_loaded_sends_new_requests_to_the_idle_backend() -> None:
+    a, b = FakeBackend("a", delay=1.0), FakeBackend("b", delay=1.0)
+    d = Dispatcher(await actors_for(a, b), LeastLoaded())
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(collect, d)
+            await trio.sleep(0)
+            await trio.sleep(0)
+        assert (a.in_flight, b.in_flight) == (2, 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_timings_are_recorded_per_backend(autojump_clock: trio.testing.MockClock) -> None:
+    rec = ListRecorder()
+    d = Dispatcher(await actors_for(FakeBackend("a", delay=0.25)), RoundRobin(), recorder=rec)
+    await collect(d, max_tokens=3)
+    assert rec.calls == [("queue", "a", 0.0), ("ttft", "a", 0.25), ("itl", "a", 0.25), ("itl", "a", 0.25)]
+
+
+def test_route_request_carries_what_policies_may_use() -> None:
+    r = route_request(GenerateRequest(request_id="r1", model="m", prompt="x" * 1000, tenant="t", priority=2))
+    assert (r.request_id, r.model, r.tenant, r.priority, len(r.prefix)) == ("r1", "m", "t", 2, 256)
+    r = route_request(GenerateRequest(prompt_token_ids=[5, 6]))
+    assert r.prompt_token_ids == (5, 6)
