@@ -76,25 +76,30 @@ def sample(
     params = [s.params for s in seqs]
     raw = logits.float()
     lps = _logprobs(raw, params)
-    x = raw.clone()
-    _apply_penalties(x, seqs, pos)
-    _mask_min_tokens(x, seqs, pos, eos_token_ids)
+    x = raw
+    if any(p.has_penalties or p.min_tokens for p in params):
+        x = raw.clone()  # edit a copy: the logprobs above are of the model's logits
+        _apply_penalties(x, seqs, pos)
+        _mask_min_tokens(x, seqs, pos, eos_token_ids)
     tokens = _choose(x, params, pos)
     return [(t, _pick_logprob(lps, i, t, params[i].logprobs or 0)) for i, t in enumerate(tokens)]
 
 
 def _choose(x: torch.Tensor, params: list[SamplingParams], pos: list[int]) -> list[int]:
     # x: [N, V] float32, penalties and masks applied
-    out = x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        sub = [params[i] for i in rows]
-        keys = [(p.seed or 0, pos[i]) for i, p in zip(rows, sub, strict=True)]
-        idx = torch.tensor(rows, device=x.device)
-        y = x.index_select(0, idx)
-        y = apply_sampling_masks(y, sub)
-        y += gumbel_noise(keys, x.shape[1]).to(y.device)
-        out[idx] = y.argmax(dim=-1)
+    if not rows:
+        return x.argmax(dim=-1).tolist()
+    sub = [params[i] for i in rows]
+    keys = [(p.seed or 0, pos[i]) for i, p in zip(rows, sub, strict=True)]
+    every = len(rows) == len(params)
+    idx = torch.tensor(rows, device=x.device)
+    y = apply_sampling_masks(x if every else x.index_select(0, idx), sub)  # a new tensor
+    y += gumbel_noise(keys, x.shape[1]).to(y.device)
+    if every:
+        return y.argmax(dim=-1).tolist()
+    out = x.argmax(dim=-1)
+    out[idx] = y.argmax(dim=-1)
     return out.tolist()
 
 
@@ -122,15 +127,33 @@ def _top_k(y: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
 
 def _top_p(y: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability sums to >= p."""
-    sorted_y, order = y.sort(dim=-1, descending=True)
-    probs = sorted_y.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    p = torch.tensor(ps, dtype=y.dtype, device=y.device).unsqueeze(1)
-    drop_sorted = before >= p
-    drop_sorted[:, 0] = False  # the most likely token always stays
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return y.masked_fill(drop, float("-inf"))
+    """Keep the smallest set of most likely tokens whose probability sums to >= p.
+
+    A full sort of the vocabulary is slow on CPU (~6 ms per 49k row), so the
+    cut is searched in the top 256 candidates first and widened only for rows
+    whose nucleus is larger: exact, and cheap for the peaked distributions
+    language models produce."""
+    rows = [i for i, p in enumerate(ps) if p < 1.0]
+    idx = torch.tensor(rows, device=y.device)
+    sub = y.index_select(0, idx)
+    p = torch.tensor([ps[i] for i in rows], dtype=y.dtype, device=y.device).unsqueeze(1)
+    probs = sub.softmax(dim=-1)
+    vocab = y.shape[1]
+    k = min(_TOP_P_CANDIDATES, vocab)
+    while True:
+        vals, order = probs.topk(k, dim=-1)  # [R, k], descending
+        if k == vocab or bool((vals.sum(dim=-1, keepdim=True) >= p).all()):
+            break
+        k = min(vocab, k * 8)
+    keep_sorted = (vals.cumsum(dim=-1) - vals) < p  # mass strictly before each token < p
+    keep_sorted[:, 0] = True  # the most likely token always stays
+    drop = torch.ones_like(sub, dtype=torch.bool).scatter_(1, order, ~keep_sorted)
+    out = y.clone()
+    out[idx] = sub.masked_fill(drop, float("-inf"))
+    return out
+
+
+_TOP_P_CANDIDATES = 256
 
 
 def _min_p(y: torch.Tensor, mps: list[float]) -> torch.Tensor:

@@ -142,3 +142,27 @@ def test_sampled_token_is_never_masked_out() -> None:
     masked = apply_sampling_masks(logits, [s.params for s in seqs])
     for i, (tok, _) in enumerate(sample(logits, seqs)):
         assert torch.isfinite(masked[i, tok])
+
+
+def reference_top_p(row: torch.Tensor, p: float) -> set[int]:
+    probs = row.softmax(-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    keep, mass = set(), 0.0
+    for i in order:
+        if mass >= p:
+            break
+        keep.add(i)
+        mass += probs[i]
+    return keep
+
+
+def test_top_p_is_exact_for_wide_nuclei_and_mixed_rows() -> None:
+    """Flat rows need more than the first candidate window; peaked ones do not."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.randn(2, 3000, generator=g) * 0.3, torch.randn(2, 3000, generator=g) * 6])
+    ps = [0.9, 1.0, 0.5, 0.95]
+    y = apply_sampling_masks(x, [SamplingParams(top_p=p) for p in ps])
+    for i, p in enumerate(ps):
+        expected = set(range(3000)) if p == 1.0 else reference_top_p(x[i], p)
+        assert kept(y[i : i + 1]) == expected
+    assert len(kept(y[0:1])) > 256  # the widening path ran
