@@ -29,7 +29,15 @@ import torch
 from backends.base import Logprob, TopLogprob
 from backends.engine.sequence import SamplingParams, Sequence
 
-__all__ = ["SampleResult", "noise_seed", "sample"]
+__all__ = [
+    "SampleResult",
+    "apply_penalties",
+    "apply_sampling_masks",
+    "gumbel_noise",
+    "mask_min_tokens",
+    "noise_seed",
+    "sample",
+]
 
 SampleResult = tuple[int, Logprob | None]
 
@@ -79,8 +87,8 @@ def sample(
     x = raw
     if any(p.has_penalties or p.min_tokens for p in params):
         x = raw.clone()  # edit a copy: the logprobs above are of the model's logits
-        _apply_penalties(x, seqs, pos)
-        _mask_min_tokens(x, seqs, pos, eos_token_ids)
+        apply_penalties(x, seqs, pos)
+        mask_min_tokens(x, seqs, pos, eos_token_ids)
     tokens = _choose(x, params, pos)
     return [(t, _pick_logprob(lps, i, t, params[i].logprobs or 0)) for i, t in enumerate(tokens)]
 
@@ -164,7 +172,7 @@ def _min_p(y: torch.Tensor, mps: list[float]) -> torch.Tensor:
     return y.masked_fill(probs < thresh, float("-inf"))
 
 
-def _apply_penalties(x: torch.Tensor, seqs: Seq[Sequence], pos: list[int]) -> None:
+def apply_penalties(x: torch.Tensor, seqs: Seq[Sequence], pos: list[int]) -> None:
     """In place. Repetition over prompt + output; presence/frequency over output.
     Only rows that ask for penalties pay for reading their tokens."""
     for i, s in enumerate(seqs):
@@ -182,7 +190,7 @@ def _apply_penalties(x: torch.Tensor, seqs: Seq[Sequence], pos: list[int]) -> No
             x[i, ids] -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty
 
 
-def _mask_min_tokens(
+def mask_min_tokens(
     x: torch.Tensor, seqs: Seq[Sequence], pos: list[int], eos_token_ids: Seq[int]
 ) -> None:
     """In place: until ``min_tokens`` are out, EOS (unless ignored) and stop ids
@@ -220,3 +228,8 @@ def _pick_logprob(lps: dict[int, torch.Tensor], row: int, token: int, n: int) ->
             for t, v in zip(ids.tolist(), vals.tolist(), strict=True)
         ]
     return Logprob(token_id=token, logprob=float(lp[token]), top=top)
+
+
+# Former private names, still imported by speculative verification.
+_apply_penalties = apply_penalties
+_mask_min_tokens = mask_min_tokens

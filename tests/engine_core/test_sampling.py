@@ -104,13 +104,13 @@ def test_repetition_presence_and_frequency_penalties() -> None:
     s = seq([0, 1], out=[2, 2], temperature=0.0, repetition_penalty=2.0)
     # token 0 (prompt): 2.0 / 2 = 1.0; token 1: -2 * 2 = -4; token 2 (output): 0.5; 3 untouched: 1.0
     x = logits.clone()
-    from backends.engine.sampling import _apply_penalties
+    from backends.engine.sampling import apply_penalties
 
-    _apply_penalties(x, [s], [len(s.token_ids)])
+    apply_penalties(x, [s], [len(s.token_ids)])
     assert x.tolist() == [[1.0, -4.0, 0.5, 1.0, 0.5]]
     s2 = seq([0, 1], out=[2, 2, 3], temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25)
     x = logits.clone()
-    _apply_penalties(x, [s2], [len(s2.token_ids)])
+    apply_penalties(x, [s2], [len(s2.token_ids)])
     # prompt tokens untouched; 2: 1 - 0.5 - 2*0.25 = 0; 3: 1 - 0.5 - 0.25 = 0.25
     assert x.tolist() == [[2.0, -2.0, 0.0, 0.25, 0.5]]
 
