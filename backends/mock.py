@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Literal
 
 import msgspec
@@ -393,10 +394,11 @@ class MockBackend:
         outcome = "cancelled"
         try:
             gen = _Generation(prompt, seed, limit, request, self.config.vocab)
-            async for event in self._run(gen, prompt, seed, faults):
-                if event.finish_reason is not None:
-                    outcome = "completed"
-                yield event
+            async with aclosing(self._run(gen, prompt, seed, faults)) as events:
+                async for event in events:
+                    if event.finish_reason is not None:
+                        outcome = "completed"
+                    yield event
             outcome = "completed"
         except HeadraceError:
             outcome = "failed"

@@ -30,7 +30,8 @@ from __future__ import annotations
 import email.utils
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 import h2.errors
@@ -498,10 +499,11 @@ class OpenAIHTTPBackend:
         self._started += 1
         outcome = "cancelled"
         try:
-            async for event in self._stream(path, payload):
-                if event.finish_reason is not None:
-                    outcome = "completed"
-                yield event
+            async with aclosing(self._stream(path, payload)) as events:
+                async for event in events:
+                    if event.finish_reason is not None:
+                        outcome = "completed"
+                    yield event
         except HeadraceError:
             outcome = "failed"
             raise
@@ -565,8 +567,9 @@ class OpenAIHTTPBackend:
         response = await self._open(path, payload)
         try:
             parser = _ChunkParser(chat=path.endswith("/chat/completions"))
-            async for event in self._events(response, parser):
-                yield event
+            async with aclosing(self._events(response, parser)) as events:
+                async for event in events:
+                    yield event
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 await _reset_h2_stream(response)
@@ -600,20 +603,22 @@ class OpenAIHTTPBackend:
                 f"expected an SSE stream, got {content_type or 'no content type'!r}"
             )
         decoder = SSEDecoder()
-        chunks = response.aiter_bytes().__aiter__()
-        while True:
-            chunk = await self._next_chunk(chunks, parser)
-            if chunk is None:
-                break
-            for data in decoder.feed(chunk):
-                events = parser.feed(data)
-                self._saw_ids = self._saw_ids or parser.saw_ids
-                for event in events:
-                    yield event
+        async with aclosing(response.aiter_bytes()) as chunks:
+            while True:
+                chunk = await self._next_chunk(chunks, parser)
+                if chunk is None:
+                    break
+                for data in decoder.feed(chunk):
+                    events = parser.feed(data)
+                    self._saw_ids = self._saw_ids or parser.saw_ids
+                    for event in events:
+                        yield event
         if not parser.done:
             raise StreamBroken(f"stream ended without [DONE] after {parser.events} events")
 
-    async def _next_chunk(self, chunks: AsyncIterator[bytes], parser: _ChunkParser) -> bytes | None:
+    async def _next_chunk(
+        self, chunks: AsyncGenerator[bytes, None], parser: _ChunkParser
+    ) -> bytes | None:
         """The next bytes, or None at the end; a gap over the stall timeout
         (or a break) becomes an error, with the tokens-so-far telling which."""
         timeout = self.stall_timeout if parser.events or parser.done else self.first_token_timeout
