@@ -140,9 +140,23 @@ def _plot_load(document: dict[str, Any], path: Path) -> Path:
     return plot_load(document["runs"], path)
 
 
+LAG_WARN_MS = 20.0
+
+
+def warn_if_behind(runs: list[dict[str, Any]]) -> None:
+    """Say so when the client itself sent late: its own delay is in the latencies."""
+    for run in runs:
+        lag = run["lag_ms"]["p99"]
+        if lag is not None and lag > LAG_WARN_MS:
+            print(f"headrace bench: warning: {run['label']} at {run['rate']:g} rps sent p99 "
+                  f"{lag:.0f} ms late; the client is a bottleneck (fewer rps or more cores)",
+                  file=sys.stderr)
+
+
 def _load_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     document = trio.run(run_load, args)
+    warn_if_behind(document["runs"])
     print(format_table(document["runs"]))
     if document["router_added_latency"]:
         print()
