@@ -7,7 +7,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.config import BackendSpec, ConfigError, RouterConfig, decode_config, load_config, with_overrides
+from router.config import (
+    BackendSpec,
+    ConfigError,
+    RouterConfig,
+    load_config,
+    with_overrides,
+)
 from router.factory import build_backends, default_backends
 from router.server import main
 

@@ -124,8 +124,7 @@ async def test_least_loaded_sends_new_requests_to_the_idle_backend() -> None:
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(collect, d)
-            await trio.sleep(0)
-            await trio.sleep(0)
+            await trio.testing.wait_all_tasks_blocked()
         assert (a.in_flight, b.in_flight) == (2, 2)
         nursery.cancel_scope.cancel()
 
