@@ -12,15 +12,55 @@ sequence (n-gram -> where its most recent continuation starts), so a step costs
 O(new tokens · max_n) rather than a rescan of a long context. Both only ever read
 tokens that are committed (drafts are appended after proposing).
 
-The draft-model proposer lives in :mod:`backends.engine.speculative` since it needs
-a runner; it proposes through the same interface.
+A draft model (:class:`DraftProposer`) is any cheaper model with the target's
+vocabulary that a runner can drive: a quantised copy, or the target's first layers
+with its head (:func:`layer_skip_model`, weights shared). It keeps its own paged KV
+tensor indexed by the *target's* block tables (same block ids, its own layers), so
+it needs no allocator of its own; per sequence it remembers how many positions its
+KV covers and catches up (prompt, accepted tokens) in the first of its ``k`` passes.
+Its KV in blocks shared through the prefix cache may have been written by a
+sequence that never drafted: that only lowers acceptance, never correctness,
+because verification is exact.
+
+Draft sampling, per request: greedy requests draft the argmax; sampled requests
+either draw with the *target's* noise for (seed, position) ("match" mode: the
+proposal is a deterministic function of the prefix, so verification can use the
+match rule and the output is bit-identical to plain decoding), or draw from the
+draft distribution ``q`` with independent keyed noise ("rejection" mode: the
+engine verifies with Leviathan/Chen rejection sampling and needs ``q``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-__all__ = ["NgramProposer", "ngram_propose"]
+import torch
+from torch import nn
+
+from backends.engine.sampling import sample
+from backends.engine.scheduler import ScheduledSeq
+from backends.engine.sequence import Sequence
+from backends.engine.spec_verify import DRAFT_STREAM, keyed_gumbel, processed_logits
+
+__all__ = [
+    "DraftProposal",
+    "DraftProposer",
+    "NgramProposer",
+    "TokenProposer",
+    "layer_skip_model",
+    "ngram_propose",
+]
+
+
+class TokenProposer(Protocol):
+    """A model-free proposer (the n-gram one; tests plug in an oracle): up to
+    ``k`` guesses after ``tokens`` (committed tokens only)."""
+
+    def propose(self, seq_id: str, tokens: Seq[int], k: int) -> list[int]: ...
+
+    def forget(self, seq_id: str) -> None: ...
 
 
 def _check_n(min_n: int, max_n: int) -> None:
@@ -98,3 +138,137 @@ class NgramProposer:
     @property
     def num_tracked(self) -> int:
         return len(self._index)
+
+
+# -- draft model ----------------------------------------------------------------
+
+
+def layer_skip_model(target: Any, num_layers: int) -> Any:
+    """A draft that is ``target``'s first ``num_layers`` layers plus its final norm
+    and head, sharing their weights (no copy). ``target``: a ``model.Transformer``."""
+    if not 1 <= num_layers <= target.args.n_layers:
+        raise ValueError(f"num_layers must be in [1, {target.args.n_layers}], got {num_layers}")
+    cls = type(target)
+    draft = cls.__new__(cls)
+    nn.Module.__init__(draft)
+    draft.args = replace(target.args, n_layers=num_layers)
+    draft.tok_embeddings = target.tok_embeddings
+    draft.layers = nn.ModuleList(list(target.layers)[:num_layers])
+    draft.norm = target.norm
+    draft.output = target.output
+    draft.rope = target.rope
+    return draft
+
+
+@dataclass
+class DraftProposal:
+    """Per sequence: the drafted tokens and, for rejection-mode rows, the draft
+    distributions they were drawn from (``q``: ``[len(tokens), V]``, else None)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class DraftProposer:
+    """Drafts ``k`` tokens per sequence with a draft runner in ``k`` batched passes.
+    ``runner``: ``execute(scheduled, logits_per_seq=None) -> Tensor[N, V]``, built
+    with the target's ``num_kv_blocks`` and ``block_size``."""
+
+    def __init__(self, runner: Any, *, rejection: bool = False) -> None:
+        self.runner = runner
+        self.rejection = rejection
+        self._kv: dict[str, tuple[int, int]] = {}  # seq_id -> (num_preemptions, draft KV length)
+
+    def propose(
+        self, seqs: Seq[Sequence], ks: Seq[int], eos_token_ids: Seq[int] = ()
+    ) -> DraftProposal:
+        """Draft ``ks[i]`` tokens after ``seqs[i]``'s tokens. Blocks for
+        ``len(token_ids) + ks[i] - 1`` positions must already be allocated.
+        ``token_ids`` is left as it was."""
+        out = DraftProposal(tokens=[[] for _ in seqs], probs=[None for _ in seqs])
+        lengths = [len(s.token_ids) for s in seqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        try:
+            for step in range(max(ks, default=0)):
+                active = [i for i, k in enumerate(ks) if k > step]
+                self._one_pass([seqs[i] for i in active], active, step, out, q_rows, eos_token_ids)
+        finally:
+            for seq, n in zip(seqs, lengths, strict=True):
+                del seq.token_ids[n:]
+        for i, rows in enumerate(q_rows):
+            if rows:
+                out.probs[i] = torch.stack(rows)
+        for seq, n, k in zip(seqs, lengths, ks, strict=True):
+            if k > 0:
+                self._kv[seq.seq_id] = (seq.num_preemptions, n + k - 1)
+        return out
+
+    def _one_pass(
+        self,
+        seqs: list[Sequence],
+        index: list[int],
+        step: int,
+        out: DraftProposal,
+        q_rows: list[list[torch.Tensor]],
+        eos: Seq[int],
+    ) -> None:
+        items = [self._item(s, step) for s in seqs]
+        logits = self.runner.execute(items)  # [len(seqs), V]
+        positions = [len(s.token_ids) for s in seqs]
+        tokens = [t for t, _ in sample(logits, seqs, eos, positions)]  # coupled: target's noise
+        if self.rejection:
+            tokens = self._draw_from_q(logits, seqs, positions, tokens, index, q_rows, eos)
+        for seq, i, t in zip(seqs, index, tokens, strict=True):
+            out.tokens[i].append(t)
+            seq.token_ids.append(t)
+
+    def _item(self, seq: Sequence, step: int) -> ScheduledSeq:
+        end = len(seq.token_ids)
+        if step > 0:
+            return ScheduledSeq(seq, 1, start=end - 1)
+        start = self.kv_length(seq)
+        start = min(start, end - 1)
+        return ScheduledSeq(seq, end - start, start=start)
+
+    def _draw_from_q(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        positions: list[int],
+        tokens: list[int],
+        index: list[int],
+        q_rows: list[list[torch.Tensor]],
+        eos: Seq[int],
+    ) -> list[int]:
+        """Sampled rows draw from q with the draft stream's noise; greedy rows keep argmax."""
+        rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        if not rows:
+            return tokens
+        sub = [seqs[j] for j in rows]
+        pos = [positions[j] for j in rows]
+        y = processed_logits(logits[rows], sub, eos, pos)  # [R, V]
+        q = y.softmax(dim=-1)
+        keys = [(s.params.seed or 0, p) for s, p in zip(sub, pos, strict=True)]
+        drawn = (y + keyed_gumbel(keys, y.shape[1], DRAFT_STREAM).to(y.device)).argmax(dim=-1)
+        tokens = list(tokens)
+        for r, j in enumerate(rows):
+            tokens[j] = int(drawn[r])
+            q_rows[index[j]].append(q[r].float().cpu())
+        return tokens
+
+    def kv_length(self, seq: Sequence) -> int:
+        """Positions of ``seq`` whose draft KV is valid (0 after a preemption)."""
+        state = self._kv.get(seq.seq_id)
+        if state is None or state[0] != seq.num_preemptions:
+            return 0
+        return state[1]
+
+    def accepted(self, seq: Sequence, num_tokens: int) -> None:
+        """After verification: the sequence now has ``num_tokens`` tokens; draft KV
+        past the last accepted draft is stale."""
+        state = self._kv.get(seq.seq_id)
+        if state is not None:
+            self._kv[seq.seq_id] = (state[0], min(state[1], num_tokens - 1))
+
+    def forget(self, seq_id: str) -> None:
+        self._kv.pop(seq_id, None)

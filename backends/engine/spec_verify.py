@@ -30,10 +30,28 @@ Two rules (engines.md §2):
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
 
+# The sampler's own noise and processing, so verification sees exactly what plain
+# decoding sees. _apply_penalties/_mask_min_tokens are private there; see report.
+from backends.engine.sampling import (
+    _apply_penalties,
+    _mask_min_tokens,
+    apply_sampling_masks,
+    gumbel_noise,
+    noise_seed,
+)
+from backends.engine.sequence import Sequence
+
 __all__ = [
+    "ACCEPT_STREAM",
+    "DRAFT_STREAM",
     "accept_matches",
+    "keyed_gumbel",
+    "keyed_uniforms",
+    "processed_logits",
     "verify_deterministic",
     "verify_greedy",
     "verify_rejection",
@@ -45,9 +63,7 @@ def _draft_mask(num_drafts: torch.Tensor, k: int) -> torch.Tensor:
     return torch.arange(k, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
 
 
-def _emit(
-    prefix: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor
-) -> torch.Tensor:
+def _emit(prefix: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Output rows ``prefix[:a] + [last]`` padded with -1.
     prefix: [B, K+1] long; num_accepted, last: [B] -> [B, K+1]."""
     b, k1 = prefix.shape
@@ -144,3 +160,46 @@ def verify_rejection(
     last = (dist.log() + gumbel[rows, num_accepted]).argmax(dim=1)  # [B]: draw from dist
     prefix = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
     return num_accepted, _emit(prefix, num_accepted, last)
+
+
+# -- the inputs, keyed by (seed, position) -------------------------------------
+#
+# Plain decoding draws the token at position p of a request with seed s from
+# Gumbel noise keyed by (s, p) (sampling.py). Verification reuses that very noise
+# for the target's pick (match rule) and for the residual / bonus draw (rejection
+# rule); the draft model's own draws and the acceptance uniforms use other
+# streams (the seed xor a constant), so all of them are independent yet replayable.
+
+DRAFT_STREAM = 0x5EED_D4AF_7C0D_E001
+ACCEPT_STREAM = 0x0ACC_E97E_D5EE_D002
+
+
+def keyed_gumbel(keys: Seq[tuple[int, int]], vocab_size: int, stream: int = 0) -> torch.Tensor:
+    """Gumbel noise ``[N, V]`` (CPU) for each (seed, position); stream 0 is the sampler's."""
+    return gumbel_noise([(s ^ stream, p) for s, p in keys], vocab_size)
+
+
+def keyed_uniforms(keys: Seq[tuple[int, int]], stream: int = ACCEPT_STREAM) -> torch.Tensor:
+    """One uniform in [0, 1) per (seed, position): ``[N]`` float32 (CPU)."""
+    out = torch.empty(len(keys), dtype=torch.float32)
+    gen = torch.Generator(device="cpu")
+    for i, (seed, pos) in enumerate(keys):
+        gen.manual_seed(noise_seed(seed ^ stream, pos))
+        torch.rand(1, generator=gen, out=out[i : i + 1])
+    return out
+
+
+def processed_logits(
+    raw: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int], positions: Seq[int]
+) -> torch.Tensor:
+    """The sampler's view of ``raw`` ``[N, V]``: penalties (reading
+    ``seq.token_ids[:position]``), min-tokens masks, then temperature, top-k,
+    top-p, min-p. ``softmax`` of a row is the distribution plain decoding draws
+    from at that position. Rows must be sampled (temperature > 0)."""
+    if any(s.params.greedy for s in seqs):
+        raise ValueError("processed_logits is for sampled rows; greedy rows take the argmax")
+    x = raw.float().clone()
+    pos = list(positions)
+    _apply_penalties(x, seqs, pos)
+    _mask_min_tokens(x, seqs, pos, eos_token_ids)
+    return apply_sampling_masks(x, [s.params for s in seqs])

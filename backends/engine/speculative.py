@@ -1,0 +1,603 @@
+"""Speculative decoding inside continuous batching: propose / verify / commit.
+
+A speculative step is the plain engine's step with two more moves::
+
+    schedule   the scheduler's plan; a decoding request computes 1 token
+    propose    per decoding request k drafts (AdaptiveK picks k, the n-gram or
+               draft-model proposer fills them); lookahead blocks are allocated
+               and the drafts appended to token_ids
+    runner     ONE target pass over [last token, drafts]: logits at k+1 positions
+    verify     the target's pick at each position through sample() with explicit
+               positions (the same penalties and the same (seed, position) noise
+               as plain decoding), then spec_verify.accept_matches, or
+               verify_rejection for draft-model requests in rejection mode
+    commit     scheduler.rollback drops rejected drafts (token ids, and blocks past
+               the new end), then scheduler.commit with num_new_tokens = 1 +
+               accepted: accepted drafts' KV counts as computed, and full blocks
+               reach the prefix cache only now, so the cache never holds a draft
+    outputs    1..k+1 tokens per request, cut at the first stop token
+
+Ragged acceptance is the norm (each request accepts a different number per step);
+requests with no proposal decode as usual in the same pass. With the match rule
+the output is token-for-token what plain decoding produces (greedy and seeded
+sampling alike), up to floating-point differences between scoring a token in a
+multi-token pass and in a single-token pass.
+
+Adaptivity (:class:`AdaptiveK`): per request an EWMA estimate of the per-token
+acceptance ``alpha`` picks the k that maximises expected tokens per pass
+``(1 - alpha^(k+1)) / (1 - alpha)`` per unit of verification cost ``1 + c·k``;
+k = 0 (speculation off) when that does not pay, re-probed with k = 1 now and
+then; and no speculation at all when more than ``max_batch_size`` requests decode
+in one step (compute-bound: verification costs more than it saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+
+from backends.base import Logprob
+from backends.engine.config import EngineConfig
+from backends.engine.engine import EngineStatistics, LLMEngine, StepOutput
+from backends.engine.sampling import sample
+from backends.engine.scheduler import ScheduledSeq, SchedulerOutput
+from backends.engine.sequence import Sequence
+from backends.engine.spec_propose import DraftProposer, NgramProposer, TokenProposer, layer_skip_model
+from backends.engine.spec_verify import (
+    ACCEPT_STREAM,
+    accept_matches,
+    keyed_gumbel,
+    keyed_uniforms,
+    processed_logits,
+    verify_rejection,
+)
+from backends.errors import BadRequest
+
+__all__ = [
+    "AdaptiveK",
+    "SpecConfig",
+    "SpecEngineStatistics",
+    "SpecStatistics",
+    "SpeculativeEngine",
+    "add_cli_arguments",
+    "best_k",
+    "build_draft_proposer",
+    "spec_config_from_args",
+]
+
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+Frac = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
+
+
+class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``method``: off, ngram (prompt lookup) or draft (a draft model).
+    ``draft_verify``: for sampled requests with a draft model, "match" (draft with
+    the target's noise; output identical to plain decoding) or "rejection"
+    (draft from q, Leviathan/Chen rejection sampling)."""
+
+    method: Literal["off", "ngram", "draft"] = "ngram"
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
+    ngram_min: Pos = 1
+    ngram_max: Pos = 4
+    draft_verify: Literal["match", "rejection"] = "match"
+    adaptive: bool = True
+    max_batch_size: Pos = 16  # more decoding requests in a step: no speculation
+    draft_cost: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1  # one more verified token / one step
+    decay: Frac = 0.8  # EWMA weight of the past
+    prior_acceptance: Frac = 0.6
+    probe_interval: Pos = 8  # steps at k = 0 before probing with k = 1
+
+    def __post_init__(self) -> None:
+        if self.ngram_min > self.ngram_max:
+            raise BadRequest("ngram_min must be <= ngram_max", param="ngram_min")
+
+
+# -- adaptive k -----------------------------------------------------------------
+
+
+def best_k(alpha: float, k_max: int, cost: float) -> int:
+    """The k in [0, k_max] maximising expected tokens per target pass
+    ``(1 - alpha^(k+1)) / (1 - alpha)`` divided by the pass's cost ``1 + cost·k``."""
+    best, best_gain = 0, 1.0
+    for k in range(1, k_max + 1):
+        tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        gain = tokens / (1.0 + cost * k)
+        if gain > best_gain + 1e-12:
+            best, best_gain = k, gain
+    return best
+
+
+@dataclass
+class _Acceptance:
+    successes: float  # decayed count of accepted drafts
+    trials: float  # decayed count of drafts judged (accepted + the first rejected)
+    idle: int = 0  # steps since k fell to 0
+
+
+class AdaptiveK:
+    """Per-request k from an EWMA acceptance estimate; pure (no clock, no torch).
+
+    Under the geometric model each judged draft is accepted with probability
+    alpha and judging stops at the first rejection, so accepted / (accepted +
+    rejected) estimates alpha; both counts decay by ``decay`` per observation."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self._state: dict[str, _Acceptance] = {}
+
+    def _get(self, seq_id: str) -> _Acceptance:
+        st = self._state.get(seq_id)
+        if st is None:
+            prior = self.config.prior_acceptance
+            st = self._state[seq_id] = _Acceptance(successes=2.0 * prior, trials=2.0)
+        return st
+
+    def acceptance(self, seq_id: str) -> float:
+        st = self._get(seq_id)
+        return st.successes / st.trials
+
+    def k_for(self, seq_id: str, batch_size: int) -> int:
+        """How many drafts ``seq_id`` should propose in a step with
+        ``batch_size`` decoding requests."""
+        c = self.config
+        if not c.adaptive:
+            return c.num_speculative_tokens
+        if batch_size > c.max_batch_size:
+            return 0
+        st = self._get(seq_id)
+        k = best_k(st.successes / st.trials, c.num_speculative_tokens, c.draft_cost)
+        if k > 0:
+            st.idle = 0
+            return k
+        st.idle += 1
+        if st.idle >= c.probe_interval:
+            st.idle = 0
+            return 1
+        return 0
+
+    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        st, d = self._get(seq_id), self.config.decay
+        st.successes = d * st.successes + accepted
+        st.trials = d * st.trials + accepted + (1 if accepted < proposed else 0)
+
+    def forget(self, seq_id: str) -> None:
+        self._state.pop(seq_id, None)
+
+
+# -- statistics -----------------------------------------------------------------
+
+
+class SpecStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    method: str
+    num_speculative_tokens: int
+    num_verified: int  # request-steps that verified at least one draft
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int  # tokens out of those request-steps (accepted + 1 each, less stop cuts)
+    acceptance_rate: float  # accepted / drafted
+    mean_emitted_per_verify: float
+    accepted_per_position: tuple[int, ...]  # [i]: times draft i was accepted
+    num_no_proposal: int  # request-steps that wanted drafts and got none
+    num_batch_cutoffs: int  # steps with speculation off for batch size
+    num_lookahead_failures: int  # request-steps without blocks for drafts
+
+
+class SpecEngineStatistics(EngineStatistics, frozen=True, kw_only=True):
+    speculative: SpecStatistics
+
+
+class _Counters:
+    def __init__(self, k: int) -> None:
+        self.verified = self.drafted = self.accepted = self.emitted = 0
+        self.no_proposal = self.cutoffs = self.lookahead_failures = 0
+        self.per_position = [0] * k
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        if drafted == 0:
+            return
+        self.verified += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        for i in range(accepted):
+            self.per_position[i] += 1
+
+
+# -- the engine -----------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """One step's speculative additions, aligned with ``plan.scheduled``."""
+
+    sampled: list[bool]  # needed sampling before drafts were appended
+    drafts: list[list[int]]
+    probs: list[torch.Tensor | None]  # q per draft (rejection mode), else None
+    lookahead: list[bool]  # blocks were allocated for drafts
+
+
+class SpeculativeEngine(LLMEngine):
+    """:class:`LLMEngine` with speculative decoding. The runner must accept
+    ``execute(scheduled, logits_per_seq)`` (``runner.ModelRunner`` does).
+    ``method="ngram"`` proposes with ``proposer`` (default: prompt lookup);
+    ``method="draft"`` with ``draft``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Any,
+        tokenizer: Any = None,
+        *,
+        spec: SpecConfig | None = None,
+        draft: DraftProposer | None = None,
+        proposer: TokenProposer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config, runner, tokenizer, **kwargs)
+        self.spec = spec or SpecConfig()
+        if self.spec.method == "draft" and draft is None:
+            raise BadRequest("speculative method 'draft' needs a draft model", param="speculative")
+        if draft is not None:
+            draft.rejection = self.spec.draft_verify == "rejection"
+        self.draft = draft
+        self.ngram: TokenProposer = proposer or NgramProposer(
+            min_n=self.spec.ngram_min, max_n=self.spec.ngram_max
+        )
+        self.adaptive = AdaptiveK(self.spec)
+        self._counters = _Counters(self.spec.num_speculative_tokens)
+
+    # -- requests -------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        self._forget(request_id)
+        return super().abort(request_id)
+
+    def _forget(self, seq_id: str) -> None:
+        self.ngram.forget(seq_id)
+        self.adaptive.forget(seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq_id)
+
+    # -- the loop -------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        if self.spec.method == "off":
+            return super().step()
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        sp = self._propose(plan)
+        items = [
+            ScheduledSeq(s.seq, s.num_new_tokens + len(d), start=s.start)
+            for s, d in zip(plan.scheduled, sp.drafts, strict=True)
+        ]
+        counts = [len(d) + 1 if f else 0 for d, f in zip(sp.drafts, sp.sampled, strict=True)]
+        logits = self.runner.execute(items, counts)  # [sum(counts), V]
+        verified = self._verify(plan, sp, logits)
+        self._commit(plan, sp, verified, outputs)
+        return outputs
+
+    # -- propose --------------------------------------------------------------
+
+    def _propose(self, plan: SchedulerOutput) -> _Plan:
+        n = len(plan.scheduled)
+        sp = _Plan(
+            [s.needs_sampling for s in plan.scheduled],
+            [[] for _ in range(n)],
+            [None] * n,
+            [False] * n,
+        )
+        decoding = [
+            i for i, s in enumerate(plan.scheduled) if sp.sampled[i] and s.num_new_tokens == 1
+        ]
+        if not decoding:
+            return sp
+        if self.spec.adaptive and len(decoding) > self.spec.max_batch_size:
+            self._counters.cutoffs += 1
+            return sp
+        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+        ks: dict[int, int] = {}
+        for i in decoding:
+            seq = plan.scheduled[i].seq
+            k = min(self.adaptive.k_for(seq.seq_id, len(decoding)), self._room(seq), budget)
+            if k > 0:
+                ks[i] = k
+                budget -= k
+        if self.spec.method == "ngram":
+            self._propose_ngram(plan, sp, ks)
+        else:
+            self._propose_draft(plan, sp, ks)
+        for s, d in zip(plan.scheduled, sp.drafts, strict=True):
+            s.seq.token_ids.extend(d)
+        return sp
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts that cannot overrun max_tokens or the context (k drafts emit up to k+1)."""
+        return min(
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - len(seq.token_ids) - 1,
+        )
+
+    def _lookahead(self, sp: _Plan, i: int, seq: Sequence, k: int) -> bool:
+        """Blocks for k drafts on top of the scheduled token; False (nothing
+        changed) when the cache is full: that request just decodes."""
+        if self.block_manager.allocate(seq, 1 + k):
+            sp.lookahead[i] = True
+            return True
+        self._counters.lookahead_failures += 1
+        return False
+
+    def _propose_ngram(self, plan: SchedulerOutput, sp: _Plan, ks: dict[int, int]) -> None:
+        for i, k in ks.items():
+            seq = plan.scheduled[i].seq
+            d = self.ngram.propose(seq.seq_id, seq.token_ids, k)
+            if not d:
+                self._counters.no_proposal += 1
+            elif self._lookahead(sp, i, seq, len(d)):
+                sp.drafts[i] = d
+
+    def _propose_draft(self, plan: SchedulerOutput, sp: _Plan, ks: dict[int, int]) -> None:
+        assert self.draft is not None  # checked in __init__
+        idx = [i for i, k in ks.items() if self._lookahead(sp, i, plan.scheduled[i].seq, k)]
+        seqs = [plan.scheduled[i].seq for i in idx]
+        prop = self.draft.propose(seqs, [ks[i] for i in idx], self.eos_token_ids)
+        for j, i in enumerate(idx):
+            sp.drafts[i] = prop.tokens[j]
+            sp.probs[i] = prop.probs[j]
+
+    # -- verify ---------------------------------------------------------------
+
+    def _verify(
+        self, plan: SchedulerOutput, sp: _Plan, logits: torch.Tensor
+    ) -> dict[int, tuple[list[int], list[Logprob | None], int]]:
+        """Per sampled item: (emitted tokens, their logprobs, drafts accepted)."""
+        rows: list[tuple[int, Sequence, int]] = []  # (item, seq, position)
+        for i, s in enumerate(plan.scheduled):
+            if sp.sampled[i]:
+                rows += [(i, s.seq, s.end + j) for j in range(len(sp.drafts[i]) + 1)]
+        results = sample(logits, [r[1] for r in rows], self.eos_token_ids, [r[2] for r in rows])
+        first: dict[int, int] = {}
+        for r, (i, _, _) in enumerate(rows):
+            first.setdefault(i, r)
+        items = list(first)
+        k_max = max((len(sp.drafts[i]) for i in items), default=0)
+        target = _pad(
+            [[results[first[i] + j][0] for j in range(len(sp.drafts[i]) + 1)] for i in items],
+            k_max + 1,
+        )
+        drafts = _pad([sp.drafts[i] for i in items], k_max)
+        num = torch.tensor([len(sp.drafts[i]) for i in items], dtype=torch.long)
+        acc, out = accept_matches(target, drafts, num)
+        rej = [b for b, i in enumerate(items) if sp.probs[i] is not None and sp.drafts[i]]
+        if rej:
+            self._verify_rejection(plan, sp, logits, [items[b] for b in rej], first, acc, out, rej)
+        verified: dict[int, tuple[list[int], list[Logprob | None], int]] = {}
+        for b, i in enumerate(items):
+            a = int(acc[b])
+            toks = out[b, : a + 1].tolist()
+            lps = [
+                _relabel(results[first[i] + j][1], logits[first[i] + j], t)
+                for j, t in enumerate(toks)
+            ]
+            verified[i] = (toks, lps, a)
+        return verified
+
+    def _verify_rejection(
+        self,
+        plan: SchedulerOutput,
+        sp: _Plan,
+        logits: torch.Tensor,
+        items: list[int],
+        first: dict[int, int],
+        acc: torch.Tensor,
+        out: torch.Tensor,
+        batch_rows: list[int],
+    ) -> None:
+        """Leviathan/Chen for draft-sampled requests; writes into acc/out rows."""
+        k_max = max(len(sp.drafts[i]) for i in items)
+        v = logits.shape[1]
+        p = torch.zeros(len(items), k_max + 1, v)  # [R, K+1, V]
+        q = torch.zeros(len(items), k_max, v)  # [R, K, V]
+        u = torch.ones(len(items), k_max)  # [R, K]
+        g = torch.zeros(len(items), k_max + 1, v)  # [R, K+1, V]
+        for r, i in enumerate(items):
+            seq, k, end = plan.scheduled[i].seq, len(sp.drafts[i]), plan.scheduled[i].end
+            pos = [end + j for j in range(k + 1)]
+            y = processed_logits(
+                logits[first[i] : first[i] + k + 1], [seq] * (k + 1), self.eos_token_ids, pos
+            )
+            p[r, : k + 1] = y.softmax(dim=-1).float().cpu()
+            q[r, :k] = sp.probs[i]  # type: ignore[index]
+            keys = [(seq.params.seed or 0, x) for x in pos]
+            u[r, :k] = keyed_uniforms(keys[:k], ACCEPT_STREAM)
+            g[r, : k + 1] = keyed_gumbel(keys, v)
+        drafts = _pad([sp.drafts[i] for i in items], k_max)
+        num = torch.tensor([len(sp.drafts[i]) for i in items], dtype=torch.long)
+        r_acc, r_out = verify_rejection(p, q, drafts, num, u, g)
+        for r, b in enumerate(batch_rows):
+            acc[b] = r_acc[r]
+            out[b] = -1
+            out[b, : r_out.shape[1]] = r_out[r]
+
+    # -- commit ---------------------------------------------------------------
+
+    def _commit(
+        self,
+        plan: SchedulerOutput,
+        sp: _Plan,
+        verified: dict[int, tuple[list[int], list[Logprob | None], int]],
+        outputs: list[StepOutput],
+    ) -> None:
+        items: list[ScheduledSeq] = []
+        tokens: list[int] = []
+        emitted: list[tuple[Sequence, list[int], list[Logprob | None]]] = []
+        for i, s in enumerate(plan.scheduled):
+            if not sp.sampled[i]:
+                items.append(s)
+                continue
+            toks, lps, a = verified[i]
+            m = self._stop_cut(s, toks)
+            toks, lps = toks[:m], lps[:m]
+            if sp.lookahead[i]:
+                self.scheduler.rollback(s.seq, s.end + m - 1)  # keep the accepted drafts only
+            items.append(ScheduledSeq(s.seq, s.num_new_tokens + m - 1, start=s.start))
+            tokens.append(toks[-1])
+            emitted.append((s.seq, toks, lps))
+            self.adaptive.observe(s.seq.seq_id, len(sp.drafts[i]), a)
+            self._counters.record(len(sp.drafts[i]), a, m)
+        self.scheduler.commit(
+            SchedulerOutput(
+                scheduled=items,
+                preempted=plan.preempted,
+                num_batched_tokens=plan.num_batched_tokens,
+            ),
+            tokens,
+        )
+        for seq, toks, lps in emitted:
+            if self.draft is not None:
+                self.draft.accepted(seq, len(seq.token_ids))
+            outputs.append(self._after_tokens(seq, toks, lps))
+
+    def _stop_cut(self, item: ScheduledSeq, toks: list[int]) -> int:
+        """How many of ``toks`` to emit: through the first stop token, and never
+        past max_tokens or the context."""
+        seq, p = item.seq, item.seq.params
+        limit = min(
+            p.max_tokens - (item.end - seq.num_prompt_tokens),
+            self.max_model_len - item.end,
+            len(toks),
+        )
+        for j, t in enumerate(toks[:limit]):
+            if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_token_ids):
+                return j + 1
+        return max(limit, 1)
+
+    def _after_tokens(
+        self, seq: Sequence, toks: list[int], lps: list[Logprob | None]
+    ) -> StepOutput:
+        self._generated += len(toks)
+        event = self._stop_event(seq, toks[-1])
+        if event is not None:
+            self.scheduler.finish(seq, event)
+            self._finished += 1
+            self._forget(seq.seq_id)
+        logprobs = None if seq.params.logprobs is None else [lp for lp in lps if lp is not None]
+        return self._output(seq, toks, logprobs)
+
+    # -- introspection --------------------------------------------------------
+
+    def statistics(self) -> SpecEngineStatistics:
+        base = super().statistics()
+        return SpecEngineStatistics(
+            **msgspec.structs.asdict(base), speculative=self.spec_statistics()
+        )
+
+    def spec_statistics(self) -> SpecStatistics:
+        c = self._counters
+        return SpecStatistics(
+            method=self.spec.method,
+            num_speculative_tokens=self.spec.num_speculative_tokens,
+            num_verified=c.verified,
+            num_draft_tokens=c.drafted,
+            num_accepted_tokens=c.accepted,
+            num_emitted_tokens=c.emitted,
+            acceptance_rate=c.accepted / c.drafted if c.drafted else 0.0,
+            mean_emitted_per_verify=c.emitted / c.verified if c.verified else 0.0,
+            accepted_per_position=tuple(c.per_position),
+            num_no_proposal=c.no_proposal,
+            num_batch_cutoffs=c.cutoffs,
+            num_lookahead_failures=c.lookahead_failures,
+        )
+
+
+def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
+    """Ragged token lists -> ``[len(rows), width]`` long, padded with -1."""
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        if row:
+            out[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def _relabel(lp: Logprob | None, raw: torch.Tensor, token: int) -> Logprob | None:
+    """The sampler's logprob record for its own pick, moved to ``token`` when
+    rejection sampling emitted another one (the alternatives are the same)."""
+    if lp is None or lp.token_id == token:
+        return lp
+    value = float(raw.float().log_softmax(dim=-1)[token])
+    return Logprob(token_id=token, logprob=value, top=lp.top)
+
+
+# -- wiring: CLI flags and draft construction ---------------------------------------
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--speculative {off,ngram,draft} --num-speculative-tokens K`` and the draft's source."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="a cheaper model with the same vocabulary (e.g. a Q4 GGUF)",
+    )
+    g.add_argument(
+        "--draft-layers", type=int, default=None, help="draft with the target's first N layers"
+    )
+    g.add_argument("--spec-draft-verify", choices=["match", "rejection"], default="match")
+    g.add_argument("--spec-max-batch-size", type=int, default=16)
+
+
+def spec_config_from_args(ns: argparse.Namespace) -> SpecConfig:
+    try:
+        return msgspec.convert(
+            {
+                "method": ns.speculative,
+                "num_speculative_tokens": ns.num_speculative_tokens,
+                "draft_verify": ns.spec_draft_verify,
+                "max_batch_size": ns.spec_max_batch_size,
+            },
+            SpecConfig,
+        )
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"speculative decoding: {e}", param="speculative") from None
+
+
+def build_draft_proposer(
+    target_runner: Any, *, draft_model: str | None = None, draft_layers: int | None = None
+) -> DraftProposer:
+    """A draft runner sharing the target's block geometry: the target's first
+    ``draft_layers`` layers, or the model at ``draft_model``."""
+    from backends.engine.loader import load_model
+    from backends.engine.runner import ModelRunner
+
+    if (draft_model is None) == (draft_layers is None):
+        raise BadRequest(
+            "give exactly one of --draft-model and --draft-layers", param="draft_model"
+        )
+    if draft_layers is not None:
+        model = layer_skip_model(target_runner.model, draft_layers)
+    else:
+        model = load_model(
+            draft_model, dtype=target_runner.dtype, device=target_runner.device
+        ).model
+    if model.args.vocab_size != target_runner.args.vocab_size:
+        raise BadRequest(
+            "the draft model's vocabulary differs from the target's", param="draft_model"
+        )
+    runner = ModelRunner(
+        model,
+        target_runner.num_kv_blocks,
+        target_runner.block_size,
+        target_runner.device,
+        target_runner.dtype,
+    )
+    return DraftProposer(runner)
