@@ -1,0 +1,287 @@
+"""``headrace engine``: the built-in engine as an OpenAI-compatible HTTP server.
+
+The OpenAI routes come from the shared frontend (:mod:`backends.openai_server`);
+this module adds the engine's own::
+
+    POST /tokenize       {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}
+    POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
+    GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
+    GET  /metrics        Prometheus: tokens/s, running/waiting, KV usage, prefix hits,
+                         batch-size histogram, preemptions
+    GET  /health         (shared frontend) 200 while the engine loop runs
+
+The engine loop and the HTTP server share one nursery: the server is only up while
+the loop runs, and a crash of either stops both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from backends.base import ChatMessage
+from backends.engine.backend import EngineBackend, build_engine
+from backends.engine.config import EngineConfig
+from backends.errors import BadRequest, HeadraceError
+from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
+from backends.serving import ServeOptions, serve, wait_for_signal
+
+__all__ = ["build_app", "main", "run_server"]
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def _decode(body: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"invalid request body: {exc}") from None
+
+
+def build_app(backend: EngineBackend) -> OpenAIServer:
+    """The shared OpenAI frontend over ``backend`` plus the engine's extra routes."""
+    routes = _Routes(backend)
+    return OpenAIServer(
+        backend,
+        extra_routes={
+            ("POST", "/tokenize"): routes.tokenize,
+            ("POST", "/detokenize"): routes.detokenize,
+            ("GET", "/v1/kv_events"): routes.kv_events,
+            ("GET", "/metrics"): routes.metrics,
+        },
+    )
+
+
+class _Routes:
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(backend))
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        req: TokenizeRequest = _decode(request.body, TokenizeRequest)
+        tok = self.backend.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            messages = [msgspec.structs.asdict(m) for m in req.messages]
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = tok.encode(
+                req.prompt or "", add_special_tokens=req.add_special_tokens is not False
+            )
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.backend.engine.max_model_len,
+            "tokens": ids,
+        }
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return json_response(out)
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        req: DetokenizeRequest = _decode(request.body, DetokenizeRequest)
+        return json_response({"prompt": self.backend.tokenizer.decode(req.tokens)})
+
+    async def kv_events(self, request: HTTPRequest) -> Response:
+        since = _since(request)
+        events = self.backend.kv_events(since)
+        encoder = msgspec.json.Encoder()
+
+        async def produce(emit: Any) -> None:
+            try:
+                await emit(b": kv events\n\n")
+                async for event in events:
+                    await emit(b"id: %d\ndata: %s\n\n" % (event.seq, encoder.encode(event)))
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+
+        return Response(
+            200,
+            content_type="text/event-stream",
+            headers=[("cache-control", "no-cache")],
+            stream=produce,
+        )
+
+    async def metrics(self, request: HTTPRequest) -> Response:
+        return Response(
+            200,
+            generate_latest(self.registry),
+            content_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
+
+def _since(request: HTTPRequest) -> int:
+    """Resume point: ``?since=SEQ`` or the SSE ``Last-Event-ID`` header; -1 = all kept."""
+    params = dict(p.split("=", 1) for p in request.query.decode("latin-1").split("&") if "=" in p)
+    raw = params.get("since", request.headers.get("last-event-id", "-1"))
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"since must be an integer, got {raw!r}", param="since") from None
+
+
+class _EngineCollector:
+    """Reads the engine's statistics on each scrape (metric names live here only)."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Any:
+        e = self.backend.engine.statistics()
+        b = self.backend.statistics()
+        p = "headrace_engine_"
+        yield _gauge(
+            p + "tokens_per_second", "Generated tokens per second (last 10 s)", b.tokens_per_second
+        )
+        yield _gauge(p + "num_requests_running", "Sequences in the running batch", e.num_running)
+        yield _gauge(p + "num_requests_waiting", "Sequences waiting for admission", e.num_waiting)
+        yield _gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", e.kv_usage)
+        yield _gauge(
+            p + "prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache",
+            e.prefix_hit_rate,
+        )
+        yield _counter(p + "generated_tokens", "Tokens generated", e.num_tokens_generated)
+        yield _counter(p + "preemptions", "Sequences preempted (recompute)", e.num_preemptions)
+        yield _counter(p + "steps", "Engine steps", e.num_steps)
+        yield _counter(p + "step_errors", "Engine steps that failed", b.num_step_errors)
+        yield _counter(p + "requests_finished", "Requests finished", e.num_requests_finished)
+        buckets, total = [], 0
+        for bound, count in sorted(b.batch_size_histogram.items()):
+            total += count
+            buckets.append((str(float(bound)), total))
+        buckets.append(("+Inf", total))
+        hist = HistogramMetricFamily(
+            p + "batch_size",
+            "Sequences per engine step",
+            buckets=buckets,
+            sum_value=e.mean_batch_size * e.num_steps,
+        )
+        yield hist
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+async def run_server(
+    backend: EngineBackend,
+    options: ServeOptions,
+    shutdown: trio.Event | None = None,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the engine loop and serve it over HTTP until ``shutdown`` is set;
+    ``task_status.started`` gets the bound URL."""
+    shutdown = trio.Event() if shutdown is None else shutdown
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.run)
+        url = await nursery.start(functools.partial(serve, build_app(backend), options, shutdown=shutdown))
+        task_status.started(url)
+        await shutdown.wait()
+        await backend.aclose()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="headrace engine", description="Serve the built-in torch engine."
+    )
+    p.add_argument(
+        "--model", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct Q4_1)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8200, help="0 picks a free port")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-gb", type=float)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-kv-events", action="store_true", help="do not record KV events")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--certfile")
+    p.add_argument("--keyfile")
+    return p
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            kv_cache_gb=args.kv_cache_gb,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            enable_kv_events=not args.no_kv_events,
+        )
+    except msgspec.ValidationError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+async def _serve(backend: EngineBackend, options: ServeOptions) -> None:
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for_signal, shutdown)
+        url = await nursery.start(run_server, backend, options, shutdown)
+        print(f"engine serving {backend.model_name} on {url}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    try:
+        engine, tokenizer, name = build_engine(_config(args))
+    except HeadraceError as exc:
+        print(f"headrace engine: {exc.message}", file=sys.stderr)
+        return 2
+    backend = EngineBackend(engine, tokenizer, model_name=name)
+    options = ServeOptions(
+        args.host, args.port, certfile=args.certfile, keyfile=args.keyfile, graceful_timeout=5.0
+    )
+    try:
+        trio.run(_serve, backend, options)
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"headrace engine: cannot serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,118 @@
+"""`headrace engine` over real HTTP (h1 and h2 prior knowledge) on 127.0.0.1:0, tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from backends.engine.backend import EngineBackend, build_engine
+from backends.engine.config import EngineConfig
+from backends.engine.server import main, run_server
+from backends.serving import ServeOptions
+
+
+@pytest.fixture
+async def server(tiny_gguf: Path) -> AsyncIterator[tuple[str, EngineBackend]]:
+    config = EngineConfig(
+        model=str(tiny_gguf), num_kv_blocks=64, block_size=4, max_model_len=128, enable_kv_events=True
+    )
+    engine, tok, name = build_engine(config)
+    backend = EngineBackend(engine, tok, model_name=name)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(run_server, backend, ServeOptions("127.0.0.1", 0), shutdown)
+        yield url, backend
+        shutdown.set()
+
+
+async def test_completion_chat_stream_over_http2(server: tuple[str, EngineBackend]) -> None:
+    url, backend = server
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post("/v1/completions", json={"prompt": "the water", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.http_version == "HTTP/2"
+        body = r.json()
+        assert body["usage"]["completion_tokens"] <= 5 and body["model"] == backend.model_name
+        req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "temperature": 0}
+        async with client.stream("POST", "/v1/chat/completions", json=req) as resp:
+            assert resp.status_code == 200
+            lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in {"stop", "length"}
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_tokenize_detokenize_round_trip(server: tuple[str, EngineBackend]) -> None:
+    url, _ = server
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post("/tokenize", json={"prompt": " the winter", "return_token_strs": True})
+        assert r.status_code == 200
+        tok = r.json()
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
+        assert tok["token_strs"][0] == "Ġthe"
+        r = await client.post("/detokenize", json={"tokens": tok["tokens"]})
+        assert r.json() == {"prompt": " the winter"}
+        chat = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+        assert chat.json()["tokens"][0] == 1  # <|im_start|>
+        bad = await client.post("/detokenize", json={"tokens": [1, 999999]})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert (await client.post("/tokenize", json={"prompt": 3})).status_code == 400
+
+
+async def test_bad_requests_are_400(server: tuple[str, EngineBackend]) -> None:
+    url, _ = server
+    async with httpx.AsyncClient(base_url=url) as client:
+        # Streaming requests: the frontend pulls the first event before answering,
+        # so an error raised by the engine at admission gets its real status.
+        r = await client.post("/v1/completions", json={"prompt": "the " * 100, "max_tokens": 100, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = await client.post("/v1/completions", json={"prompt": [1, 5, 10**7], "max_tokens": 2, "stream": True})
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "stream": True})
+        assert r.status_code == 200  # still serving after bad input
+
+
+async def test_kv_events_stream_and_resume(server: tuple[str, EngineBackend]) -> None:
+    url, _ = server
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        for start in (3, 50):  # two different prompts: two "stored" events
+            r = await client.post("/v1/completions", json={"prompt": list(range(start, start + 17)), "max_tokens": 2})
+            assert r.status_code == 200
+        first = await _read_events(client, "/v1/kv_events", 2)
+        assert first[0]["kind"] == "stored" and first[0]["block_hashes"]
+        assert first[1]["seq"] > first[0]["seq"]
+        resumed = await _read_events(client, f"/v1/kv_events?since={first[0]['seq']}", 1)
+        assert resumed[0] == first[1]
+
+
+async def _read_events(client: httpx.AsyncClient, path: str, n: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    with trio.fail_after(10):
+        async with client.stream("GET", path) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    out.append(json.loads(line[6:]))
+                    if len(out) == n:
+                        return out
+    return out
+
+
+async def test_metrics_expose_engine_counters(server: tuple[str, EngineBackend]) -> None:
+    url, _ = server
+    async with httpx.AsyncClient(base_url=url) as client:
+        await client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3, "ignore_eos": True})
+        text = (await client.get("/metrics")).text
+    for name in ["tokens_per_second", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
+                 "prefix_cache_hit_rate", "preemptions_total", "batch_size_bucket"]:
+        assert f"headrace_engine_{name}" in text
+    assert "headrace_engine_generated_tokens_total 3.0" in text
+
+
+def test_cli_reports_a_missing_model_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
