@@ -1,0 +1,276 @@
+"""OpenAIHTTPBackend against the mock server on loopback, over HTTP/1.1,
+HTTP/2 (prior knowledge) and TLS (ALPN): streaming, resume, every error
+translation, and cancellation reaching the server."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import pytest
+import trio
+
+from backends.base import ChatMessage, GenerateRequest
+from backends.errors import (
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    BadRequest,
+    ContextLengthExceeded,
+    ModelNotFound,
+    StreamBroken,
+    UpstreamError,
+)
+from backends.mock import MockBackend, MockConfig, parse_fault
+from backends.openai_http import OpenAIHTTPBackend
+from tests.backends.conftest import (
+    Served,
+    TLSFiles,
+    collect,
+    collect_until_error,
+    eventually,
+    ids_of,
+    serve_mock,
+    text_of,
+)
+
+PROTOCOLS = ["h1", "h2", "tls"]
+
+
+async def _backend(
+    nursery: trio.Nursery,
+    protocol: str,
+    tls_files: TLSFiles,
+    *faults: str,
+    config: MockConfig | None = None,
+    **kw: object,
+) -> tuple[Served, OpenAIHTTPBackend]:
+    certs = tls_files if protocol == "tls" else None
+    served = await serve_mock(nursery, config, [parse_fault(f) for f in faults], certs=certs)
+    client = OpenAIHTTPBackend(
+        served.url,
+        http2=protocol != "h1",
+        verify=tls_files.client_context if certs else True,
+        **kw,  # type: ignore[arg-type]
+    )
+    return served, client
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[OpenAIHTTPBackend]]:
+    backends: list[OpenAIHTTPBackend] = []
+    yield backends
+    for b in backends:
+        await b.aclose()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_streams_text_and_token_ids_identical_to_in_process(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend], protocol: str
+) -> None:
+    served, client = await _backend(nursery, protocol, tls_files)
+    closing.append(client)
+    request = GenerateRequest(prompt="hello there", max_tokens=8, seed=42, logprobs=2)
+    remote = await collect(client, request)
+    local = await collect(MockBackend(), request)
+    assert ids_of(remote) == ids_of(local) and text_of(remote) == text_of(local)
+    assert remote[0].prompt_token_ids == local[0].prompt_token_ids and remote[0].seed == 42
+    assert remote[-1].finish_reason == "length" and remote[-1].usage == local[-1].usage
+    assert [lp.token_id for e in remote for lp in e.logprobs or []] == ids_of(local)
+    assert client.info().token_ids
+    assert served.backend.statistics().completed == 1
+
+
+async def test_chat_goes_to_chat_completions_and_matches_the_template(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files)
+    closing.append(client)
+    request = GenerateRequest(
+        messages=[ChatMessage(role="user", content="hi")], max_tokens=4, seed=1, stop=["zzz"]
+    )
+    remote = await collect(client, request)
+    assert ids_of(remote) == ids_of(await collect(MockBackend(), request))
+    assert remote[-1].finish_reason == "length"
+
+
+async def test_resume_after_a_cut_on_another_server_reproduces_the_uninterrupted_stream(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, broken = await _backend(nursery, "h2", tls_files, "cut-after=4")
+    _, healthy = await _backend(nursery, "h2", tls_files)
+    closing += [broken, healthy]
+    request = GenerateRequest(prompt="long story", max_tokens=10, seed=5)
+    head, exc = await collect_until_error(broken, request)
+    assert isinstance(exc, StreamBroken) and len(ids_of(head)) == 4
+    prompt = head[0].prompt_token_ids
+    assert prompt is not None
+    resumed = GenerateRequest(prompt_token_ids=prompt + ids_of(head), max_tokens=6, seed=5)
+    tail = await collect(healthy, resumed)
+    whole = await collect(healthy, request)
+    assert ids_of(head) + ids_of(tail) == ids_of(whole)
+    assert text_of(head) + text_of(tail) == text_of(whole)
+
+
+async def test_refused_port_is_backend_unavailable(closing: list[OpenAIHTTPBackend]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = OpenAIHTTPBackend(f"http://127.0.0.1:{port}", connect_timeout=2)
+    closing.append(client)
+    with pytest.raises(BackendUnavailable):
+        await collect(client, GenerateRequest(prompt="a"))
+    health = await client.health()
+    assert not health.ok and "unreachable" in health.detail
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "retry_after"),
+    [
+        ("429:retry-after=3", BackendUnavailable, 3.0),
+        ("status=503", BackendUnavailable, None),
+        ("status=500", UpstreamError, None),
+    ],
+)
+async def test_status_codes_translate_with_retry_after(
+    nursery: trio.Nursery,
+    tls_files: TLSFiles,
+    closing: list[OpenAIHTTPBackend],
+    fault: str,
+    error: type[Exception],
+    retry_after: float | None,
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files, fault)
+    closing.append(client)
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a"))
+    assert events == [] and type(exc) is error
+    assert exc.retry_after == retry_after  # type: ignore[attr-defined]
+
+
+async def test_client_errors_carry_the_servers_message(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h1", tls_files, config=MockConfig(max_context=32))
+    closing.append(client)
+    with pytest.raises(ModelNotFound, match="nope"):
+        await collect(client, GenerateRequest(prompt="a", model="nope"))
+    with pytest.raises(ContextLengthExceeded, match="32"):
+        await collect(client, GenerateRequest(prompt="a" * 30, max_tokens=8))
+    with pytest.raises(BadRequest, match="max_tokens"):
+        await collect(client, GenerateRequest(prompt="a", max_tokens=0))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_cut_mid_stream_is_stream_broken_after_exactly_n_tokens(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend], protocol: str
+) -> None:
+    _, client = await _backend(nursery, protocol, tls_files, "cut-after=3")
+    closing.append(client)
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=10))
+    assert isinstance(exc, StreamBroken) and len(ids_of(events)) == 3
+
+
+async def test_stall_is_backend_timeout_after_stall_timeout(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    served, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3)
+    closing.append(client)
+    start = trio.current_time()
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=10))
+    assert isinstance(exc, BackendTimeout) and len(events) == 2
+    assert 0.3 <= trio.current_time() - start < 2.0
+    # the RST_STREAM we sent frees the server's slot
+    await eventually(lambda: served.backend.statistics().in_flight == 0, 1.0)
+
+
+async def test_malformed_chunk_is_backend_protocol_error(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files, "malformed-after=2")
+    closing.append(client)
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=10))
+    assert isinstance(exc, BackendProtocolError) and len(events) == 2
+
+
+async def test_stream_without_done_is_stream_broken_and_withholds_the_final_event(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h1", tls_files, "no-done")
+    closing.append(client)
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=4))
+    assert isinstance(exc, StreamBroken)
+    assert len(events) == 3 and all(e.finish_reason is None for e in events)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_cancelling_the_consumer_reaches_the_server_within_100ms(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend], protocol: str
+) -> None:
+    served, client = await _backend(
+        nursery, protocol, tls_files, config=MockConfig(tpot_s=0.02, max_tokens=1000)
+    )
+    closing.append(client)
+    with trio.move_on_after(0.2):
+        async with aclosing(client.stream(GenerateRequest(prompt="a", max_tokens=1000))) as events:
+            async for _ in events:
+                pass
+    assert served.backend.statistics().in_flight == 1 or served.backend.statistics().cancelled == 1
+    await eventually(lambda: served.backend.statistics().cancelled == 1, 0.1)
+    assert served.backend.statistics().in_flight == 0
+    # The pooled connection still works afterwards (HTTP/2: the reset freed the stream only).
+    assert len(ids_of(await collect(client, GenerateRequest(prompt="b", max_tokens=3)))) == 3
+    assert client.statistics().cancelled == 1 and client.statistics().completed == 1
+
+
+async def test_many_cancelled_h2_streams_do_not_exhaust_the_connection_window(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    """Without RST_STREAM the server keeps sending into a stream nobody reads,
+    which eats the connection's flow-control window until every stream on it
+    stalls."""
+    served, client = await _backend(
+        nursery, "h2", tls_files, config=MockConfig(max_tokens=4000), stall_timeout=2
+    )
+    closing.append(client)
+    for _ in range(8):
+        async with aclosing(
+            client.stream(GenerateRequest(prompt="a", max_tokens=4000, logprobs=5))
+        ) as events:
+            async for _ in events:
+                break
+    events = await collect(client, GenerateRequest(prompt="a", max_tokens=2000, logprobs=5))
+    assert len(events) == 2000
+    assert served.backend.statistics().cancelled == 8
+
+
+async def test_health_and_refresh_read_the_server(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files, config=MockConfig(models=("m1", "m2")))
+    closing.append(client)
+    assert client.info().models == ()
+    assert (await client.health()).ok
+    info = await client.refresh()
+    assert info.models == ("m1", "m2") and client.info() == info
+    events = await collect(
+        client, GenerateRequest(prompt="a", max_tokens=1)
+    )  # model defaults to m1
+    assert len(events) == 1
+
+
+async def test_text_only_mode_does_not_ask_for_ids(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    _, client = await _backend(nursery, "h1", tls_files, token_ids=False)
+    closing.append(client)
+    events = await collect(client, GenerateRequest(prompt="hello", max_tokens=5, seed=3))
+    local = await collect(MockBackend(), GenerateRequest(prompt="hello", max_tokens=5, seed=3))
+    assert ids_of(events) == [] and text_of(events) == text_of(local)
+    assert events[-1].finish_reason == "length" and events[-1].usage is not None
+    assert events[-1].usage.completion_tokens == 5 and not client.info().token_ids
+
+
+def test_bad_base_url_is_rejected_at_construction() -> None:
+    with pytest.raises(ValueError, match="base_url"):
+        OpenAIHTTPBackend("ftp://example.com")
