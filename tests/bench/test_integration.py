@@ -52,11 +52,11 @@ def test_the_cli_compares_router_and_direct_and_writes_json_and_png(
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with serve_in_thread(slow) as routed, serve_in_thread(fast) as direct:
         rc = main(["--target", routed, "--compare-direct", direct, "--rps", "6", "12",
-                   "--duration", "1", "--max-tokens", "4", "--seed", "3",
+                   "--duration", "0.7", "--max-tokens", "4", "--seed", "3",
                    "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     doc = json.loads(out_json.read_text())
-    n = [len(poisson_schedule(r, 1.0, seed=3)) for r in (6.0, 12.0)]
+    n = [len(poisson_schedule(r, 0.7, seed=3)) for r in (6.0, 12.0)]
     assert [run["counts"]["ok"] for run in doc["runs"]] == [n[0], n[0], n[1], n[1]]
     assert slow.requests == fast.requests == sum(n)
     assert [c["rate"] for c in doc["router_added_latency"]] == [6.0, 12.0]
