@@ -49,7 +49,8 @@ async def cancellation(t: HttpTarget) -> str:
     start = trio.current_time()
     await complete(t, max_tokens=4, temperature=0)
     baseline = trio.current_time() - start
-    long_body = t.completion_body(PROMPT, max_tokens=LONG, temperature=0, ignore_eos_if_supported=True)
+    limit = LONG if t.caps.max_context is None else max(8, min(LONG, t.caps.max_context // 2))
+    long_body = t.completion_body(PROMPT, max_tokens=limit, temperature=0, ignore_eos_if_supported=True)
 
     async def drop_one() -> None:
         # Own connection, closed on the way out: a real client disconnect.

@@ -56,12 +56,13 @@ class ApiError(Exception):
 class ReferenceServer:
     def __init__(self, flaws: frozenset[str] = frozenset(), *, max_running: int = 4,
                  max_waiting: int = 4, token_delay: float = 0.001, max_context: int = 512,
-                 model: str = "ref-model") -> None:
+                 model: str = "ref-model", token_ids: bool = True) -> None:
         unknown = set(flaws) - FLAWS
         if unknown:
             raise ValueError(f"unknown flaws {sorted(unknown)}")
         self.flaws, self.model, self.max_context = frozenset(flaws), model, max_context
         self.token_delay, self.max_waiting = token_delay, max_waiting
+        self.token_ids = token_ids  # False: ignore the return_token_ids extension
         self.slots = trio.Semaphore(max_running)
         self.waiting = 0
         self._ids = itertools.count()
@@ -86,6 +87,7 @@ class ReferenceServer:
         if kind is None or method != "POST":
             raise ApiError(404, f"no route {method} {path}")
         body = self._decode(await _read_body(receive))
+        body.return_token_ids = body.return_token_ids and self.token_ids
         await self._admit_and_run(kind, body, receive, send)
 
     def _decode(self, raw: bytes) -> CompletionBody:
@@ -161,7 +163,7 @@ class ReferenceServer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, nursery.cancel_scope)
             for chunk in render.chunks(gens):
-                if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
+                if chunk.get("choices"):
                     await trio.sleep(self.token_delay)
                 await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
             finished = True
