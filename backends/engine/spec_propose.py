@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from backends.engine.model import Transformer
 from backends.engine.sampling import sample
 from backends.engine.scheduler import ScheduledSeq
 from backends.engine.sequence import Sequence
@@ -143,13 +144,12 @@ class NgramProposer:
 # -- draft model ----------------------------------------------------------------
 
 
-def layer_skip_model(target: Any, num_layers: int) -> Any:
+def layer_skip_model(target: Transformer, num_layers: int) -> Transformer:
     """A draft that is ``target``'s first ``num_layers`` layers plus its final norm
-    and head, sharing their weights (no copy). ``target``: a ``model.Transformer``."""
+    and head, sharing their weights (no copy)."""
     if not 1 <= num_layers <= target.args.n_layers:
         raise ValueError(f"num_layers must be in [1, {target.args.n_layers}], got {num_layers}")
-    cls = type(target)
-    draft = cls.__new__(cls)
+    draft = Transformer.__new__(Transformer)
     nn.Module.__init__(draft)
     draft.args = replace(target.args, n_layers=num_layers)
     draft.tok_embeddings = target.tok_embeddings

@@ -66,7 +66,7 @@ def _draft_mask(num_drafts: torch.Tensor, k: int) -> torch.Tensor:
 def _emit(prefix: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Output rows ``prefix[:a] + [last]`` padded with -1.
     prefix: [B, K+1] long; num_accepted, last: [B] -> [B, K+1]."""
-    b, k1 = prefix.shape
+    k1 = prefix.shape[1]
     idx = torch.arange(k1, device=prefix.device).unsqueeze(0)  # [1, K+1]
     a = num_accepted.unsqueeze(1)  # [B, 1]
     out = torch.where(idx < a, prefix, torch.full_like(prefix, -1))

@@ -34,7 +34,6 @@ in one step (compute-bound: verification costs more than it saves).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -47,7 +46,12 @@ from backends.engine.engine import EngineStatistics, LLMEngine, StepOutput
 from backends.engine.sampling import sample
 from backends.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backends.engine.sequence import Sequence
-from backends.engine.spec_propose import DraftProposer, NgramProposer, TokenProposer, layer_skip_model
+from backends.engine.spec_propose import (
+    DraftProposer,
+    NgramProposer,
+    TokenProposer,
+    layer_skip_model,
+)
 from backends.engine.spec_verify import (
     ACCEPT_STREAM,
     accept_matches,
@@ -415,7 +419,9 @@ class SpeculativeEngine(LLMEngine):
                 logits[first[i] : first[i] + k + 1], [seq] * (k + 1), self.eos_token_ids, pos
             )
             p[r, : k + 1] = y.softmax(dim=-1).float().cpu()
-            q[r, :k] = sp.probs[i]  # type: ignore[index]
+            probs = sp.probs[i]
+            if probs is not None:  # always, for the items passed here
+                q[r, :k] = probs
             keys = [(seq.params.seed or 0, x) for x in pos]
             u[r, :k] = keyed_uniforms(keys[:k], ACCEPT_STREAM)
             g[r, : k + 1] = keyed_gumbel(keys, v)

@@ -47,7 +47,9 @@ def test_bad_n_range_is_an_error() -> None:
     k=st.integers(0, 5),
     max_n=st.integers(1, 4),
 )
-def test_incremental_index_matches_the_stateless_scan(tokens: list[int], cuts: list[int], k: int, max_n: int) -> None:
+def test_incremental_index_matches_the_stateless_scan(
+    tokens: list[int], cuts: list[int], k: int, max_n: int
+) -> None:
     """Growing a sequence step by step gives the same proposals as rescanning."""
     proposer = NgramProposer(min_n=1, max_n=max_n)
     for end in sorted({min(c, len(tokens)) for c in cuts} | {len(tokens)}):

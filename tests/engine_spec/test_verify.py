@@ -57,14 +57,24 @@ def test_all_accepted_emits_the_bonus_token() -> None:
 
 def test_bad_shapes_are_rejected() -> None:
     with pytest.raises(ValueError):
-        accept_matches(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 1]))
+        accept_matches(
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.tensor([1, 1]),
+        )
     with pytest.raises(ValueError):
-        accept_matches(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]))
+        accept_matches(
+            torch.zeros(1, 3, dtype=torch.long),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.tensor([3]),
+        )
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), k=st.integers(1, 5), b=st.integers(1, 4))
-def test_deterministic_verification_emits_exactly_what_plain_sampling_draws(seed: int, k: int, b: int) -> None:
+def test_deterministic_verification_emits_exactly_what_plain_sampling_draws(
+    seed: int, k: int, b: int
+) -> None:
     """Whatever is drafted, the emitted tokens are the plain-decoding picks."""
     gen = torch.Generator().manual_seed(seed)
     v = 6
@@ -72,7 +82,11 @@ def test_deterministic_verification_emits_exactly_what_plain_sampling_draws(seed
     noise = gumbel((b, k + 1, v), gen)
     plain = (logits + noise).argmax(-1)  # [B, K+1]: what plain decoding draws per position
     # drafts: plain tokens with random corruptions
-    drafts = torch.where(torch.rand(b, k, generator=gen) < 0.3, torch.randint(0, v, (b, k), generator=gen), plain[:, :k])
+    drafts = torch.where(
+        torch.rand(b, k, generator=gen) < 0.3,
+        torch.randint(0, v, (b, k), generator=gen),
+        plain[:, :k],
+    )
     num = torch.randint(0, k + 1, (b,), generator=gen)
     acc, out = verify_deterministic(logits, drafts, num, noise)
     for i in range(b):
@@ -95,7 +109,10 @@ def _run_rejection(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     p = torch.stack([P, P1, P]).expand(n, 3, 5)  # [B, K+1, V]
     q = torch.stack([Q, Q1]).expand(n, 2, 5)  # [B, K, V]
     drafts = torch.stack(
-        [torch.multinomial(Q, n, replacement=True, generator=gen), torch.multinomial(Q1, n, replacement=True, generator=gen)],
+        [
+            torch.multinomial(Q, n, replacement=True, generator=gen),
+            torch.multinomial(Q1, n, replacement=True, generator=gen),
+        ],
         dim=1,
     )
     uniforms = torch.rand(n, 2, generator=gen)
@@ -124,7 +141,14 @@ def test_rejection_with_equal_distributions_accepts_everything() -> None:
     n = 200
     p = P.expand(n, 2, 5)
     drafts = torch.multinomial(P, n, replacement=True, generator=gen).unsqueeze(1)
-    acc, out = verify_rejection(p, p[:, :1], drafts, torch.ones(n, dtype=torch.long), torch.rand(n, 1, generator=gen), gumbel((n, 2, 5), gen))
+    acc, out = verify_rejection(
+        p,
+        p[:, :1],
+        drafts,
+        torch.ones(n, dtype=torch.long),
+        torch.rand(n, 1, generator=gen),
+        gumbel((n, 2, 5), gen),
+    )
     assert acc.tolist() == [1] * n
     assert (out[:, 0] == drafts[:, 0]).all()
 
@@ -135,7 +159,14 @@ def test_rejection_never_emits_a_token_the_target_rules_out() -> None:
     p = torch.tensor([0.0, 0.5, 0.5, 0.0]).expand(n, 2, 4)
     q = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(n, 1, 4)
     drafts = torch.multinomial(q[0, 0], n, replacement=True, generator=gen).unsqueeze(1)
-    acc, out = verify_rejection(p, q, drafts, torch.ones(n, dtype=torch.long), torch.rand(n, 1, generator=gen), gumbel((n, 2, 4), gen))
+    acc, out = verify_rejection(
+        p,
+        q,
+        drafts,
+        torch.ones(n, dtype=torch.long),
+        torch.rand(n, 1, generator=gen),
+        gumbel((n, 2, 4), gen),
+    )
     emitted = out[out >= 0]
     assert set(emitted.tolist()) <= {1, 2}
     assert int(acc.sum()) > 0
