@@ -72,3 +72,19 @@ def test_the_cli_rejects_bad_options_with_a_clear_message(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--target", "ftp://x", "--rps", "1", "--duration", "1"]) == 2
     assert "http:// or https://" in capsys.readouterr().err
+
+
+async def test_non_streaming_requests_over_http1_are_timed_end_to_end() -> None:
+    app = FakeOpenAI(ttft=TTFT, gap=0.001)
+    async with trio.open_nursery() as nursery:
+        url, stop = await serve(nursery, app)
+        target = await discover(url, "1.1", None)
+        assert target.http_version == "HTTP/1.1"
+        spec = RequestSpec(model="tiny", max_tokens=5, stream=False)
+        run = await run_rate(url, target.http, spec, LoadConfig(rate=10.0, duration=0.6, seed=5))
+        stop.set()
+    assert len(run.results) == len(poisson_schedule(10.0, 0.6, seed=5)) > 0
+    for r in run.results:
+        assert r.ok and r.ttft is None and r.output_tokens == 5
+        assert r.e2e is not None and r.e2e > TTFT
+    assert all(b["stream"] is False and "stream_options" not in b for b in app.bodies)
