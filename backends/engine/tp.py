@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.engine.config import EngineConfig
-from backends.engine.model import ModelArgs, Transformer
+from backends.engine.model import ModelArgs, Transformer, TransformerBlock
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
 from backends.engine.scheduler import ScheduledSeq
 from backends.errors import BackendUnavailable, HeadraceError
@@ -83,6 +83,7 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _IDLE_WAIT = datetime.timedelta(days=365)  # workers wait this long for the next step
 
 
@@ -207,21 +208,21 @@ class Comm:
         self._broken: str | None = None
 
     def connect(
-        self, store: dist.Store, device: torch.device, loopback: bool, startup_timeout: float
+        self, store: Any, device: torch.device, loopback: bool, startup_timeout: float
     ) -> None:
         """Create the process groups (every rank calls this; it returns once all have)."""
         wait = datetime.timedelta(seconds=startup_timeout)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = wait
         opts._devices = [
             dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if loopback else "")
         ]
-        prefix = dist.PrefixStore("tp/gloo", store)
+        prefix = _PrefixStore("tp/gloo", store)
         self._ctrl = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, opts)
         if device.type == "cuda":
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = self.timeout
-            prefix = dist.PrefixStore("tp/nccl", store)
+            prefix = _PrefixStore("tp/nccl", store)
             self._model = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, nccl)
         else:
             self._model = self._ctrl
@@ -242,7 +243,7 @@ class Comm:
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         opts.timeout = self.timeout
         self._run("all-reduce", lambda: self._model.allreduce([t], opts))
         return t
@@ -345,7 +346,8 @@ def apply_tp(model: Transformer, plan: ShardPlan, rank: int, comm: Comm | None) 
     shard, args = plan.shards[rank], model.args
     q, kv = _span(shard.q_heads, args.head_dim), _span(shard.kv_heads, args.head_dim)
     hidden = _span(shard.hidden)
-    for layer in model.layers:
+    for block in model.layers:
+        layer = cast(TransformerBlock, block)
         attn, ffn = layer.attention, layer.feed_forward
         _keep(attn.wq, rows=q)
         _keep(attn.wk, rows=kv)
@@ -365,7 +367,7 @@ def apply_tp(model: Transformer, plan: ShardPlan, rank: int, comm: Comm | None) 
     head_weight = embedding.weight
     if not args.tie_embeddings:
         head_weight = nn.Parameter(model.output.weight.detach()[vocab].clone(), requires_grad=False)
-    model.tok_embeddings = embedding
+    model.tok_embeddings = embedding  # type: ignore[assignment]
     model.output = VocabParallelHead(head_weight, widths, comm)  # type: ignore[assignment]
     model.args = local_args(args, shard)
     return model
@@ -416,6 +418,7 @@ class TPRunner:
         self.max_model_len = local.max_model_len
         self._procs = list(procs)
         self._lock = threading.Lock()
+        self._fail_lock = threading.Lock()
         self._failure: str | None = None
         self._steps = 0
         self._closing = False
@@ -428,6 +431,11 @@ class TPRunner:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    @property
+    def workers(self) -> tuple[BaseProcess, ...]:
+        """The worker processes this rank spawned (empty under torchrun)."""
+        return tuple(self._procs)
 
     @property
     def failure(self) -> str | None:
@@ -455,7 +463,7 @@ class TPRunner:
                 self.comm.send(encode_step(scheduled, counts, self.block_size))
                 logits = self.local.execute(scheduled, logits_per_seq)
             except RankFailure as exc:
-                self._fail(self._exit_details() or exc.message)
+                self._fail(self._exit_details(wait=1.0) or exc.message)
                 raise RankFailure(self._failure or exc.message) from exc
             self._steps += 1
             return logits
@@ -498,25 +506,30 @@ class TPRunner:
     # -- failure handling -------------------------------------------------------------
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: p for p in self._procs}
-        ready = mp_connection.wait([*sentinels, self._wake_r])
-        if self._closing:
-            return
-        dead = [sentinels[s] for s in ready if s in sentinels]
-        self._fail(self._exit_details() or f"tensor-parallel worker {dead[0].pid} exited")
+        mp_connection.wait([*(p.sentinel for p in self._procs), self._wake_r])
+        if not self._closing:
+            self._fail(self._exit_details(wait=1.0) or "a tensor-parallel worker exited")
 
-    def _exit_details(self) -> str | None:
+    def _exit_details(self, wait: float) -> str | None:
+        """Which worker died and how, once its death is visible (up to ``wait`` s)."""
+        ready = set(mp_connection.wait([p.sentinel for p in self._procs], timeout=wait))
         for rank, proc in enumerate(self._procs, start=1):
-            code = proc.exitcode
-            if code is not None and not self._closing:
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(code)}; the engine is down"
+            if proc.sentinel not in ready or self._closing:
+                continue
+            for _ in range(20):  # another thread may be reaping it right now
+                proc.join(0.05)
+                if proc.exitcode is not None:
+                    break
+            how = "exited" if proc.exitcode is None else _describe_exit(proc.exitcode)
+            return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine is down"
         return None
 
     def _fail(self, reason: str) -> None:
-        if self._failure is None:
-            self._failure = reason
-        self.comm.close(self._failure)
-        self._terminate_workers()
+        with self._fail_lock:
+            if self._failure is None:
+                self._failure = reason
+            self.comm.close(self._failure)
+            self._terminate_workers()
 
     def _terminate_workers(self) -> None:
         for proc in self._procs:
@@ -587,7 +600,7 @@ def shard_and_place(model: Transformer, spec: WorkerSpec, comm: Comm) -> ModelRu
     return ModelRunner(model, spec.num_kv_blocks, spec.block_size, device, spec.torch_dtype)
 
 
-def _wait_ready(store: dist.Store, spec: WorkerSpec, procs: Sequence[BaseProcess]) -> None:
+def _wait_ready(store: Any, spec: WorkerSpec, procs: Sequence[BaseProcess]) -> None:
     """Block until every worker has built its shard; raise with the worker's own error
     if one failed or died on the way."""
     pending = set(range(1, spec.world_size))
@@ -615,7 +628,7 @@ def _wait_ready(store: dist.Store, spec: WorkerSpec, procs: Sequence[BaseProcess
 
 
 def start_rank0(
-    model: Transformer, spec: WorkerSpec, store: dist.Store, procs: Sequence[BaseProcess] = ()
+    model: Transformer, spec: WorkerSpec, store: Any, procs: Sequence[BaseProcess] = ()
 ) -> TPRunner:
     """Rank 0's half of startup: shard, wait for the workers, connect, return the runner."""
     plan = plan_for(model.args, spec.world_size)
@@ -662,12 +675,13 @@ def start_tp(
     if world_size == 1:
         return ModelRunner(model, num_kv_blocks, block_size, spec.rank_device, spec.torch_dtype)
     plan_for(model.args, world_size)  # refuse a bad size before spawning anything
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=startup_timeout),
     )  # fmt: skip
     spec = dataclasses.replace(spec, master_port=store.port)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["backends.engine.tp_worker"])
     procs = [
         ctx.Process(
             target=tp_worker.run_spawned, args=(dataclasses.replace(spec, rank=r),), daemon=True

@@ -32,6 +32,7 @@ from backends.engine.tp import (
     RankFailure,
     TPRunner,
     WorkerSpec,
+    _PrefixStore,
     kv_blocks_for,
     shard_and_place,
     start_rank0,
@@ -113,7 +114,7 @@ def serve(runner: ModelRunner, comm: Comm) -> int:
         comm.close()
 
 
-def _start_worker(spec: WorkerSpec, store: dist.Store, build: Callable[[], Transformer]) -> int:
+def _start_worker(spec: WorkerSpec, store: Any, build: Callable[[], Transformer]) -> int:
     comm = Comm(spec.rank, spec.world_size, spec.timeout)
     try:
         runner = shard_and_place(build(), spec, comm)
@@ -129,7 +130,7 @@ def run_spawned(spec: WorkerSpec) -> None:
     """Entry point of a worker process spawned by :func:`backends.engine.tp.start_tp`."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         spec.master_addr, spec.master_port, spec.world_size, is_master=False,
         timeout=datetime.timedelta(seconds=spec.startup_timeout),
     )  # fmt: skip
@@ -152,12 +153,12 @@ def _torchrun_spec(
     )  # fmt: skip
 
 
-def _torchrun_store(spec: WorkerSpec) -> dist.Store:
+def _torchrun_store(spec: WorkerSpec) -> Any:
     """The store torchrun's env vars describe (the agent's own store when it hosts one)."""
     url = "env://"
     wait = datetime.timedelta(seconds=spec.startup_timeout)
-    store, _, _ = next(dist.rendezvous(url, spec.rank, spec.world_size, timeout=wait))
-    return dist.PrefixStore("headrace", store)
+    store, _, _ = next(dist.rendezvous(url, spec.rank, spec.world_size, timeout=wait))  # type: ignore[attr-defined]
+    return _PrefixStore("headrace", store)
 
 
 def run_torchrun(
