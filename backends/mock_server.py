@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -290,7 +291,7 @@ async def _serve(args: argparse.Namespace) -> None:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_signal, shutdown)
-        url = await nursery.start(serve, app, options, shutdown=shutdown)
+        url = await nursery.start(partial(serve, app, options, shutdown=shutdown))
         print(f"mock listening on {url}", flush=True)
 
 

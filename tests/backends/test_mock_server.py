@@ -1,0 +1,251 @@
+"""``headrace mock`` over real HTTP: what a plain client sees for each
+HTTP-level fault, ``/stats``, and the command run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from contextlib import aclosing
+
+import h2.connection
+import h2.events
+import httpx
+import pytest
+import trio
+
+from backends.base import GenerateRequest
+from backends.mock import MockBackend, fault_applies, parse_fault
+from backends.mock_server import main
+from backends.openai_http import OpenAIHTTPBackend
+from backends.openai_server import OpenAIServer
+from backends.serving import ServeOptions, serve
+from tests.backends.conftest import eventually, serve_mock
+
+BODY = {"prompt": "hi", "max_tokens": 8, "stream": True, "return_token_ids": True, "seed": 1}
+
+
+def _client(url: str, h2: bool) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, http1=not h2, http2=h2)
+
+
+def _data_lines(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def _read_until_error(
+    client: httpx.AsyncClient, body: dict[str, object]
+) -> tuple[list[str], BaseException | None]:
+    lines: list[str] = []
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+    except httpx.HTTPError as exc:
+        return lines, exc
+    return lines, None
+
+
+@pytest.mark.parametrize("h2", [False, True])
+async def test_cut_after_breaks_the_transport_not_a_clean_end(
+    nursery: trio.Nursery, h2: bool
+) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("cut-after=2")])
+    async with _client(served.url, h2) as client:
+        lines, exc = await _read_until_error(client, BODY)
+        assert isinstance(exc, httpx.RemoteProtocolError)
+        assert len(lines) == 2 and "[DONE]" not in lines
+        # The server (and, over HTTP/2, the connection) survives the cut.
+        r = await client.get("/health")
+        assert r.status_code == 200
+
+
+async def test_stall_after_keeps_the_stream_open_and_silent(nursery: trio.Nursery) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("stall-after=1")])
+    lines: list[str] = []
+    async with _client(served.url, True) as client:
+        with trio.move_on_after(0.3) as scope:
+            # Long enough that the backend blocks on the frontend's full buffer.
+            async with client.stream(
+                "POST", "/v1/completions", json=BODY | {"max_tokens": 500}
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+        assert scope.cancelled_caught and len(lines) == 1
+        assert served.backend.statistics().in_flight == 1
+    # A plain httpx client does not reset the stream; closing its connection does.
+    await eventually(lambda: served.backend.statistics().cancelled == 1, 0.1)
+
+
+async def test_malformed_after_sends_a_garbage_data_line(nursery: trio.Nursery) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("malformed-after=2")])
+    async with _client(served.url, True) as client:
+        r = await client.post("/v1/completions", json=BODY)
+    lines = _data_lines(r.text)
+    assert len(lines) == 3
+    json.loads(lines[0]), json.loads(lines[1])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(lines[2])
+
+
+async def test_no_done_ends_cleanly_without_done(nursery: trio.Nursery) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("no-done")])
+    async with _client(served.url, False) as client:
+        r = await client.post(
+            "/v1/completions", json=BODY | {"stream_options": {"include_usage": True}}
+        )
+    lines = _data_lines(r.text)
+    assert "[DONE]" not in lines and len(lines) == 9  # 8 tokens + usage
+    assert json.loads(lines[7])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "retry_after", "code"),
+    [
+        ("status=500", 500, None, None),
+        ("status=503:retry-after=4", 503, "4", "backend_unavailable"),
+        ("429:retry-after=2", 429, "2", "rate_limit_exceeded"),
+    ],
+)
+async def test_status_faults_answer_with_openai_errors(
+    nursery: trio.Nursery, spec: str, status: int, retry_after: str | None, code: str | None
+) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault(spec)])
+    async with _client(served.url, True) as client:
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert r.status_code == status and r.headers.get("retry-after") == retry_after
+        assert r.json()["error"]["code"] == code
+        assert (await client.get("/v1/models")).status_code == 200  # only generation routes fail
+    assert served.backend.statistics().started == 0
+
+
+async def test_slow_first_token_delays_the_response(nursery: trio.Nursery) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("slow-first-token=200")])
+    async with _client(served.url, True) as client:
+        start = trio.current_time()
+        r = await client.post("/v1/completions", json=BODY)
+    assert trio.current_time() - start >= 0.2 and r.status_code == 200
+    assert _data_lines(r.text)[-1] == "[DONE]"
+
+
+async def test_fault_rate_picks_requests_deterministically_and_stats_count_them(
+    nursery: trio.Nursery,
+) -> None:
+    served = await serve_mock(nursery, faults=[parse_fault("status=500")], fault_rate=0.5)
+    async with _client(served.url, True) as client:
+        codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(12)]
+        stats = (await client.get("/stats")).json()
+    assert codes == [500 if fault_applies(0, i, 0.5) else 200 for i in range(12)]
+    assert stats["requests"] == 12 and stats["faults_injected"] == codes.count(500)
+    assert stats["completed"] == codes.count(200) and stats["in_flight"] == 0
+
+
+def test_main_rejects_bad_options_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--fault-rate", "2"]) == 2
+    assert main(["--certfile", "x.pem"]) == 2
+    with pytest.raises(SystemExit):
+        main(["--fault", "explode"])
+    assert "bad fault" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+async def test_headrace_mock_subprocess_serves_reports_cancellation_and_drains_on_sigterm() -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "mock",
+        "--port",
+        "0",
+        "--tpot-ms",
+        "20",
+        "--model",
+        "m",
+    ]
+    proc = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        url = await _read_url(proc)
+        # HTTP/1.1 until serving.py keeps DATA that arrives with its HEADERS
+        # (see the xfail test below); the h2 cancel path is tested in-process.
+        client = OpenAIHTTPBackend(url, http2=False, stall_timeout=5)
+        try:
+            await client.refresh()
+            assert client.info().models == ("m",)
+            async with aclosing(
+                client.stream(GenerateRequest(prompt="x", max_tokens=200))
+            ) as events:
+                async for _ in events:
+                    break
+            async with httpx.AsyncClient(base_url=url) as plain:
+                start = trio.current_time()
+                while (await plain.get("/stats")).json()["cancelled"] != 1:
+                    assert trio.current_time() - start < 0.1, (
+                        "the cancel did not reach the server in 100 ms"
+                    )
+        finally:
+            await client.aclose()
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _read_url(proc: trio.Process) -> str:
+    assert proc.stdout is not None
+    buffer = b""
+    with trio.fail_after(20):
+        while b"\n" not in buffer:
+            chunk = await proc.stdout.receive_some()
+            assert chunk, "the mock exited before printing its URL"
+            buffer += chunk
+    line = buffer.split(b"\n", 1)[0].decode()
+    assert line.startswith("mock listening on http://127.0.0.1:")
+    return line.rsplit(" ", 1)[1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="backends/serving.py's hypercorn patch drops DATA frames that arrive in the same read "
+    "as their stream's HEADERS (it filters the batch before hypercorn creates the stream)",
+)
+async def test_h2_request_whose_headers_and_body_arrive_together_is_read_whole(
+    nursery: trio.Nursery,
+) -> None:
+    url = await nursery.start(serve, OpenAIServer(MockBackend()), ServeOptions())
+    stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection()
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        (":scheme", "http"),
+        (":authority", "x"),
+    ]
+    conn.send_headers(1, [*headers, ("content-type", "application/json")])
+    conn.send_data(1, json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), end_stream=True)
+    await stream.send_all(conn.data_to_send())  # one write: HEADERS and DATA together
+    status, body = None, b""
+    with trio.fail_after(5):
+        while True:
+            events = conn.receive_data(await stream.receive_some())
+            await stream.send_all(conn.data_to_send())
+            for event in events:
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = dict(event.headers)[b":status"]
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+            if any(isinstance(e, h2.events.StreamEnded) for e in events):
+                break
+    await stream.aclose()
+    assert status == b"200", body
