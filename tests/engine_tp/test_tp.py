@@ -80,7 +80,7 @@ def _seqs() -> list[Sequence]:
 def test_logits_match_one_rank_through_chunked_prefill_and_batched_decode(
     pair: tuple[ModelRunner, TPRunner],
 ) -> None:
-    _, tp = pair
+    reference, tp = pair
     seqs = _seqs()
     steps: list[list[ScheduledSeq]] = [
         [
