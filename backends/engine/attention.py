@@ -50,7 +50,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Store new keys/values: k, v: [T, Hkv, D]; caches: [NB, BS, Hkv, D]; slots: [T]."""
     n_kv, head_dim = k_cache.shape[-2:]
@@ -96,7 +100,9 @@ def _decode_attention(
     seq = keys.shape[1]
     qg = q.view(batch, n_kv, group, head_dim).float()  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.float()) * head_dim**-0.5  # [B, Hkv, G, S]
-    valid = torch.arange(seq, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [B, S]
+    valid = (
+        torch.arange(seq, device=q.device)[None, :] < meta.decode_context_lens[:, None]
+    )  # [B, S]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bhgs,bshd->bhgd", probs, values.float())  # [B, Hkv, G, D]
@@ -118,7 +124,9 @@ def _prefill_attention(
         # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
         ks = k[span.start : span.end].transpose(0, 1)  # [Hkv, Tq, D]
         vs = v[span.start : span.end].transpose(0, 1)
-        out = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qs, ks.to(qs.dtype), vs.to(qs.dtype), is_causal=True, enable_gqa=True
+        )
         return out.transpose(0, 1)
     ks = _gather(k_cache, span.block_table)[: span.context_len].transpose(0, 1)  # [Hkv, S, D]
     vs = _gather(v_cache, span.block_table)[: span.context_len].transpose(0, 1)
@@ -126,5 +134,7 @@ def _prefill_attention(
     rows = torch.arange(n_new, device=q.device)[:, None] + first  # [Tq, 1]
     cols = torch.arange(span.context_len, device=q.device)[None, :]  # [1, S]
     mask = cols <= rows  # [Tq, S]
-    out = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=mask, enable_gqa=True
+    )
     return out.transpose(0, 1)

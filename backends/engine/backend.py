@@ -33,12 +33,18 @@ import trio
 from backends.base import BackendInfo, Event, GenerateRequest, Health, KVEvent, Usage
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine, StepOutput
-from backends.engine.loader import load_model
+from backends.engine.loader import LoadedModel, load_model
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
 from backends.engine.sequence import SamplingParams, Sequence
 from backends.engine.stop import StopMatcher
 from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from backends.errors import BackendUnavailable, BadRequest, ContextLengthExceeded, HeadraceError, StreamBroken
+from backends.errors import (
+    BackendUnavailable,
+    BadRequest,
+    ContextLengthExceeded,
+    HeadraceError,
+    StreamBroken,
+)
 
 __all__ = ["BackendStatistics", "EngineBackend", "build_engine", "open_engine_backend"]
 
@@ -49,11 +55,13 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _KV_EVENT_HISTORY = 10_000
 
 
-def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer, str]:
-    """Load the model, size the KV cache, wire runner and engine (blocking: seconds)."""
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[LLMEngine, Tokenizer, str]:
+    """Load the model (unless given), size the KV cache, wire runner and engine
+    (blocking: seconds)."""
     device = resolve_device(config.device)
     dtype = _DTYPES[config.dtype]
-    loaded = load_model(config.model, dtype=dtype, device=device)
+    if loaded is None:
+        loaded = load_model(config.model, dtype=dtype, device=device)
     max_len = config.resolve_max_model_len(loaded.args.max_seq_len)
     per_block = kv_bytes_per_block(loaded.args, config.block_size, dtype)
     num_blocks = config.resolve_num_kv_blocks(per_block, max_len, device.type)
@@ -355,7 +363,9 @@ async def open_engine_backend(
     engine: LLMEngine, tokenizer: Tokenizer, *, model_name: str, max_queued_requests: int = 1024
 ) -> AsyncIterator[EngineBackend]:
     """An :class:`EngineBackend` with its loop running; the loop stops on exit."""
-    backend = EngineBackend(engine, tokenizer, model_name=model_name, max_queued_requests=max_queued_requests)
+    backend = EngineBackend(
+        engine, tokenizer, model_name=model_name, max_queued_requests=max_queued_requests
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
         try:
@@ -363,4 +373,3 @@ async def open_engine_backend(
         finally:
             await backend.aclose()
             nursery.cancel_scope.cancel()
-

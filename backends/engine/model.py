@@ -57,7 +57,8 @@ def rope_cache(args: ModelArgs, device: torch.device | str | None = None) -> tor
     """cos/sin per position and frequency: [max_seq_len, head_dim // 2, 2] float32."""
     half = args.head_dim // 2
     inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.int64).float() * 2 / args.head_dim)
+        args.rope_theta
+        ** (torch.arange(0, half, device=device, dtype=torch.int64).float() * 2 / args.head_dim)
     )
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)  # [S, D/2]
@@ -77,7 +78,11 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 def permute_qk_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """HF "rotate_half" rows -> adjacent-pair rows (llama.cpp's convert permutation).
     w: [n_heads * head_dim, ...]."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 class Attention(nn.Module):

@@ -57,7 +57,14 @@ class ModelRunner:
         a = self.args
         # kv: [L, 2, NB, BS, Hkv, D]
         self.kv = torch.zeros(
-            a.n_layers, 2, num_kv_blocks, block_size, a.n_kv_heads, a.head_dim, device=self.device, dtype=self.dtype
+            a.n_layers,
+            2,
+            num_kv_blocks,
+            block_size,
+            a.n_kv_heads,
+            a.head_dim,
+            device=self.device,
+            dtype=self.dtype,
         )
         self._kv_views = [(self.kv[i, 0], self.kv[i, 1]) for i in range(a.n_layers)]
 
@@ -70,7 +77,9 @@ class ModelRunner:
         return self.args.vocab_size
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledSeq], logits_per_seq: Sequence[int] | None = None) -> torch.Tensor:
+    def execute(
+        self, scheduled: Sequence[ScheduledSeq], logits_per_seq: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """One forward pass over every scheduled sequence's new tokens.
 
         Returns float32 logits ``[N, V]``. By default one row per sequence that needs
@@ -79,9 +88,17 @@ class ModelRunner:
         verification), rows of one sequence contiguous and in position order."""
         if not scheduled:
             return torch.empty(0, self.args.vocab_size, device=self.device)
-        counts = list(logits_per_seq) if logits_per_seq is not None else [int(s.needs_sampling) for s in scheduled]
-        if len(counts) != len(scheduled) or any(not 0 <= k <= s.num_new_tokens for k, s in zip(counts, scheduled)):
-            raise ValueError("logits_per_seq must give 0..num_new_tokens rows for each scheduled sequence")
+        counts = (
+            list(logits_per_seq)
+            if logits_per_seq is not None
+            else [int(s.needs_sampling) for s in scheduled]
+        )
+        if len(counts) != len(scheduled) or any(
+            not 0 <= k <= s.num_new_tokens for k, s in zip(counts, scheduled, strict=True)
+        ):
+            raise ValueError(
+                "logits_per_seq must give 0..num_new_tokens rows for each scheduled sequence"
+            )
         input_ids, positions, meta, rows = self._prepare(scheduled, counts)
         hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
         return self.model.compute_logits(hidden[rows])  # [N, V]
@@ -102,7 +119,9 @@ class ModelRunner:
             seq, start, end = item.seq, item.start, item.end
             table = seq.block_table
             if len(table) * bs < end or end > self.args.max_seq_len or end > len(seq.token_ids):
-                raise ValueError(f"{seq!r}: cannot compute positions [{start}, {end}) with {len(table)} blocks")
+                raise ValueError(
+                    f"{seq!r}: cannot compute positions [{start}, {end}) with {len(table)} blocks"
+                )
             row0 = len(ids)
             ids += seq.token_ids[start:end]
             pos += range(start, end)
@@ -113,7 +132,9 @@ class ModelRunner:
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
             else:
-                block_table = torch.tensor(table[: -(-end // bs)], dtype=torch.int64, device=self.device)
+                block_table = torch.tensor(
+                    table[: -(-end // bs)], dtype=torch.int64, device=self.device
+                )
                 prefills.append(PrefillSpan(row0, len(ids), end, block_table))
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
@@ -121,7 +142,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
-            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(len(padded), width),
+            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(
+                len(padded), width
+            ),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=dev),
             prefills=tuple(prefills),
         )

@@ -203,7 +203,9 @@ async def run_server(
     shutdown = trio.Event() if shutdown is None else shutdown
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
-        url = await nursery.start(functools.partial(serve, build_app(backend), options, shutdown=shutdown))
+        url = await nursery.start(
+            functools.partial(serve, build_app(backend), options, shutdown=shutdown)
+        )
         task_status.started(url)
         await shutdown.wait()
         await backend.aclose()

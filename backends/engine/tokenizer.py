@@ -51,7 +51,9 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"}:
         split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     return byte_level
 
 
@@ -82,7 +84,9 @@ class Tokenizer:
         """Build from ``tokenizer.ggml.*`` keys (values already decoded to Python)."""
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+            raise TokenizerError(
+                f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')"
+            )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
@@ -90,8 +94,16 @@ class Tokenizer:
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
-        user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+        special = [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == _CONTROL
+        ]
+        user = [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == _USER_DEFINED
+        ]
         backend.add_special_tokens(special)
         backend.add_tokens(user)
         eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -108,7 +120,10 @@ class Tokenizer:
 
     @classmethod
     def from_hf_files(
-        cls, tokenizer_json: str, tokenizer_config: Mapping[str, Any], generation_eos: Iterable[int] = ()
+        cls,
+        tokenizer_json: str,
+        tokenizer_config: Mapping[str, Any],
+        generation_eos: Iterable[int] = (),
     ) -> Tokenizer:
         """Build from a ``tokenizer.json`` path and the parsed ``tokenizer_config.json``."""
         backend = HFTokenizer.from_file(tokenizer_json)
@@ -127,9 +142,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id if add_special_tokens and self.add_bos_token else None
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -141,7 +156,10 @@ class Tokenizer:
         """Raise :class:`BadRequest` for an id outside the vocabulary."""
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
-                raise BadRequest(f"token id {i!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+                raise BadRequest(
+                    f"token id {i!r} is outside the vocabulary [0, {self.vocab_size})",
+                    param="prompt",
+                )
 
     def id_to_token(self, token_id: int) -> str | None:
         token: str | None = self.backend.id_to_token(token_id)
@@ -150,11 +168,17 @@ class Tokenizer:
     # ---- chat ------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
     ) -> str:
         """Render a conversation to the prompt text the model was trained on."""
         if self.chat_template is None:
-            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+            raise BadRequest(
+                "this model has no chat template; use /v1/completions", param="messages"
+            )
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         special = {
@@ -199,7 +223,11 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 raise BadRequest("only text content parts are supported", param="messages")
             texts.append(part["text"])
         out["content"] = "".join(texts)
@@ -235,7 +263,13 @@ class IncrementalDetokenizer:
     ``ids[prefix:read]``; a window ending in U+FFFD is an incomplete UTF-8 sequence,
     so nothing is emitted until the next token completes it."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         # A little prompt context, so a leading space of the first output token survives.
@@ -247,7 +281,9 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Iterable[int]) -> str:
         """Add tokens; return the text they complete (maybe "")."""
         self.ids.extend(token_ids)
-        before = self._tok.backend.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        before = self._tok.backend.decode(
+            self.ids[self._prefix : self._read], skip_special_tokens=self._skip
+        )
         after = self._tok.backend.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
@@ -259,7 +295,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the stream: whatever is still held back (an incomplete
         character decodes as U+FFFD, as every other server does)."""
-        before = self._tok.backend.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        before = self._tok.backend.decode(
+            self.ids[self._prefix : self._read], skip_special_tokens=self._skip
+        )
         after = self._tok.backend.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
         new = after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)

@@ -7,6 +7,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from backends.engine.loader import LoadedModel, load_model
 from tests.engine import tiny
 
 
@@ -28,3 +29,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tiny_hf_model) -> Path:  
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_dir: Path) -> Path:
     return tiny_dir / "tiny-f32.gguf"
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """The default SmolLM2-135M-Instruct (Q4_1 GGUF), float32, loaded once."""
+    return load_model()

@@ -11,11 +11,17 @@ import trio
 from backends.base import ChatMessage, Event, GenerateRequest
 from backends.engine.backend import EngineBackend, build_engine, open_engine_backend
 from backends.engine.config import EngineConfig
+from backends.engine.loader import LoadedModel
 from backends.errors import BadRequest, ContextLengthExceeded
 
 
 def _config(path: Path, **kw: object) -> EngineConfig:
-    base: dict[str, object] = {"model": str(path), "num_kv_blocks": 64, "block_size": 4, "max_model_len": 128}
+    base: dict[str, object] = {
+        "model": str(path),
+        "num_kv_blocks": 64,
+        "block_size": 4,
+        "max_model_len": 128,
+    }
     base.update(kw)
     return EngineConfig(**base)  # type: ignore[arg-type]
 
@@ -32,11 +38,15 @@ def _greedy_reference(tiny_hf_model, prompt: list[int], n: int) -> list[int]:  #
     return ids[len(prompt) :]
 
 
-async def test_greedy_stream_matches_transformers_and_reports_prompt_seed_usage(tiny_gguf: Path, tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+async def test_greedy_stream_matches_transformers_and_reports_prompt_seed_usage(
+    tiny_gguf: Path, tiny_hf_model
+) -> None:  # type: ignore[no-untyped-def]
     engine, tok, name = build_engine(_config(tiny_gguf))
     prompt = [5, 70, 100, 200, 33]
     async with open_engine_backend(engine, tok, model_name=name) as backend:
-        req = GenerateRequest(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, seed=7)
+        req = GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, seed=7
+        )
         events = await _collect(backend, req)
     ids = [t for e in events for t in e.token_ids]
     assert ids == _greedy_reference(tiny_hf_model, prompt, 6)
@@ -47,14 +57,18 @@ async def test_greedy_stream_matches_transformers_and_reports_prompt_seed_usage(
     assert backend.info().models == (name,) and backend.info().token_ids
 
 
-async def test_concurrent_streams_are_batched_and_independent(tiny_gguf: Path, tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+async def test_concurrent_streams_are_batched_and_independent(
+    tiny_gguf: Path, tiny_hf_model
+) -> None:  # type: ignore[no-untyped-def]
     engine, tok, name = build_engine(_config(tiny_gguf))
     prompts = [[5, 6, 7], [100, 101, 102, 103, 104, 105], [260, 40]]
     results: dict[int, list[int]] = {}
     async with open_engine_backend(engine, tok, model_name=name) as backend:
 
         async def run(i: int) -> None:
-            req = GenerateRequest(prompt_token_ids=prompts[i], max_tokens=5, temperature=0.0, ignore_eos=True)
+            req = GenerateRequest(
+                prompt_token_ids=prompts[i], max_tokens=5, temperature=0.0, ignore_eos=True
+            )
             results[i] = [t for e in await _collect(backend, req) for t in e.token_ids]
 
         async with trio.open_nursery() as nursery:
@@ -72,9 +86,13 @@ async def test_stop_string_ends_the_stream_without_the_stop_text(tiny_gguf: Path
         full = "".join(e.text for e in await _collect(backend, base))
         stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop and len(full) > 4
-        req = GenerateRequest(prompt="the water", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+        req = GenerateRequest(
+            prompt="the water", max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]
+        )
         events = await _collect(backend, req)
-        await _collect(backend, GenerateRequest(prompt_token_ids=[9], max_tokens=1))  # one more step
+        await _collect(
+            backend, GenerateRequest(prompt_token_ids=[9], max_tokens=1)
+        )  # one more step
         assert engine.statistics().num_running == 0  # the stopped sequence was aborted
     text = "".join(e.text for e in events)
     assert events[-1].finish_reason == "stop"
@@ -87,12 +105,16 @@ async def test_stop_string_ends_the_stream_without_the_stop_text(tiny_gguf: Path
 async def test_cancelled_consumer_aborts_and_frees_blocks(tiny_gguf: Path) -> None:
     engine, tok, name = build_engine(_config(tiny_gguf))
     async with open_engine_backend(engine, tok, model_name=name) as backend:
-        stream = backend.stream(GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=100, ignore_eos=True))
+        stream = backend.stream(
+            GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=100, ignore_eos=True)
+        )
         async for _ in stream:
             break
         await stream.aclose()  # type: ignore[attr-defined]
         # Any later request runs steps after the abort was applied.
-        await _collect(backend, GenerateRequest(prompt_token_ids=[9], max_tokens=2, temperature=0.0))
+        await _collect(
+            backend, GenerateRequest(prompt_token_ids=[9], max_tokens=2, temperature=0.0)
+        )
         stats = engine.statistics()
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_usage == 0.0
@@ -102,9 +124,13 @@ async def test_cancelled_consumer_aborts_and_frees_blocks(tiny_gguf: Path) -> No
 async def test_chat_messages_use_the_model_template(tiny_gguf: Path) -> None:
     engine, tok, name = build_engine(_config(tiny_gguf))
     async with open_engine_backend(engine, tok, model_name=name) as backend:
-        req = GenerateRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=3, ignore_eos=True)
+        req = GenerateRequest(
+            messages=[ChatMessage(role="user", content="hi")], max_tokens=3, ignore_eos=True
+        )
         events = await _collect(backend, req)
-    expected = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    expected = tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert events[0].prompt_token_ids == expected
 
 
@@ -121,12 +147,14 @@ async def test_bad_input_is_a_client_error(tiny_gguf: Path) -> None:
 
 
 @pytest.mark.slow
-async def test_default_model_knows_the_capital_of_france() -> None:
+async def test_default_model_knows_the_capital_of_france(smol: LoadedModel) -> None:
     """SmolLM2-135M-Instruct, chat template, greedy."""
-    engine, tok, name = build_engine(EngineConfig(num_kv_blocks=32))
+    engine, tok, name = build_engine(EngineConfig(num_kv_blocks=32), smol)
     async with open_engine_backend(engine, tok, model_name=name) as backend:
         messages = [ChatMessage(role="user", content="What is the capital of France?")]
-        events = await _collect(backend, GenerateRequest(messages=messages, max_tokens=24, temperature=0.0))
+        events = await _collect(
+            backend, GenerateRequest(messages=messages, max_tokens=24, temperature=0.0)
+        )
     reply = "".join(e.text for e in events)
     assert "Paris" in reply
     assert events[-1].finish_reason == "stop"

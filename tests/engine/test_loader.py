@@ -32,11 +32,18 @@ def test_gguf_and_hf_folder_load_the_same_weights(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     "qtype",
-    [gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0,
-     gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1],
+    [
+        gguf.GGMLQuantizationType.F16,
+        gguf.GGMLQuantizationType.BF16,
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_0,
+        gguf.GGMLQuantizationType.Q4_1,
+    ],
 )
 def test_quantised_gguf_dequantises_close_to_the_original(
-    tmp_path: Path, tiny_hf_model, qtype: gguf.GGMLQuantizationType  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    tiny_hf_model,
+    qtype: gguf.GGMLQuantizationType,  # type: ignore[no-untyped-def]
 ) -> None:
     path = tiny.write_gguf(tiny_hf_model, tmp_path / "q.gguf", qtype=qtype)
     ours = read_checkpoint(str(path)).state_dict["layers.0.feed_forward.w2.weight"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from backends.engine.loader import default_model_path, load_model
+from backends.engine.loader import LoadedModel, default_model_path, load_model
 from backends.engine.runner import ModelRunner
 from backends.engine.scheduler import ScheduledSeq
 from backends.engine.sequence import SamplingParams, Sequence
@@ -30,7 +30,9 @@ def _ours_all_positions(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 def _reference(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,10 +62,10 @@ def test_tied_tiny_gguf_logits_match_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_smollm2_logits_match_transformers() -> None:
+def test_default_smollm2_logits_match_transformers(smol: LoadedModel) -> None:
     """The real Q4_1 SmolLM2-135M on short prompts (dequantised identically on both sides)."""
     path = Path(default_model_path())
-    loaded = load_model(str(path))
+    loaded = smol
     ref = _reference(path)
     runner = ModelRunner(loaded.model, num_kv_blocks=8, block_size=16)
     for text in ["The capital of France is", "def fibonacci(n):"]:

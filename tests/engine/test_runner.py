@@ -35,7 +35,9 @@ def _advance(item: ScheduledSeq) -> None:
     item.seq.num_computed_tokens += item.num_new_tokens
 
 
-def test_chunked_prefill_then_batched_decode_matches_full_forward(runner: ModelRunner, tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_prefill_then_batched_decode_matches_full_forward(
+    runner: ModelRunner, tiny_hf_model
+) -> None:  # type: ignore[no-untyped-def]
     prompts = [list(range(10, 23)), list(range(50, 55)), [7, 8, 9, 260, 261, 262, 263, 30, 31]]
     tails = [[100, 101, 102], [200, 201, 202], [5, 6, 7]]
     # Scattered, interleaved blocks: seq i gets blocks i, i+3, i+6, ...
@@ -44,14 +46,18 @@ def test_chunked_prefill_then_batched_decode_matches_full_forward(runner: ModelR
     step1 = [ScheduledSeq(seqs[0], 6), ScheduledSeq(seqs[1], 5)]
     out1 = runner.execute(step1)
     assert out1.shape == (1, runner.args.vocab_size)
-    torch.testing.assert_close(out1[0], _full_logits(tiny_hf_model, prompts[1])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out1[0], _full_logits(tiny_hf_model, prompts[1])[-1], rtol=1e-4, atol=1e-4
+    )
     for item in step1:
         _advance(item)
     step2 = [ScheduledSeq(seqs[0], 7), ScheduledSeq(seqs[2], 9)]
     out2 = runner.execute(step2)
     for item in step2:
         _advance(item)
-    torch.testing.assert_close(out2[0], _full_logits(tiny_hf_model, prompts[0])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out2[0], _full_logits(tiny_hf_model, prompts[0])[-1], rtol=1e-4, atol=1e-4
+    )
     # Decode steps: all three sequences in one batch, one token each.
     for t in range(3):
         for seq, tail in zip(seqs, tails, strict=True):
@@ -65,14 +71,18 @@ def test_chunked_prefill_then_batched_decode_matches_full_forward(runner: ModelR
             torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_prefix_blocks_written_by_one_sequence_serve_another(runner: ModelRunner, tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_blocks_written_by_one_sequence_serve_another(
+    runner: ModelRunner, tiny_hf_model
+) -> None:  # type: ignore[no-untyped-def]
     prefix = list(range(60, 68))  # two full blocks of 4
     a = _seq("a", [*prefix, 1, 2], [40, 41, 42])
     runner.execute([ScheduledSeq(a, 10)])
     b = _seq("b", [*prefix, 3, 4, 5], [40, 41, 43])  # shares blocks 40, 41
     b.num_computed_tokens = 8
     logits = runner.execute([ScheduledSeq(b, 3)], [3])
-    torch.testing.assert_close(logits, _full_logits(tiny_hf_model, b.token_ids)[-3:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        logits, _full_logits(tiny_hf_model, b.token_ids)[-3:], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_logits_rows_follow_schedule_order_and_skip_mid_prompt_chunks(runner: ModelRunner) -> None:
@@ -90,7 +100,9 @@ def test_too_few_blocks_is_an_error(runner: ModelRunner) -> None:
 
 
 def test_bfloat16_runner_stays_close_to_float32(tiny_gguf: Path, runner: ModelRunner) -> None:
-    bf = ModelRunner(load_model(str(tiny_gguf), dtype=torch.bfloat16).model, num_kv_blocks=8, block_size=4)
+    bf = ModelRunner(
+        load_model(str(tiny_gguf), dtype=torch.bfloat16).model, num_kv_blocks=8, block_size=4
+    )
     assert bf.kv.dtype == torch.bfloat16
     ids = list(range(20, 31))
     lo = bf.execute([ScheduledSeq(_seq("a", ids, [0, 1, 2]), len(ids))])
@@ -101,5 +113,8 @@ def test_bfloat16_runner_stays_close_to_float32(tiny_gguf: Path, runner: ModelRu
 
 def test_kv_bytes_per_block(runner: ModelRunner) -> None:
     a = runner.args
-    assert kv_bytes_per_block(a, 16, torch.float32) == 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 4
+    assert (
+        kv_bytes_per_block(a, 16, torch.float32)
+        == 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 4
+    )
     assert runner.kv.numel() * 4 == kv_bytes_per_block(a, 4, torch.float32) * 64

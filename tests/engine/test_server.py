@@ -19,7 +19,11 @@ from backends.serving import ServeOptions
 @pytest.fixture
 async def server(tiny_gguf: Path) -> AsyncIterator[tuple[str, EngineBackend]]:
     config = EngineConfig(
-        model=str(tiny_gguf), num_kv_blocks=64, block_size=4, max_model_len=128, enable_kv_events=True
+        model=str(tiny_gguf),
+        num_kv_blocks=64,
+        block_size=4,
+        max_model_len=128,
+        enable_kv_events=True,
     )
     engine, tok, name = build_engine(config)
     backend = EngineBackend(engine, tok, model_name=name)
@@ -33,11 +37,18 @@ async def server(tiny_gguf: Path) -> AsyncIterator[tuple[str, EngineBackend]]:
 async def test_completion_chat_stream_over_http2(server: tuple[str, EngineBackend]) -> None:
     url, backend = server
     async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
-        r = await client.post("/v1/completions", json={"prompt": "the water", "max_tokens": 5, "temperature": 0})
+        r = await client.post(
+            "/v1/completions", json={"prompt": "the water", "max_tokens": 5, "temperature": 0}
+        )
         assert r.status_code == 200 and r.http_version == "HTTP/2"
         body = r.json()
         assert body["usage"]["completion_tokens"] <= 5 and body["model"] == backend.model_name
-        req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "temperature": 0}
+        req = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "temperature": 0,
+        }
         async with client.stream("POST", "/v1/chat/completions", json=req) as resp:
             assert resp.status_code == 200
             lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
@@ -49,7 +60,9 @@ async def test_completion_chat_stream_over_http2(server: tuple[str, EngineBacken
 async def test_tokenize_detokenize_round_trip(server: tuple[str, EngineBackend]) -> None:
     url, _ = server
     async with httpx.AsyncClient(base_url=url) as client:
-        r = await client.post("/tokenize", json={"prompt": " the winter", "return_token_strs": True})
+        r = await client.post(
+            "/tokenize", json={"prompt": " the winter", "return_token_strs": True}
+        )
         assert r.status_code == 200
         tok = r.json()
         assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
@@ -68,11 +81,17 @@ async def test_bad_requests_are_400(server: tuple[str, EngineBackend]) -> None:
     async with httpx.AsyncClient(base_url=url) as client:
         # Streaming requests: the frontend pulls the first event before answering,
         # so an error raised by the engine at admission gets its real status.
-        r = await client.post("/v1/completions", json={"prompt": "the " * 100, "max_tokens": 100, "stream": True})
+        r = await client.post(
+            "/v1/completions", json={"prompt": "the " * 100, "max_tokens": 100, "stream": True}
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = await client.post("/v1/completions", json={"prompt": [1, 5, 10**7], "max_tokens": 2, "stream": True})
+        r = await client.post(
+            "/v1/completions", json={"prompt": [1, 5, 10**7], "max_tokens": 2, "stream": True}
+        )
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
-        r = await client.post("/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "stream": True})
+        r = await client.post(
+            "/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "stream": True}
+        )
         assert r.status_code == 200  # still serving after bad input
 
 
@@ -80,7 +99,9 @@ async def test_kv_events_stream_and_resume(server: tuple[str, EngineBackend]) ->
     url, _ = server
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         for start in (3, 50):  # two different prompts: two "stored" events
-            r = await client.post("/v1/completions", json={"prompt": list(range(start, start + 17)), "max_tokens": 2})
+            r = await client.post(
+                "/v1/completions", json={"prompt": list(range(start, start + 17)), "max_tokens": 2}
+            )
             assert r.status_code == 200
         first = await _read_events(client, "/v1/kv_events", 2)
         assert first[0]["kind"] == "stored" and first[0]["block_hashes"]
@@ -105,14 +126,25 @@ async def _read_events(client: httpx.AsyncClient, path: str, n: int) -> list[dic
 async def test_metrics_expose_engine_counters(server: tuple[str, EngineBackend]) -> None:
     url, _ = server
     async with httpx.AsyncClient(base_url=url) as client:
-        await client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3, "ignore_eos": True})
+        await client.post(
+            "/v1/completions", json={"prompt": "the", "max_tokens": 3, "ignore_eos": True}
+        )
         text = (await client.get("/metrics")).text
-    for name in ["tokens_per_second", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio",
-                 "prefix_cache_hit_rate", "preemptions_total", "batch_size_bucket"]:
+    for name in [
+        "tokens_per_second",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_ratio",
+        "prefix_cache_hit_rate",
+        "preemptions_total",
+        "batch_size_bucket",
+    ]:
         assert f"headrace_engine_{name}" in text
     assert "headrace_engine_generated_tokens_total 3.0" in text
 
 
-def test_cli_reports_a_missing_model_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_a_missing_model_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.engine.loader import default_model_path, read_checkpoint
+from backends.engine.loader import read_checkpoint, read_tokenizer
 from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from backends.errors import BadRequest
 from tests.engine import tiny
@@ -20,8 +20,8 @@ def tok(tiny_gguf: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    return read_checkpoint(default_model_path()).tokenizer
+def smol_tok() -> Tokenizer:
+    return read_tokenizer()
 
 
 def test_gguf_and_tokenizer_json_tokenize_alike(tiny_dir: Path, tok: Tokenizer) -> None:
@@ -38,15 +38,15 @@ def test_merges_and_special_tokens_apply(tok: Tokenizer) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == " the<|im_end|>"
 
 
-def test_smollm2_matches_its_reference_tokenization(smol: Tokenizer) -> None:
+def test_smollm2_matches_its_reference_tokenization(smol_tok: Tokenizer) -> None:
     """Known ids from SmolLM2's own tokenizer.json; digits are split one by one."""
-    assert smol.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
-    assert len(smol.encode("2024")) == 4
-    assert smol.eos_token_ids == (2,)
+    assert smol_tok.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert len(smol_tok.encode("2024")) == 4
+    assert smol_tok.eos_token_ids == (2,)
 
 
-def test_chat_template_renders_with_generation_prompt(smol: Tokenizer) -> None:
-    text = smol.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+def test_chat_template_renders_with_generation_prompt(smol_tok: Tokenizer) -> None:
+    text = smol_tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")
 
@@ -64,7 +64,12 @@ def test_template_raise_exception_is_a_bad_request() -> None:
 
 def test_template_is_sandboxed() -> None:
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    t = Tokenizer(Tokenizer.from_gguf_metadata(_meta()).backend, bos_token_id=None, eos_token_ids=[2], chat_template=evil)
+    t = Tokenizer(
+        Tokenizer.from_gguf_metadata(_meta()).backend,
+        bos_token_id=None,
+        eos_token_ids=[2],
+        chat_template=evil,
+    )
     with pytest.raises(BadRequest):
         t.apply_chat_template([{"role": "user", "content": "x"}])
 
@@ -83,7 +88,13 @@ def test_out_of_vocabulary_ids_are_rejected(tok: Tokenizer) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.text(st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)), min_size=1, max_size=30))
+@given(
+    st.text(
+        st.characters(exclude_characters="\ufffd", exclude_categories=("Cs",)),
+        min_size=1,
+        max_size=30,
+    )
+)
 def test_streaming_text_equals_full_decode_and_never_splits_a_character(text: str) -> None:
     """The tiny vocabulary is bytes, so multi-byte characters span several tokens."""
     tok = _tiny_tokenizer()

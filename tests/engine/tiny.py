@@ -170,6 +170,10 @@ def write_hf(model: LlamaForCausalLM, folder: Path) -> Path:
         "tokenizer.ggml.merges": merges,
     }
     Tokenizer.from_gguf_metadata(meta).backend.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": SPECIALS[1], "eos_token": SPECIALS[EOS_ID], "chat_template": CHAT_TEMPLATE}
+    config = {
+        "bos_token": SPECIALS[1],
+        "eos_token": SPECIALS[EOS_ID],
+        "chat_template": CHAT_TEMPLATE,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
