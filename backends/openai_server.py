@@ -172,13 +172,13 @@ class OpenAIServer:
         if scope["type"] != "http":
             return
         start = trio.current_time()
-        status, tenant = 500, "anonymous"
+        tenant = "anonymous"
+        exchange = _Exchange()
         async with trio.open_nursery() as nursery:
-            disconnected = trio.Event()
             try:
                 body = await self._read_body(scope, receive)
                 # Only now watch for disconnect: the body has been consumed.
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, disconnected)
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
                 tenant = self._tenant(scope)
                 handler = self._route(scope["method"], scope["path"])
                 response = await handler(HTTPRequest(scope, body, tenant, nursery))
@@ -187,12 +187,12 @@ class OpenAIServer:
             except Exception:
                 log.exception("unhandled error on %s %s", scope["method"], scope["path"])
                 response = json_response(error_body("internal error", "server_error", None, None), 500)
-            status = response.status
-            await _send_response(send, response)
+            await _send_response(send, response, exchange)
             nursery.cancel_scope.cancel()
         if self.observe is not None:
             route = scope["path"] if (scope["method"], scope["path"]) in self.routes else "other"
-            self.observe(route, 499 if disconnected.is_set() else status, tenant, trio.current_time() - start)
+            status = exchange.status if exchange.complete else 499
+            self.observe(route, status, tenant, trio.current_time() - start)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -456,12 +456,24 @@ def _total_usage(choices: list[_Choice]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 
-async def _send_response(send: Any, response: Response) -> None:
+class _Exchange:
+    """How far the response got. Once the last message is handed to the
+    server, a disconnect no longer cancels anything (hypercorn reports
+    ``http.disconnect`` as soon as a response completes)."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.complete = False
+
+
+async def _send_response(send: Any, response: Response, exchange: _Exchange) -> None:
+    exchange.status = response.status
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.encode(), v.encode()) for k, v in response.headers]
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        exchange.complete = True
         await send({"type": "http.response.body", "body": response.body})
         return
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
@@ -470,13 +482,14 @@ async def _send_response(send: Any, response: Response) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     await response.stream(emit)
+    exchange.complete = True
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope, disconnected: trio.Event) -> None:
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope, exchange: _Exchange) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            disconnected.set()
-            scope.cancel()
+            if not exchange.complete:
+                scope.cancel()
             return

@@ -18,36 +18,59 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol import h2 as hypercorn_h2
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = ["ServeOptions", "serve", "wait_for_signal"]
 
 log = logging.getLogger(__name__)
 
 
-def _patch_hypercorn_h2_data_after_close() -> None:
-    """hypercorn 0.18 raises KeyError for DATA on a stream it already closed
-    (e.g. after answering 413 before the body ended), and that KeyError tears
-    down the whole server nursery: one client could stop the router. Drop such
-    frames (still crediting flow control) before hypercorn sees them."""
+def _patch_hypercorn() -> None:
+    """Two fixes for hypercorn 0.18, each of which let one client stop the
+    whole server (an exception in a connection handler tears down hypercorn's
+    server nursery):
+
+    1. DATA for a stream hypercorn already closed (e.g. after we answered 413
+       before the body ended) raised KeyError. Such frames are dropped here,
+       still crediting flow control. A stream opened by a HEADERS frame in the
+       same batch is not closed, so its DATA is kept.
+    2. Any other exception out of one connection (a malformed h2c
+       ``HTTP2-Settings`` header raised ``binascii.Error``) is logged and closes
+       that connection only.
+    """
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_headrace_patched", False):
         return
-    original = protocol._handle_events
+    handle_events = protocol._handle_events
 
     async def _handle_events(self: Any, events: list[h2.events.Event]) -> None:
+        opened = {e.stream_id for e in events if isinstance(e, h2.events.RequestReceived)}
         kept = []
         for event in events:
-            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+            if (
+                isinstance(event, h2.events.DataReceived)
+                and event.stream_id not in self.streams
+                and event.stream_id not in opened
+            ):
                 self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 continue
             kept.append(event)
-        await original(self, kept)
+        await handle_events(self, kept)
+
+    run = TCPServer.run
+
+    async def _run(self: Any) -> None:
+        try:
+            await run(self)
+        except* Exception as group:
+            log.warning("closing a connection after an error in hypercorn: %r", group.exceptions)
 
     protocol._handle_events = _handle_events  # type: ignore[method-assign]
     protocol._headrace_patched = True  # type: ignore[attr-defined]
+    TCPServer.run = _run  # type: ignore[method-assign]
 
 
-_patch_hypercorn_h2_data_after_close()
+_patch_hypercorn()
 
 
 class ServeOptions:

@@ -172,3 +172,71 @@ async def test_oversized_h2_body_does_not_take_the_server_down(served: tuple[str
             assert r.status_code == 413
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200
+
+
+async def test_observe_sees_the_status_sent_and_499_for_a_disconnect() -> None:
+    seen: list[tuple[str, int]] = []
+    backend = CountingBackend(delay=0.05)
+    app = OpenAIServer(backend, observe=lambda route, status, tenant, secs: seen.append((route, status)))
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, app, ServeOptions())
+        async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            await client.get("/v1/nowhere")
+            async with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break
+        with trio.fail_after(2):
+            while len(seen) < 3:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert seen == [("/v1/completions", 200), ("other", 404), ("/v1/completions", 499)], seen
+
+
+async def _raw_exchange(url: str, payload: bytes, until: bytes = b"") -> bytes:
+    """Send raw bytes; read until the server closes, ``until`` shows up, or 2 s."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(payload)
+        data = b""
+        with trio.move_on_after(2):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+                if until and until in data:
+                    break
+    return data
+
+
+async def test_h2_headers_and_body_in_one_write_are_read_whole(served: tuple[str, CountingBackend]) -> None:
+    """curl --http2-prior-knowledge sends HEADERS and DATA in one packet."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    url, _ = served
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"),
+               (":authority", "x"), ("content-type", "application/json"), ("content-length", str(len(body)))]
+    conn.send_headers(1, headers)
+    conn.send_data(1, body, end_stream=True)
+    data = await _raw_exchange(url, conn.data_to_send(), until=b'"usage"')
+    events = conn.receive_data(data)
+    status = [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)]
+    received = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert status == [b"200"], received
+    assert b"t0 t1" in received
+
+
+async def test_malformed_h2c_upgrade_closes_one_connection_not_the_server(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    request = (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: !!!not-base64!!!\r\n\r\n"
+    )
+    await _raw_exchange(url, request)
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.get("/health")
+    assert r.status_code == 200
