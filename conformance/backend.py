@@ -128,7 +128,7 @@ async def check_backend(
     make_backend: MakeBackend,
     *,
     only: str | None = None,
-    timeout: float = 30.0,
+    check_timeout: float = 30.0,
     concurrency: int = 8,
     grace: float = 5.0,
 ) -> Report:
@@ -146,7 +146,7 @@ async def check_backend(
         raise TypeError(f"not a Backend: {got}")
     target.info = info
     caps = {"token_ids": info.token_ids, "seeds": info.seeds, "kv_events": info.kv_events}
-    results = await run_checks(select(BACKEND.checks, only), target, caps, timeout=timeout)
+    results = await run_checks(select(BACKEND.checks, only), target, caps, check_timeout=check_timeout)
     return Report(target=f"backend {info.name}", capabilities=caps, results=results)
 
 

@@ -99,7 +99,8 @@ def _pick_stop(pieces: list[str], straddle: bool) -> tuple[int, str]:
             start, cand = b - 2, text[max(b - 2, 0) : b + 2]
         else:
             nxt = min([x for x in bounds if x > b] + [len(text)])
-            start, cand = b, text[b:nxt]
+            piece = text[b:nxt]  # word vocabularies lead with a space: stop on the word
+            start, cand = b + len(piece) - len(piece.lstrip()), piece.strip()
         if _usable(text, start, cand, need=4 if straddle else 1):
             return start, cand
     if straddle:

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
             parser.error(f"--{name} must be positive")
     run = partial(
         check_http, args.target, api_key=args.api_key, model=args.model, only=args.only,
-        http=args.http, timeout=args.timeout, concurrency=args.concurrency, burst=args.burst,
+        http=args.http, check_timeout=args.timeout, concurrency=args.concurrency, burst=args.burst,
         without=args.without, max_context=args.max_context, grace=args.grace,
     )
     try:

@@ -29,7 +29,7 @@ async def check_http(
     model: str | None = None,
     only: str | None = None,
     http: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
+    check_timeout: float = DEFAULT_TIMEOUT,
     concurrency: int = 8,
     burst: int = 32,
     without: Iterable[str] = (),
@@ -44,7 +44,7 @@ async def check_http(
     if unknown:
         raise ValueError(f"unknown capabilities {sorted(unknown)}; known: {', '.join(CAPABILITIES)}")
     def new_client() -> httpx.AsyncClient:
-        return open_client(base_url, api_key=api_key, http=http, timeout=timeout)
+        return open_client(base_url, api_key=api_key, http=http, timeout=check_timeout)
 
     async with new_client() as client:
         target = HttpTarget(client=client, model=model or "", concurrency=concurrency,
@@ -52,5 +52,5 @@ async def check_http(
         target.caps.max_context = max_context
         await probe(target, frozenset(without))
         caps = target.caps.as_dict()
-        results = await run_checks(select(http_checks(), only), target, caps, timeout=timeout)
+        results = await run_checks(select(http_checks(), only), target, caps, check_timeout=check_timeout)
     return Report(target=f"{base_url} (model {target.model})", capabilities=caps, results=results)

@@ -44,18 +44,18 @@ async def run_checks(
     context: object,
     capabilities: Mapping[str, bool],
     *,
-    timeout: float = DEFAULT_TIMEOUT,
+    check_timeout: float = DEFAULT_TIMEOUT,
 ) -> list[CheckResult]:
-    return [await run_one(check, context, capabilities, timeout=timeout) for check in checks]
+    return [await run_one(check, context, capabilities, check_timeout=check_timeout) for check in checks]
 
 
 async def run_one(
-    check: Check, context: object, capabilities: Mapping[str, bool], *, timeout: float
+    check: Check, context: object, capabilities: Mapping[str, bool], *, check_timeout: float
 ) -> CheckResult:
     missing = sorted(cap for cap in check.requires if not capabilities.get(cap, False))
     if missing:
         return _result(check, "skip", f"target does not claim {', '.join(missing)}", 0.0)
-    limit = check.timeout if check.timeout is not None else timeout
+    limit = check.timeout if check.timeout is not None else check_timeout
     start = trio.current_time()
     try:
         with trio.fail_after(limit):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import trio
+import trio.lowlevel
 
 from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
 from backends.errors import ContextLengthExceeded, ModelNotFound
@@ -45,7 +46,7 @@ class ReferenceBackend:
         else:
             await trio.lowlevel.checkpoint()
         for i, (token, piece) in enumerate(zip(gen.ids[:-1], gen.pieces[:-1], strict=True)):
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             yield Event(token_ids=[token], text=piece, prompt_token_ids=prompt if i == 0 else None)
             if "two_finals" in self.flaws and i == 0:
                 yield Event(finish_reason="stop", usage=Usage(len(prompt), 1))
