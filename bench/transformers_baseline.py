@@ -104,6 +104,7 @@ def run_baseline(*, gguf: Path | None = None, dtype: str = "float32", batches: t
                  max_new_tokens: int = 64, prompt_tokens: int = 32, device: str = "cpu",
                  threads: int | None = None) -> dict[str, Any]:
     import torch
+    import transformers
 
     if max_new_tokens < 2 or any(b < 1 for b in batches):
         raise ClientError("--max-new-tokens must be >= 2 and batch sizes >= 1")
@@ -114,7 +115,8 @@ def run_baseline(*, gguf: Path | None = None, dtype: str = "float32", batches: t
     model, tok = load_model(path, dtype, device)
     results = [measure(model, tok, b, max_new_tokens, prompt_tokens=prompt_tokens) for b in batches]
     return {"kind": "transformers_baseline", "model": path.name, "dtype": dtype, "device": device,
-            "threads": torch.get_num_threads(), "results": results}
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "results": results}
 
 
 def format_results(doc: dict[str, Any]) -> str:
