@@ -71,6 +71,7 @@ __all__ = [
     "add_cli_arguments",
     "best_k",
     "build_draft_proposer",
+    "make_engine",
     "spec_config_from_args",
 ]
 
@@ -95,10 +96,17 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     decay: Frac = 0.8  # EWMA weight of the past
     prior_acceptance: Frac = 0.6
     probe_interval: Pos = 8  # steps at k = 0 before probing with k = 1
+    draft_model: str | None = None  # path of a cheaper model with the same vocabulary
+    draft_layers: Pos | None = None  # or: draft with the target's first N layers
 
     def __post_init__(self) -> None:
         if self.ngram_min > self.ngram_max:
             raise BadRequest("ngram_min must be <= ngram_max", param="ngram_min")
+        if self.method == "draft" and (self.draft_model is None) == (self.draft_layers is None):
+            raise BadRequest(
+                "speculative method 'draft' needs exactly one of draft_model and draft_layers",
+                param="draft_model",
+            )
 
 
 # -- adaptive k -----------------------------------------------------------------
@@ -570,6 +578,8 @@ def spec_config_from_args(ns: argparse.Namespace) -> SpecConfig:
                 "num_speculative_tokens": ns.num_speculative_tokens,
                 "draft_verify": ns.spec_draft_verify,
                 "max_batch_size": ns.spec_max_batch_size,
+                "draft_model": ns.draft_model,
+                "draft_layers": ns.draft_layers,
             },
             SpecConfig,
         )
@@ -607,3 +617,18 @@ def build_draft_proposer(
         target_runner.dtype,
     )
     return DraftProposer(runner)
+
+
+def make_engine(
+    config: EngineConfig, runner: Any, tokenizer: Any = None, spec: SpecConfig | None = None
+) -> LLMEngine:
+    """The engine ``spec`` asks for: plain when off (or None), else speculative
+    (building the draft runner for method "draft")."""
+    if spec is None or spec.method == "off":
+        return LLMEngine(config, runner, tokenizer)
+    draft = None
+    if spec.method == "draft":
+        draft = build_draft_proposer(
+            runner, draft_model=spec.draft_model, draft_layers=spec.draft_layers
+        )
+    return SpeculativeEngine(config, runner, tokenizer, spec=spec, draft=draft)
