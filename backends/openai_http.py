@@ -28,6 +28,7 @@ closed.
 from __future__ import annotations
 
 import email.utils
+import re
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -60,6 +61,7 @@ from backends.errors import (
 __all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "SSEDecoder", "status_error"]
 
 MAX_ERROR_BODY = 64 * 1024
+_EOL = re.compile(rb"\r\n|\r|\n")
 _TRANSPORT_ERRORS = (
     httpx.TransportError,
     h2.exceptions.H2Error,
@@ -88,31 +90,24 @@ class SSEDecoder:
     def __init__(self) -> None:
         self._buffer = b""
         self._data: list[str] = []
+        self._after_cr = False  # the last chunk ended in CR: skip a LF that follows
 
     def feed(self, chunk: bytes) -> list[str]:
+        if self._after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self._after_cr = chunk.endswith(b"\r") or (self._after_cr and not chunk)
         self._buffer += chunk
         out: list[str] = []
-        while True:
-            line, found = self._next_line()
-            if not found:
-                return out
-            if not line:
-                if self._data:
-                    out.append("\n".join(self._data))
-                    self._data = []
-                continue
-            self._field(line)
-
-    def _next_line(self) -> tuple[bytes, bool]:
-        buf = self._buffer
-        i = next((k for k, b in enumerate(buf) if b in (10, 13)), -1)
-        if i < 0:
-            return b"", False
-        if buf[i] == 13 and i + 1 == len(buf):
-            return b"", False  # a CR at the end may be the first half of CRLF
-        end = i + 2 if buf[i] == 13 and buf[i + 1] == 10 else i + 1
-        self._buffer = buf[end:]
-        return buf[:i], True
+        pos = 0
+        for match in _EOL.finditer(self._buffer):
+            line, pos = self._buffer[pos : match.start()], match.end()
+            if line:
+                self._field(line)
+            elif self._data:
+                out.append("\n".join(self._data))
+                self._data = []
+        self._buffer = self._buffer[pos:]
+        return out
 
     def _field(self, line: bytes) -> None:
         if line.startswith(b":"):

@@ -1,0 +1,169 @@
+"""The sans-I/O parts of the HTTP adapter: SSE framing, chunk -> event
+conversion, and the status-code translation table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.errors import (
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+    BadRequest,
+    ClientError,
+    ContextLengthExceeded,
+    ModelNotFound,
+    StreamBroken,
+    Unauthorized,
+    UpstreamError,
+)
+from backends.openai_http import SSEDecoder, _ChunkParser, status_error
+
+PAYLOADS = ['{"a": 1}', '{"b": "x\\ny"}', "[DONE]"]
+
+
+def _frame(payloads: list[str], newline: bytes) -> bytes:
+    out = b": keep-alive comment" + newline + newline
+    for p in payloads:
+        out += b"event: message" + newline + b"data: " + p.encode() + newline + newline
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    newline=st.sampled_from([b"\n", b"\r\n", b"\r"]), cuts=st.lists(st.integers(0, 200), max_size=8)
+)
+def test_sse_decoder_survives_any_chunking_and_line_ending(newline: bytes, cuts: list[int]) -> None:
+    raw = _frame(PAYLOADS, newline)
+    points = sorted({min(c, len(raw)) for c in cuts})
+    pieces = [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)], strict=True)]
+    decoder = SSEDecoder()
+    got = [d for piece in pieces for d in decoder.feed(piece)]
+    assert got == PAYLOADS
+
+
+def test_sse_decoder_joins_multiline_data_and_ignores_unknown_fields() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b"id: 7\nretry: 10\ndata:one\ndata: two\n\n") == ["one\ntwo"]
+    assert decoder.feed(b"data: partial") == []  # no blank line yet
+
+
+def _chunk(
+    text: str, ids: list[int] | None = None, finish: str | None = None, **top: object
+) -> str:
+    choice: dict[str, object] = {"index": 0, "text": text, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return json.dumps({"choices": [choice], **top})
+
+
+def test_parser_stamps_the_first_event_and_holds_the_final_one_for_usage() -> None:
+    parser = _ChunkParser(chat=False)
+    first = parser.feed(_chunk(" a", [300], prompt_token_ids=[1, 2], seed=9))
+    assert first[0].prompt_token_ids == [1, 2] and first[0].seed == 9
+    assert parser.feed(_chunk(" b", [301], finish="length")) == []
+    usage = json.dumps(
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 2, "prompt_tokens_details": None},
+        }
+    )
+    assert parser.feed(usage) == []
+    (final,) = parser.feed("[DONE]")
+    assert final.finish_reason == "length" and final.token_ids == [301]
+    assert final.usage is not None and final.usage.completion_tokens == 2
+
+
+def test_parser_skips_role_only_chat_deltas_and_maps_unknown_finish_reasons_to_stop() -> None:
+    parser = _ChunkParser(chat=True)
+    role = json.dumps(
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}], "prompt_token_ids": [5]}
+    )
+    assert parser.feed(role) == []
+    tool = json.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "tool_calls"}]}
+    )
+    assert parser.feed(tool) == []
+    (final,) = parser.feed("[DONE]")
+    assert final.finish_reason == "stop" and final.text == "x" and final.prompt_token_ids == [5]
+    assert final.usage is not None and final.usage.prompt_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"id": "x"}',
+        _chunk("a", ids=["x"]),  # type: ignore[list-item]
+        json.dumps({"choices": [{"index": 1, "text": "a"}]}),
+    ],
+)
+def test_parser_rejects_chunks_that_are_not_the_openai_shape(data: str) -> None:
+    with pytest.raises(BackendProtocolError):
+        _ChunkParser(chat=False).feed(data)
+
+
+def test_done_without_finish_reason_and_error_events_translate() -> None:
+    with pytest.raises(BackendProtocolError):
+        _ChunkParser(chat=False).feed("[DONE]")
+    parser = _ChunkParser(chat=False)
+    parser.feed(_chunk("a", [300]))
+    error = json.dumps(
+        {"error": {"message": "engine died", "type": "upstream_error", "code": None}}
+    )
+    with pytest.raises(StreamBroken, match="engine died"):
+        parser.feed(error)
+    with pytest.raises(UpstreamError):
+        _ChunkParser(chat=False).feed(error)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error"),
+    [
+        (
+            400,
+            {"error": {"message": "bad", "type": "invalid_request_error", "code": None}},
+            BadRequest,
+        ),
+        (
+            400,
+            {"error": {"message": "x", "code": "context_length_exceeded"}},
+            ContextLengthExceeded,
+        ),
+        (
+            400,
+            {
+                "object": "error",
+                "message": "This model's maximum context length is 2048 tokens",
+                "code": 400,
+            },
+            ContextLengthExceeded,
+        ),
+        (401, {"error": {"message": "key"}}, Unauthorized),
+        (404, {"error": {"message": "The model `x` does not exist."}}, ModelNotFound),
+        (418, {"error": {"message": "teapot"}}, ClientError),
+        (429, {"error": {"message": "slow down"}}, BackendUnavailable),
+        (503, {"error": {"message": "busy"}}, BackendUnavailable),
+        (500, {"error": {"message": "boom"}}, UpstreamError),
+        (504, {"error": {"message": "late"}}, BackendTimeout),
+    ],
+)
+def test_status_error_table(status: int, body: dict[str, object], error: type[Exception]) -> None:
+    exc = status_error(status, json.dumps(body).encode())
+    assert type(exc) is error
+    assert exc.message in json.dumps(body)
+    if status == 418:
+        assert exc.status == 418
+
+
+def test_status_error_reads_retry_after_in_seconds_or_as_a_date_and_plain_text_bodies() -> None:
+    assert status_error(429, b"", "5").retry_after == 5.0
+    date = status_error(503, b"", "Wed, 21 Oct 2015 07:28:00 GMT")
+    assert date.retry_after == 0.0  # in the past
+    assert status_error(503, b"", "soon").retry_after is None
+    assert status_error(502, b"<html>bad gateway</html>").message == "<html>bad gateway</html>"
