@@ -239,7 +239,10 @@ class OpenAIServer:
 
     async def _models(self, request: HTTPRequest) -> Response:
         info = self.backend.info()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": info.name} for m in info.models]
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": info.name, "max_model_len": info.max_context}
+            for m in info.models
+        ]
         return json_response({"object": "list", "data": data})
 
     async def _health(self, request: HTTPRequest) -> Response:
@@ -297,9 +300,14 @@ class _Call:
             async for event in self.backend.stream(self.subs[i]):
                 results[i].add(event)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(self.subs)):
-                nursery.start_soon(run, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(self.subs)):
+                    nursery.start_soon(run, i)
+        except BaseExceptionGroup as group:
+            # One failed choice fails the call: surface the first error of
+            # ours unwrapped so it keeps its status code.
+            raise _first_headrace_error(group) or group from None
         usage = _total_usage(results)
         if self.kind == "native":
             return results[0].native(self.rid, self.model, usage)
@@ -387,6 +395,17 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+
+def _first_headrace_error(group: BaseExceptionGroup[BaseException]) -> HeadraceError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, HeadraceError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_headrace_error(exc)
+            if found is not None:
+                return found
+    return None
 
 
 class _Choice:

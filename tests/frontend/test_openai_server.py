@@ -240,3 +240,11 @@ async def test_malformed_h2c_upgrade_closes_one_connection_not_the_server(served
     async with httpx.AsyncClient(base_url=url) as client:
         r = await client.get("/health")
     assert r.status_code == 200
+
+
+async def test_error_inside_one_of_n_choices_keeps_its_status(served: tuple[str, CountingBackend]) -> None:
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+        r = await client.post("/v1/completions", json={"prompt": "overload", "n": 3})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "backend_unavailable"
