@@ -172,9 +172,7 @@ async def test_headrace_mock_subprocess_serves_reports_cancellation_and_drains_o
     )
     try:
         url = await _read_url(proc)
-        # HTTP/1.1 until serving.py keeps DATA that arrives with its HEADERS
-        # (see the xfail test below); the h2 cancel path is tested in-process.
-        client = OpenAIHTTPBackend(url, http2=False, stall_timeout=5)
+        client = OpenAIHTTPBackend(url, stall_timeout=5)  # h2 prior knowledge, across processes
         try:
             await client.refresh()
             assert client.info().models == ("m",)
@@ -213,11 +211,6 @@ async def _read_url(proc: trio.Process) -> str:
     return line.rsplit(" ", 1)[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backends/serving.py's hypercorn patch drops DATA frames that arrive in the same read "
-    "as their stream's HEADERS (it filters the batch before hypercorn creates the stream)",
-)
 async def test_h2_request_whose_headers_and_body_arrive_together_is_read_whole(
     nursery: trio.Nursery,
 ) -> None:
