@@ -12,7 +12,7 @@ from backends.base import ChatMessage, Event, GenerateRequest
 from backends.engine.backend import EngineBackend, build_engine, open_engine_backend
 from backends.engine.config import EngineConfig
 from backends.engine.loader import LoadedModel
-from backends.errors import BadRequest, ContextLengthExceeded
+from backends.errors import BadRequest, ContextLengthExceeded, StreamBroken
 
 
 def _config(path: Path, **kw: object) -> EngineConfig:
@@ -158,3 +158,61 @@ async def test_default_model_knows_the_capital_of_france(smol: LoadedModel) -> N
     reply = "".join(e.text for e in events)
     assert "Paris" in reply
     assert events[-1].finish_reason == "stop"
+
+
+async def test_seeded_sampling_is_reproducible_and_resumable(tiny_gguf: Path) -> None:
+    """Re-sending prompt + emitted tokens with the same seed continues the same stream:
+    what the router relies on to migrate a broken generation."""
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    prompt = [5, 70, 100, 200, 33]
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+
+        async def tokens(ids: list[int], n: int) -> list[int]:
+            req = GenerateRequest(prompt_token_ids=ids, max_tokens=n, temperature=1.0, seed=1234, ignore_eos=True)
+            return [t for e in await _collect(backend, req) for t in e.token_ids]
+
+        full = await tokens(prompt, 8)
+        assert await tokens(prompt, 8) == full
+        assert await tokens(prompt + full[:3], 5) == full[3:]
+
+
+async def test_logprobs_are_reported_per_token(tiny_gguf: Path) -> None:
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+        req = GenerateRequest(prompt_token_ids=[5, 6], max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
+        events = await _collect(backend, req)
+    lps = [lp for e in events for lp in (e.logprobs or [])]
+    assert [lp.token_id for lp in lps] == [t for e in events for t in e.token_ids]
+    assert all(len(lp.top) == 2 and lp.logprob <= 0.0 for lp in lps)
+    assert all(lp.top[0].token_id == lp.token_id for lp in lps)  # greedy picks the top token
+
+
+class _BrokenRunner:
+    """Delegates to a real runner until told to fail (a device error mid-serving)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.fail = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def execute(self, scheduled: object) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("device lost")
+        return self.inner.execute(scheduled)  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_a_failing_step_breaks_the_streams_but_not_the_engine(tiny_gguf: Path) -> None:
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    broken = _BrokenRunner(engine.runner)
+    engine.runner = broken
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+        broken.fail = True
+        with pytest.raises(StreamBroken, match="device lost"):
+            await _collect(backend, GenerateRequest(prompt_token_ids=[1, 2], max_tokens=3))
+        broken.fail = False
+        events = await _collect(backend, GenerateRequest(prompt_token_ids=[1, 2], max_tokens=3, ignore_eos=True))
+        assert events[-1].finish_reason == "length"
+        assert backend.statistics().num_step_errors == 1
+    assert engine.statistics().kv_usage == 0.0
