@@ -9,8 +9,8 @@ backend. Delays use ``trio.sleep``, so ``MockClock`` drives them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 
 import msgspec
 import trio
@@ -22,6 +22,17 @@ from backends.mock import MockBackend
 __all__ = ["FakeStatistics", "FlakyBackend", "SlowBackend", "StallingBackend", "WrappedBackend"]
 
 ErrorFactory = Callable[[str], HeadraceError]
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[Event]) -> AsyncGenerator[AsyncIterator[Event], None]:
+    """``aclosing`` for a Backend's stream, typed as the protocol's iterator."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class FakeStatistics(msgspec.Struct, frozen=True):
@@ -61,8 +72,8 @@ class WrappedBackend:
         finally:
             self.in_flight -= 1
 
-    async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:
-        async with aclosing(self.inner.stream(request)) as events:
+    async def _stream(self, number: int, request: GenerateRequest) -> AsyncGenerator[Event, None]:
+        async with _closing(self.inner.stream(request)) as events:
             async for event in events:
                 yield event
 
@@ -79,9 +90,9 @@ class SlowBackend(WrappedBackend):
             raise ValueError("delays must be non-negative")
         self.ttft_s, self.tpot_s = ttft_s, tpot_s
 
-    async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _stream(self, number: int, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         first = True
-        async with aclosing(self.inner.stream(request)) as events:
+        async with _closing(self.inner.stream(request)) as events:
             async for event in events:
                 await trio.sleep(self.ttft_s if first else self.tpot_s)
                 first = False
@@ -121,7 +132,7 @@ class FlakyBackend(WrappedBackend):
             return StreamBroken(message)
         return BackendUnavailable(message, retry_after=self.retry_after)
 
-    async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _stream(self, number: int, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         if not self.fails(number):
             async with aclosing(super()._stream(number, request)) as events:
                 async for event in events:
@@ -129,7 +140,7 @@ class FlakyBackend(WrappedBackend):
             return
         self.injected += 1
         sent = 0
-        async with aclosing(self.inner.stream(request)) as events:
+        async with _closing(self.inner.stream(request)) as events:
             async for event in events:
                 if sent == self.after_events or event.finish_reason is not None:
                     break
@@ -166,7 +177,7 @@ class StallingBackend(WrappedBackend):
             self.stall_every > 0 and number % self.stall_every == 0
         )
 
-    async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _stream(self, number: int, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         if not self.stalls(number):
             async with aclosing(super()._stream(number, request)) as events:
                 async for event in events:
@@ -174,7 +185,7 @@ class StallingBackend(WrappedBackend):
             return
         self.injected += 1
         sent = 0
-        async with aclosing(self.inner.stream(request)) as events:
+        async with _closing(self.inner.stream(request)) as events:
             async for event in events:
                 if sent == self.after_events or event.finish_reason is not None:
                     break

@@ -17,7 +17,7 @@ it) and faults are injected in-process as :mod:`backends.errors` exceptions;
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Literal
 
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 MASK64 = (1 << 64) - 1
-BYTE_IDS = 256
+BYTE_IDS = 256  # ids below are bytes
 
 DEFAULT_VOCAB: tuple[str, ...] = tuple(
     " " + w
@@ -417,7 +417,7 @@ class MockBackend:
 
     async def _run(
         self, gen: _Generation, prompt: list[int], seed: int, faults: list[Fault]
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         delay = sum(f.delay_s for f in faults if f.kind == "slow_first_token")
         await trio.sleep(self.config.ttft_s + delay)
         _raise_status(faults)

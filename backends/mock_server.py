@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import h2.errors

@@ -33,7 +33,7 @@ import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import h2.errors
 import h2.exceptions
@@ -125,7 +125,7 @@ class SSEDecoder:
 
 
 def _finish(reason: object) -> Literal["stop", "length", "abort"]:
-    return reason if reason in ("length", "abort") else "stop"  # type: ignore[return-value]
+    return reason if reason in ("length", "abort") else "stop"
 
 
 def _int_list(value: object, what: str) -> list[int] | None:
@@ -558,7 +558,7 @@ class OpenAIHTTPBackend:
         body.update({k: v for k, v in optional.items() if v is not None})
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
-    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncIterator[Event]:
+    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncGenerator[Event, None]:
         response = await self._open(path, payload)
         try:
             parser = _ChunkParser(chat=path.endswith("/chat/completions"))
@@ -591,14 +591,16 @@ class OpenAIHTTPBackend:
             await response.aclose()
         raise status_error(response.status_code, body, response.headers.get("retry-after"))
 
-    async def _events(self, response: httpx.Response, parser: _ChunkParser) -> AsyncIterator[Event]:
+    async def _events(
+        self, response: httpx.Response, parser: _ChunkParser
+    ) -> AsyncGenerator[Event, None]:
         content_type = response.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             raise BackendProtocolError(
                 f"expected an SSE stream, got {content_type or 'no content type'!r}"
             )
         decoder = SSEDecoder()
-        async with aclosing(response.aiter_bytes()) as chunks:
+        async with aclosing(cast(AsyncGenerator[bytes, None], response.aiter_bytes())) as chunks:
             while True:
                 chunk = await self._next_chunk(chunks, parser)
                 if chunk is None:
