@@ -375,6 +375,15 @@ class MockBackend:
             )
         return min(asked or c.max_tokens, c.max_tokens, c.max_context - n_prompt)
 
+    def _seed(self, request: GenerateRequest) -> int:
+        """The request's seed; else 0 when greedy (temperature 0 output must
+        not vary), else a fresh draw (reported on the first event)."""
+        if request.seed is not None:
+            return request.seed & MASK64
+        if request.temperature == 0:
+            return 0
+        return self._seeds.getrandbits(63)
+
     def _draw_faults(self) -> list[Fault]:
         index, self._requests = self._requests, self._requests + 1
         c = self.config
@@ -387,7 +396,7 @@ class MockBackend:
         except HeadraceError:
             self._rejected += 1
             raise
-        seed = (request.seed if request.seed is not None else self._seeds.getrandbits(63)) & MASK64
+        seed = self._seed(request)
         faults = self._draw_faults()
         self._in_flight += 1
         self._started += 1

@@ -309,3 +309,13 @@ def test_parse_fault_accepts_the_cli_spellings(spec: str, fault: Fault) -> None:
 def test_parse_fault_rejects_nonsense_with_a_clear_message(spec: str) -> None:
     with pytest.raises(ValueError, match="bad fault"):
         parse_fault(spec)
+
+
+async def test_greedy_requests_without_a_seed_are_deterministic() -> None:
+    backend = MockBackend()
+    runs = [
+        await collect(backend, GenerateRequest(prompt="g", max_tokens=6, temperature=0))
+        for _ in range(3)
+    ]
+    assert ids_of(runs[0]) == ids_of(runs[1]) == ids_of(runs[2])
+    assert runs[0][0].seed == 0
