@@ -31,7 +31,10 @@ def main() -> None:
     assert launched is not None
     engine = LLMEngine(config, launched.runner, launched.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = [f"Question {i}: what is the capital of country number {i}? Answer:" for i in range(args.requests)]
+    prompts = [
+        f"Question {i}: what is the capital of country number {i}? Answer:"
+        for i in range(args.requests)
+    ]
     for i, text in enumerate(prompts):
         engine.add_request(f"r{i}", launched.tokenizer.encode(text), params)
     tokens: dict[str, list[int]] = {}
@@ -42,7 +45,9 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     total = sum(len(t) for t in tokens.values())
     digest = hashlib.sha256(repr(sorted(tokens.items())).encode()).hexdigest()[:12]
-    print(f"tp={args.tp} requests={args.requests} tokens={total} seconds={elapsed:.2f} tok/s={total / elapsed:.1f} greedy={digest}")
+    print(
+        f"tp={args.tp} requests={args.requests} tokens={total} seconds={elapsed:.2f} tok/s={total / elapsed:.1f} greedy={digest}"
+    )
     close = getattr(launched.runner, "close", None)
     if close is not None:
         close()

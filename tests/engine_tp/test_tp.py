@@ -1,14 +1,18 @@
 """Tensor parallelism over real processes (gloo on 127.0.0.1): N=2 (uneven: 3 KV groups,
 intermediate 77, vocab 101) and N=3 give the same greedy tokens as N=1 and logits within
 1e-4 relative; a worker killed with SIGKILL brings rank 0 down with a clear error in
-seconds; a worker that cannot start is reported with its own error."""
+seconds, and workers of a killed rank 0 exit instead of hanging; a worker that cannot
+start is reported with its own error."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +171,24 @@ def test_a_worker_that_cannot_start_is_reported_with_its_error() -> None:
 def test_a_world_size_beyond_the_query_heads_is_refused_before_spawning() -> None:
     with pytest.raises(TensorParallelError, match="query heads"):
         start_tp(RandomModel(tiny_args()), 7, num_kv_blocks=BLOCKS, block_size=BLOCK_SIZE)
+
+
+def test_workers_exit_when_rank0_is_killed() -> None:
+    """The workers hold the rank-0 process's stdout/stderr: ``communicate`` returns only
+    once every one of them has exited, so a hanging worker fails this test by timeout."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine_tp.rank0_main"],
+        cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        pids = proc.stdout.readline().split()
+        assert len(pids) == 2, proc.stderr.read() if proc.stderr else ""
+        proc.kill()
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    for rank in (1, 2):
+        assert f"headrace tp rank {rank}: tensor-parallel control receive failed" in err
