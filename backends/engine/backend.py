@@ -20,6 +20,7 @@ knows token ids); a match ends the stream and aborts the sequence.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -339,10 +340,15 @@ class EngineBackend:
         last = since
         while True:
             changed = self._kv_changed
-            for event in list(self._kv_events):
-                if event.seq > last:
-                    last = event.seq
-                    yield event
+            kept = self._kv_events
+            if kept and kept[-1].seq > last:
+                # Sequence numbers are consecutive, so skip straight to the resume point;
+                # snapshot, since the deque grows while we are suspended in yield.
+                start = max(0, last + 1 - kept[0].seq)
+                for event in list(itertools.islice(kept, start, None)):
+                    if event.seq > last:
+                        last = event.seq
+                        yield event
             await changed.wait()
 
     # ---- statistics -------------------------------------------------------------------------

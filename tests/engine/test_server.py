@@ -148,3 +148,33 @@ def test_cli_reports_a_missing_model_clearly(
 ) -> None:
     assert main(["--model", str(tmp_path / "missing.gguf"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+async def test_headrace_engine_command_serves_and_drains_on_sigint(tiny_gguf: Path) -> None:
+    """The real command line in a subprocess: prints its URL, serves, exits 0 on SIGINT."""
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "router.cli", "engine", "--model", str(tiny_gguf), "--port", "0", "--threads", "1"]
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        with trio.fail_after(60):
+            assert proc.stdout is not None
+            line = b""
+            while b"\n" not in line:
+                chunk = await proc.stdout.receive_some(1024)
+                assert chunk, "engine exited before printing its URL"
+                line += chunk
+            url = line.decode().split(" on ", 1)[1].strip()
+            async with httpx.AsyncClient(base_url=url) as client:
+                assert (await client.get("/health")).status_code == 200
+                r = await client.post("/v1/completions", json={"prompt": "the", "max_tokens": 2})
+                assert r.status_code == 200
+            proc.send_signal(signal.SIGINT)
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
