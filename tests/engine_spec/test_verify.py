@@ -8,8 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.engine.sampling import sample
+from backends.engine.sequence import SamplingParams, Sequence
 from backends.engine.spec_verify import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
     accept_matches,
+    keyed_gumbel,
+    keyed_uniforms,
+    processed_logits,
     verify_deterministic,
     verify_greedy,
     verify_rejection,
@@ -170,3 +177,35 @@ def test_rejection_never_emits_a_token_the_target_rules_out() -> None:
     emitted = out[out >= 0]
     assert set(emitted.tolist()) <= {1, 2}
     assert int(acc.sum()) > 0
+
+
+def test_processed_logits_plus_keyed_noise_is_the_samplers_draw() -> None:
+    """The verifier's view of a row reproduces sample() exactly: same penalties,
+    same masks, same (seed, position) noise."""
+    gen = torch.Generator().manual_seed(3)
+    seqs = [
+        Sequence("a", [1, 2, 3, 2], SamplingParams(temperature=0.7, top_k=5, seed=11)),
+        Sequence(
+            "b",
+            [4, 4, 5],
+            SamplingParams(
+                temperature=1.3, top_p=0.8, repetition_penalty=1.5, seed=12, min_tokens=3
+            ),
+        ),
+    ]
+    seqs[1].num_prompt_tokens = 1
+    raw = torch.randn(2, 16, generator=gen)
+    positions = [9, 4]
+    y = processed_logits(raw, seqs, [7], positions)
+    keys = [(s.params.seed or 0, p) for s, p in zip(seqs, positions, strict=True)]
+    mine = (y + keyed_gumbel(keys, 16)).argmax(-1).tolist()
+    assert mine == [t for t, _ in sample(raw, seqs, [7], positions)]
+    assert y[1, 7] == float("-inf")  # min_tokens masks EOS
+
+
+def test_keyed_randomness_is_a_pure_function_of_seed_and_position() -> None:
+    a = keyed_uniforms([(1, 5), (1, 6), (2, 5)], ACCEPT_STREAM)
+    b = keyed_uniforms([(2, 5), (1, 5)], ACCEPT_STREAM)
+    assert a[2] == b[0] and a[0] == b[1]
+    assert len({float(x) for x in a}) == 3
+    assert not torch.equal(keyed_gumbel([(1, 5)], 8, DRAFT_STREAM), keyed_gumbel([(1, 5)], 8))
