@@ -41,6 +41,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     default_max_tokens: Pos = 256  # when a request sets none (capped by the context left)
 
     def __post_init__(self) -> None:
+        # msgspec checks the Meta constraints when decoding; direct construction
+        # gets the same checks here.
+        positive = {
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_gb": self.kv_cache_gb,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "default_max_tokens": self.default_max_tokens,
+        }
+        for name, value in positive.items():
+            if value is not None and value <= 0:
+                raise BadRequest(f"engine config: {name} must be > 0, got {value!r}", param=name)
         if self.num_kv_blocks is not None and self.kv_cache_gb is not None:
             raise BadRequest("set num_kv_blocks or kv_cache_gb, not both", param="num_kv_blocks")
 
