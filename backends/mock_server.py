@@ -28,13 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
-import h2.errors
-import h2.exceptions
 import msgspec
 import trio
-from hypercorn.protocol import h2 as hypercorn_h2
-from hypercorn.protocol.events import StreamClosed
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from backends.mock import Fault, MockBackend, MockConfig, fault_applies, parse_fault
 from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
@@ -52,42 +47,6 @@ _STATUS_ERRORS = {
 }
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-
-
-def _patch_hypercorn_h2_reset_on_app_error() -> None:
-    """hypercorn 0.18 forgets an HTTP/2 stream whose app ended mid-body (an
-    exception, or a return before the last ``http.response.body``) without
-    resetting it, so the client waits forever. Over HTTP/1.1 it closes the
-    connection. Make HTTP/2 equally loud: send RST_STREAM(INTERNAL_ERROR)."""
-    protocol = hypercorn_h2.H2Protocol
-    if getattr(protocol, "_headrace_reset_patched", False):
-        return
-    original = protocol.stream_send
-
-    async def stream_send(self: Any, event: Any) -> None:
-        if isinstance(event, StreamClosed):
-            stream = self.streams.get(event.stream_id)
-            if (
-                isinstance(stream, HTTPStream)
-                and stream.state == ASGIHTTPState.RESPONSE
-                and not stream.closed
-            ):
-                try:
-                    self.connection.reset_stream(
-                        event.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR
-                    )
-                except h2.exceptions.ProtocolError:
-                    pass
-                else:
-                    await self._flush()
-                    await self._window_updated(event.stream_id)  # lets the sender drop its buffer
-        await original(self, event)
-
-    protocol.stream_send = stream_send  # type: ignore[method-assign]
-    protocol._headrace_reset_patched = True  # type: ignore[attr-defined]
-
-
-_patch_hypercorn_h2_reset_on_app_error()
 
 
 class _Cut(Exception):

@@ -13,10 +13,14 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import h2.errors
 import h2.events
+import h2.exceptions
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol import h2 as hypercorn_h2
+from hypercorn.protocol.events import StreamClosed
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -26,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def _patch_hypercorn() -> None:
-    """Two fixes for hypercorn 0.18, each of which let one client stop the
+    """Three fixes for hypercorn 0.18, each of which let one client stop the
     whole server (an exception in a connection handler tears down hypercorn's
     server nursery):
 
@@ -34,7 +38,9 @@ def _patch_hypercorn() -> None:
        before the body ended) raised KeyError. Such frames are dropped here,
        still crediting flow control. A stream opened by a HEADERS frame in the
        same batch is not closed, so its DATA is kept.
-    2. Any other exception out of one connection (a malformed h2c
+    2. An HTTP/2 stream whose app ended mid-body was forgotten without a
+       reset, so the client waited forever (HTTP/1.1 closes the connection).
+    3. Any other exception out of one connection (a malformed h2c
        ``HTTP2-Settings`` header raised ``binascii.Error``) is logged and closes
        that connection only.
     """
@@ -68,6 +74,37 @@ def _patch_hypercorn() -> None:
     protocol._handle_events = _handle_events  # type: ignore[method-assign]
     protocol._headrace_patched = True  # type: ignore[attr-defined]
     TCPServer.run = _run  # type: ignore[method-assign]
+    _reset_h2_stream_on_app_error()
+
+
+def _reset_h2_stream_on_app_error() -> None:
+    """hypercorn 0.18 forgets an HTTP/2 stream whose app ended mid-body (an
+    exception, or a return before the last ``http.response.body``) without
+    resetting it, so the client waits forever. Over HTTP/1.1 it closes the
+    connection. Make HTTP/2 equally loud: send RST_STREAM(INTERNAL_ERROR)."""
+    protocol = hypercorn_h2.H2Protocol
+    original = protocol.stream_send
+
+    async def stream_send(self: Any, event: Any) -> None:
+        if isinstance(event, StreamClosed):
+            stream = self.streams.get(event.stream_id)
+            if (
+                isinstance(stream, HTTPStream)
+                and stream.state == ASGIHTTPState.RESPONSE
+                and not stream.closed
+            ):
+                try:
+                    self.connection.reset_stream(
+                        event.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR
+                    )
+                except h2.exceptions.ProtocolError:
+                    pass
+                else:
+                    await self._flush()
+                    await self._window_updated(event.stream_id)  # lets the sender drop its buffer
+        await original(self, event)
+
+    protocol.stream_send = stream_send  # type: ignore[method-assign]
 
 
 _patch_hypercorn()

@@ -21,22 +21,13 @@ def _mock() -> MockBackend:
     return MockBackend(MockConfig(tpot_s=0.002))
 
 
-MOCK_BUGS = (
-    "backends/mock.py draws a random seed for a seedless request even at temperature 0, so "
-    "greedy output is not deterministic (params.temperature0, tokens.report, tokens.prompt_ids, "
-    "api.stream_matches_nonstream); backends/openai_server.py turns a ContextLengthExceeded "
-    "raised inside its collect nursery into an ExceptionGroup and answers 500 'internal error' "
-    "instead of 400 (errors.context_length)"
-)
 
 
-@pytest.mark.xfail(reason=MOCK_BUGS, strict=True)
 async def test_the_mock_backend_passes_the_in_process_suite() -> None:
     report = await check_backend(_mock, **FAST)
     assert report.ok, report.format_table()
 
 
-@pytest.mark.xfail(reason=MOCK_BUGS, strict=True)
 @pytest.mark.parametrize("http", ["1.1", "2"])
 async def test_the_mock_server_passes_the_http_suite(http: str) -> None:
     async with serving(build_app(_mock())) as url:
