@@ -46,13 +46,103 @@ from backends.engine.sequence import Sequence
 from backends.engine.spec_verify import DRAFT_STREAM, keyed_gumbel, processed_logits
 
 __all__ = [
+    "AdaptiveK",
+    "AdaptivePolicy",
     "DraftProposal",
     "DraftProposer",
     "NgramProposer",
     "TokenProposer",
+    "best_k",
     "layer_skip_model",
     "ngram_propose",
 ]
+
+
+# -- how many to propose: adaptive k ------------------------------------------------
+
+
+def best_k(alpha: float, k_max: int, cost: float) -> int:
+    """The k in [0, k_max] maximising expected tokens per target pass
+    ``(1 - alpha^(k+1)) / (1 - alpha)`` divided by the pass's cost ``1 + cost·k``."""
+    best, best_gain = 0, 1.0
+    for k in range(1, k_max + 1):
+        tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+        gain = tokens / (1.0 + cost * k)
+        if gain > best_gain + 1e-12:
+            best, best_gain = k, gain
+    return best
+
+
+@dataclass
+class _Acceptance:
+    successes: float  # decayed count of accepted drafts
+    trials: float  # decayed count of drafts judged (accepted + the first rejected)
+    idle: int = 0  # steps since k fell to 0
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """The knobs of :class:`AdaptiveK` (``SpecConfig`` carries them)."""
+
+    k_max: int
+    enabled: bool = True
+    max_batch_size: int = 16  # more decoding requests in a step: k = 0 for all
+    draft_cost: float = 0.1  # verifying one more token, as a fraction of a decode step
+    decay: float = 0.8  # EWMA weight of the past
+    prior_acceptance: float = 0.6
+    probe_interval: int = 8  # steps at k = 0 before probing with k = 1
+
+
+class AdaptiveK:
+    """Per-request k from an EWMA acceptance estimate; pure (no clock, no torch).
+
+    Under the geometric model each judged draft is accepted with probability
+    alpha and judging stops at the first rejection, so accepted / (accepted +
+    rejected) estimates alpha; both counts decay by ``decay`` per observation."""
+
+    def __init__(self, policy: AdaptivePolicy) -> None:
+        self.config = policy
+        self._state: dict[str, _Acceptance] = {}
+
+    def _get(self, seq_id: str) -> _Acceptance:
+        st = self._state.get(seq_id)
+        if st is None:
+            prior = self.config.prior_acceptance
+            st = self._state[seq_id] = _Acceptance(successes=2.0 * prior, trials=2.0)
+        return st
+
+    def acceptance(self, seq_id: str) -> float:
+        st = self._get(seq_id)
+        return st.successes / st.trials
+
+    def k_for(self, seq_id: str, batch_size: int) -> int:
+        """How many drafts ``seq_id`` should propose in a step with
+        ``batch_size`` decoding requests."""
+        c = self.config
+        if not c.enabled:
+            return c.k_max
+        if batch_size > c.max_batch_size:
+            return 0
+        st = self._get(seq_id)
+        k = best_k(st.successes / st.trials, c.k_max, c.draft_cost)
+        if k > 0:
+            st.idle = 0
+            return k
+        st.idle += 1
+        if st.idle >= c.probe_interval:
+            st.idle = 0
+            return 1
+        return 0
+
+    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        st, d = self._get(seq_id), self.config.decay
+        st.successes = d * st.successes + accepted
+        st.trials = d * st.trials + accepted + (1 if accepted < proposed else 0)
+
+    def forget(self, seq_id: str) -> None:
+        self._state.pop(seq_id, None)
 
 
 class TokenProposer(Protocol):

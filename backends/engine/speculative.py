@@ -47,9 +47,12 @@ from backends.engine.sampling import sample
 from backends.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backends.engine.sequence import Sequence
 from backends.engine.spec_propose import (
+    AdaptiveK,
+    AdaptivePolicy,
     DraftProposer,
     NgramProposer,
     TokenProposer,
+    best_k,
     layer_skip_model,
 )
 from backends.engine.spec_verify import (
@@ -99,6 +102,17 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     draft_model: str | None = None  # path of a cheaper model with the same vocabulary
     draft_layers: Pos | None = None  # or: draft with the target's first N layers
 
+    def adaptive_policy(self) -> AdaptivePolicy:
+        return AdaptivePolicy(
+            k_max=self.num_speculative_tokens,
+            enabled=self.adaptive,
+            max_batch_size=self.max_batch_size,
+            draft_cost=self.draft_cost,
+            decay=self.decay,
+            prior_acceptance=self.prior_acceptance,
+            probe_interval=self.probe_interval,
+        )
+
     def __post_init__(self) -> None:
         if self.ngram_min > self.ngram_max:
             raise BadRequest("ngram_min must be <= ngram_max", param="ngram_min")
@@ -107,80 +121,6 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 "speculative method 'draft' needs exactly one of draft_model and draft_layers",
                 param="draft_model",
             )
-
-
-# -- adaptive k -----------------------------------------------------------------
-
-
-def best_k(alpha: float, k_max: int, cost: float) -> int:
-    """The k in [0, k_max] maximising expected tokens per target pass
-    ``(1 - alpha^(k+1)) / (1 - alpha)`` divided by the pass's cost ``1 + cost·k``."""
-    best, best_gain = 0, 1.0
-    for k in range(1, k_max + 1):
-        tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-        gain = tokens / (1.0 + cost * k)
-        if gain > best_gain + 1e-12:
-            best, best_gain = k, gain
-    return best
-
-
-@dataclass
-class _Acceptance:
-    successes: float  # decayed count of accepted drafts
-    trials: float  # decayed count of drafts judged (accepted + the first rejected)
-    idle: int = 0  # steps since k fell to 0
-
-
-class AdaptiveK:
-    """Per-request k from an EWMA acceptance estimate; pure (no clock, no torch).
-
-    Under the geometric model each judged draft is accepted with probability
-    alpha and judging stops at the first rejection, so accepted / (accepted +
-    rejected) estimates alpha; both counts decay by ``decay`` per observation."""
-
-    def __init__(self, config: SpecConfig) -> None:
-        self.config = config
-        self._state: dict[str, _Acceptance] = {}
-
-    def _get(self, seq_id: str) -> _Acceptance:
-        st = self._state.get(seq_id)
-        if st is None:
-            prior = self.config.prior_acceptance
-            st = self._state[seq_id] = _Acceptance(successes=2.0 * prior, trials=2.0)
-        return st
-
-    def acceptance(self, seq_id: str) -> float:
-        st = self._get(seq_id)
-        return st.successes / st.trials
-
-    def k_for(self, seq_id: str, batch_size: int) -> int:
-        """How many drafts ``seq_id`` should propose in a step with
-        ``batch_size`` decoding requests."""
-        c = self.config
-        if not c.adaptive:
-            return c.num_speculative_tokens
-        if batch_size > c.max_batch_size:
-            return 0
-        st = self._get(seq_id)
-        k = best_k(st.successes / st.trials, c.num_speculative_tokens, c.draft_cost)
-        if k > 0:
-            st.idle = 0
-            return k
-        st.idle += 1
-        if st.idle >= c.probe_interval:
-            st.idle = 0
-            return 1
-        return 0
-
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        st, d = self._get(seq_id), self.config.decay
-        st.successes = d * st.successes + accepted
-        st.trials = d * st.trials + accepted + (1 if accepted < proposed else 0)
-
-    def forget(self, seq_id: str) -> None:
-        self._state.pop(seq_id, None)
 
 
 # -- statistics -----------------------------------------------------------------
@@ -262,7 +202,7 @@ class SpeculativeEngine(LLMEngine):
         self.ngram: TokenProposer = proposer or NgramProposer(
             min_n=self.spec.ngram_min, max_n=self.spec.ngram_max
         )
-        self.adaptive = AdaptiveK(self.spec)
+        self.adaptive = AdaptiveK(self.spec.adaptive_policy())
         self._counters = _Counters(self.spec.num_speculative_tokens)
 
     # -- requests -------------------------------------------------------------

@@ -25,7 +25,7 @@ def test_best_k_grows_with_acceptance_and_shrinks_with_cost() -> None:
 
 
 def test_low_acceptance_turns_speculation_off_then_probes() -> None:
-    a = AdaptiveK(SpecConfig(num_speculative_tokens=4, probe_interval=3))
+    a = AdaptiveK(SpecConfig(num_speculative_tokens=4, probe_interval=3).adaptive_policy())
     assert a.k_for("s", 1) > 0
     for _ in range(10):
         a.observe("s", 4, 0)
@@ -34,7 +34,7 @@ def test_low_acceptance_turns_speculation_off_then_probes() -> None:
 
 
 def test_high_acceptance_uses_the_full_k() -> None:
-    a = AdaptiveK(SpecConfig(num_speculative_tokens=5))
+    a = AdaptiveK(SpecConfig(num_speculative_tokens=5).adaptive_policy())
     for _ in range(10):
         a.observe("s", 5, 5)
     assert a.acceptance("s") > 0.9
@@ -42,7 +42,7 @@ def test_high_acceptance_uses_the_full_k() -> None:
 
 
 def test_recovery_after_a_bad_patch() -> None:
-    a = AdaptiveK(SpecConfig(num_speculative_tokens=4))
+    a = AdaptiveK(SpecConfig(num_speculative_tokens=4).adaptive_policy())
     for _ in range(6):
         a.observe("s", 4, 0)
     low = a.k_for("s", 1)
@@ -52,16 +52,16 @@ def test_recovery_after_a_bad_patch() -> None:
 
 
 def test_large_batches_turn_speculation_off_and_non_adaptive_ignores_all() -> None:
-    a = AdaptiveK(SpecConfig(max_batch_size=8, num_speculative_tokens=3))
+    a = AdaptiveK(SpecConfig(max_batch_size=8, num_speculative_tokens=3).adaptive_policy())
     assert a.k_for("s", 9) == 0
     assert a.k_for("s", 8) > 0
-    fixed = AdaptiveK(SpecConfig(adaptive=False, num_speculative_tokens=3))
+    fixed = AdaptiveK(SpecConfig(adaptive=False, num_speculative_tokens=3).adaptive_policy())
     fixed.observe("s", 3, 0)
     assert fixed.k_for("s", 1000) == 3
 
 
 def test_forget_resets_to_the_prior() -> None:
-    a = AdaptiveK(SpecConfig(prior_acceptance=0.6))
+    a = AdaptiveK(SpecConfig(prior_acceptance=0.6).adaptive_policy())
     a.observe("s", 4, 0)
     a.forget("s")
     assert a.acceptance("s") == pytest.approx(0.6)
