@@ -186,8 +186,9 @@ def apply_penalties(x: torch.Tensor, seqs: Seq[Sequence], pos: list[int]) -> Non
             x[i, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         out = toks[s.num_prompt_tokens :]
         if out and (p.presence_penalty or p.frequency_penalty):
-            ids, counts = torch.tensor(out, device=x.device).unique(return_counts=True)
-            x[i, ids] -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty
+            counts = torch.bincount(torch.tensor(out, device=x.device), minlength=x.shape[1])
+            counts = counts[: x.shape[1]].to(x.dtype)  # [V]
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
 def mask_min_tokens(

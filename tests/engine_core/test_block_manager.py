@@ -207,3 +207,20 @@ def test_random_operations_never_leak_or_corrupt(ops, num_blocks, block_size, ca
         bm.free(s)
     check_invariants(bm, [])
     assert bm.num_free_blocks == num_blocks
+
+
+def test_hashing_happens_once_per_full_block_not_per_step(monkeypatch) -> None:
+    calls = []
+
+    def counting(parent, toks):
+        calls.append(toks)
+        return hash_block(parent, toks)
+
+    monkeypatch.setattr(bm_mod, "hash_block", counting)
+    bm = BlockManager(64, 4)
+    s = seq("a", [1, 2, 3])
+    compute(bm, s, 3)
+    for t in range(40):  # 40 decode steps
+        s.token_ids.append(t)
+        compute(bm, s, 1)
+    assert len(calls) == 43 // 4  # one hash per block that filled
