@@ -22,6 +22,9 @@ Its KV in blocks shared through the prefix cache may have been written by a
 sequence that never drafted: that only lowers acceptance, never correctness,
 because verification is exact.
 
+How many to propose is :class:`AdaptiveK`'s call (pure policy: per-request EWMA
+acceptance, expected-gain rule, batch-size cut-off, periodic re-probing).
+
 Draft sampling, per request: greedy requests draft the argmax; sampled requests
 either draw with the *target's* noise for (seed, position) ("match" mode: the
 proposal is a deterministic function of the prefix, so verification can use the
