@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from backends.engine.tp import TPRunner, start_tp
+from backends.engine.tp import start_tp
+from backends.engine.tp_worker import TPRunner
 from tests.engine_tp.models import RandomModel, tiny_args
 
 if __name__ == "__main__":
