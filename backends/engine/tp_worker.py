@@ -69,9 +69,12 @@ __all__ = [
     "decode_step",
     "encode_step",
     "launch_tp",
+    "run_spawned",
+    "run_torchrun",
     "serve",
     "start_tp",
     "torchrun_env",
+    "torchrun_rank0",
 ]
 
 

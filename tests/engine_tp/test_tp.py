@@ -193,3 +193,15 @@ def test_workers_exit_when_rank0_is_killed() -> None:
         proc.wait()
     for rank in (1, 2):
         assert f"headrace tp rank {rank}: tensor-parallel control receive failed" in err
+
+
+def test_torchrun_launch_matches_one_rank() -> None:
+    """The same ranks started by torchrun (standard RANK/WORLD_SIZE/MASTER_* variables)."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "tests.engine_tp.torchrun_main"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("torchrun world=2"))
+    assert float(line.rsplit("=", 1)[1]) < 1e-4
