@@ -1,10 +1,13 @@
 """Backend specs from the config -> Backend clients the actors own.
 
 :func:`default_backends` is the one place that says what ``headrace serve``
-routes to when nothing is configured: today two in-process mock backends.
+routes to when nothing is configured: two built-in engine replicas on the
+default model, run as local child processes (``router.replicas``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import msgspec
 
@@ -12,14 +15,18 @@ from backends.base import Backend
 from router.app import NamedBackend
 from router.config import BackendSpec, ConfigError, RouterConfig
 
-__all__ = ["build_backend", "build_backends", "default_backends"]
+__all__ = ["DEFAULT_REPLICAS", "build_backend", "build_backends", "default_backends"]
 
 DEFAULT_MODEL = "mock"
 
 
-def default_backends(config: RouterConfig) -> tuple[BackendSpec, ...]:
-    """What to route to when neither the config nor the command line names a backend."""
-    return tuple(BackendSpec(kind="mock", name=f"mock-{i}") for i in range(2))
+DEFAULT_REPLICAS = 2
+
+
+def default_backends(urls: Sequence[str]) -> tuple[BackendSpec, ...]:
+    """What to route to when neither the config nor the command line names a
+    backend: the local engine replicas started at ``urls``."""
+    return tuple(BackendSpec(url=url, kind="engine", name=f"engine-{i}") for i, url in enumerate(urls))
 
 
 def build_backend(spec: BackendSpec, name: str) -> Backend:
@@ -49,7 +56,7 @@ def build_backend(spec: BackendSpec, name: str) -> Backend:
 
 
 def build_backends(config: RouterConfig) -> list[NamedBackend]:
-    """The configured backends, or :func:`default_backends` when there are none."""
-    specs = config.backends or default_backends(config)
-    named = RouterConfig(backends=specs).backend_names()
+    """A client for each configured backend."""
+    specs = config.backends
+    named = config.backend_names()
     return [NamedBackend(name, build_backend(spec, name), spec.weight) for name, spec in zip(named, specs, strict=True)]

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
 import sys
 from functools import partial
 
 import trio
 
 from backends.serving import ServeOptions, serve, wait_for_signal
+from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
 from router.app import Router
 from router.config import BackendSpec, ConfigError, RouterConfig, load_config, with_overrides
-from router.factory import build_backends
+from router.factory import DEFAULT_REPLICAS, build_backends, default_backends
+from router.replicas import EngineReplica
 
 __all__ = ["main", "options_for", "parse_args", "run_router"]
 
@@ -37,6 +41,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--certfile", help="TLS certificate (PEM); serves HTTP/2 over TLS with ALPN")
     p.add_argument("--keyfile", help="TLS private key (PEM)")
     p.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM (default 30)")
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="extra arguments for the local engine replicas started when no backend is configured, e.g. '--dtype bfloat16'",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p.parse_args(argv)
 
@@ -83,15 +92,36 @@ async def run_router(
         nursery.cancel_scope.cancel()
 
 
-async def _serve_until_signal(router: Router, options: ServeOptions) -> None:
+async def _serve_until_signal(config: RouterConfig, policy: RoutingPolicy, engine_args: list[str]) -> None:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_signal, shutdown)
+        if not config.backends:
+            urls = await start_replicas(nursery, engine_args)
+            config = with_overrides(config, backends=default_backends(urls))
+        router = Router(config, build_backends(config), policy=policy)
         async with trio.open_nursery() as inner:
-            url = await inner.start(partial(run_router, router, options, shutdown=shutdown))
+            url = await inner.start(partial(run_router, router, options_for(config), shutdown=shutdown))
             print(f"headrace listening on {url}", flush=True)
         nursery.cancel_scope.cancel()
     log.info("headrace stopped")
+
+
+async def start_replicas(nursery: trio.Nursery, engine_args: list[str], n: int = DEFAULT_REPLICAS) -> list[str]:
+    """Start ``n`` local engine replicas at once (each in ``nursery``, which
+    owns their processes) and return their URLs once all are serving."""
+    threads = max(1, (os.cpu_count() or 1) // n)
+    replicas = [EngineReplica(f"engine-{i}", ["--threads", str(threads), *engine_args]) for i in range(n)]
+    urls = [""] * n
+    log.info("starting %d engine replicas on the default model (first start loads the model)", n)
+
+    async def start(i: int) -> None:
+        urls[i] = await nursery.start(replicas[i].run)
+
+    async with trio.open_nursery() as starting:
+        for i in range(n):
+            starting.start_soon(start, i)
+    return urls
 
 
 def main(argv: list[str]) -> int:
@@ -103,9 +133,9 @@ def main(argv: list[str]) -> int:
     try:
         config = config_from_args(args)
         policy = create_policy(config.routing.policy)
-        router = Router(config, build_backends(config), policy=policy)
+        build_backends(config)  # validate adapter settings before anything starts
     except (ConfigError, PolicyError) as exc:
         print(f"headrace serve: {exc}", file=sys.stderr)
         return 2
-    trio.run(_serve_until_signal, router, options_for(config))
+    trio.run(_serve_until_signal, config, policy, shlex.split(args.engine_args))
     return 0

@@ -52,11 +52,17 @@ kind = "mock"
     assert config.backends[0] == BackendSpec(url="http://127.0.0.1:9000", name="gpu-a", weight=2.0)
 
 
-def test_no_file_means_defaults_and_defaults_are_two_mocks() -> None:
+def test_no_file_means_defaults_and_the_default_backends_are_engine_replicas() -> None:
     config = load_config(None)
     assert config == RouterConfig()
-    assert [s.kind for s in default_backends(config)] == ["mock", "mock"]
-    assert [b.name for b in build_backends(config)] == ["mock-0", "mock-1"]
+    assert build_backends(config) == []  # the server starts local engines instead
+    specs = default_backends(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    assert [(s.kind, s.name, s.url) for s in specs] == [
+        ("engine", "engine-0", "http://127.0.0.1:1"),
+        ("engine", "engine-1", "http://127.0.0.1:2"),
+    ]
+    backends = build_backends(with_overrides(config, backends=specs))
+    assert [b.name for b in backends] == ["engine-0", "engine-1"]
 
 
 @pytest.mark.parametrize(

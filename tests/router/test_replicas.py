@@ -1,0 +1,115 @@
+"""`headrace serve` with no backend configured runs two built-in engine
+replicas as child processes and routes to them; a replica killed with SIGKILL
+is restarted on the same port; SIGTERM on the router takes the replicas down.
+
+Real processes end to end, on a tiny random GGUF model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.engine import tiny
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+async def _read_until(stream: trio.abc.ReceiveStream, marker: str, seen: list[str]) -> str:
+    buffer = ""
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise AssertionError(f"process exited before {marker!r}; output: {''.join(seen)}")
+        text = chunk.decode(errors="replace")
+        seen.append(text)
+        buffer += text
+        for line in buffer.splitlines():
+            if line.startswith(marker):
+                return line
+
+
+async def _wait_up(client: httpx.AsyncClient, names: set[str]) -> None:
+    while True:
+        r = await client.get("/admin/backends")
+        up = {b["name"] for b in r.json()["data"] if b["state"] == "up"}
+        if names <= up:
+            return
+        await trio.sleep(0.2)
+
+
+async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -> None:
+    model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--port", "0", "--drain-timeout", "2",
+           "--engine-args", f"--model {model} --max-num-seqs 4"]
+    seen: list[str] = []
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            lambda task_status: trio.run_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False, task_status=task_status)
+        )
+        assert proc.stdout is not None
+        with trio.fail_after(180):
+            line = await _read_until(proc.stdout, "headrace listening on ", seen)
+        url = line.split(" on ", 1)[1].strip()
+        nursery.start_soon(_drain, proc.stdout)
+        engines = _children(proc.pid)
+        assert len(engines) == 2, seen
+        async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=30) as client:
+            with trio.fail_after(30):
+                await _wait_up(client, {"engine-0", "engine-1"})
+            for _ in range(2):  # round robin: both replicas answer
+                r = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] <= 4
+            listed = {b["name"]: b for b in (await client.get("/admin/backends")).json()["data"]}
+            assert listed["engine-0"]["requests"] == listed["engine-1"]["requests"] == 1
+
+            # A replica killed outright comes back on its port, and serves again.
+            os.kill(engines[0], signal.SIGKILL)
+            with trio.fail_after(120):
+                while len(set(_children(proc.pid)) - {engines[0]}) < 2:
+                    await trio.sleep(0.2)
+            engines = _children(proc.pid)
+                await _wait_up(client, {"engine-0", "engine-1"})
+            for _ in range(2):
+                r = await client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            await proc.wait()
+        assert proc.returncode == 0, seen
+        assert not [pid for pid in engines if _alive(pid)], "engine replicas outlived the router"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def _drain(stream: trio.abc.ReceiveStream) -> None:
+    while await stream.receive_some(65536):
+        pass
