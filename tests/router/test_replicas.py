@@ -89,8 +89,8 @@ async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -
             with trio.fail_after(120):
                 while len(set(_children(proc.pid)) - {engines[0]}) < 2:
                     await trio.sleep(0.2)
-            engines = _children(proc.pid)
                 await _wait_up(client, {"engine-0", "engine-1"})
+            engines = _children(proc.pid)
             for _ in range(2):
                 r = await client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
                 assert r.status_code == 200, r.text
