@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -301,7 +302,7 @@ def _wait_ready(store: Any, spec: WorkerSpec, procs: Sequence[BaseProcess]) -> N
     """Block until every worker has built its shard; raise with the worker's own error
     if one failed or died on the way."""
     pending = set(range(1, spec.world_size))
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=spec.startup_timeout)
+    deadline = time.monotonic() + spec.startup_timeout
     sentinels = [p.sentinel for p in procs]
     while pending:
         for rank in sorted(pending):
@@ -316,7 +317,7 @@ def _wait_ready(store: Any, spec: WorkerSpec, procs: Sequence[BaseProcess]) -> N
                 raise TensorParallelError(
                     f"tensor-parallel rank {rank} {_describe_exit(proc.exitcode)} while starting"
                 )
-        if pending and datetime.datetime.now() > deadline:
+        if pending and time.monotonic() > deadline:
             raise TensorParallelError(
                 f"tensor-parallel ranks {sorted(pending)} not ready after {spec.startup_timeout} s"
             )
@@ -354,17 +355,10 @@ def start_tp(
     its own ``build()``). At ``world_size == 1`` this is a plain :class:`ModelRunner`."""
     model = model if model is not None else build()
     spec = WorkerSpec(
-        0,
-        world_size,
-        build,
-        num_kv_blocks,
-        block_size,
-        device,
-        dtype,
-        threads,
-        timeout,
-        startup_timeout,
-    )
+        rank=0, world_size=world_size, build=build, num_kv_blocks=num_kv_blocks,
+        block_size=block_size, device=device, dtype=dtype, threads=threads, timeout=timeout,
+        startup_timeout=startup_timeout,
+    )  # fmt: skip
     if world_size == 1:
         return ModelRunner(model, num_kv_blocks, block_size, spec.rank_device, spec.torch_dtype)
     plan_for(model.args, world_size)  # refuse a bad size before spawning anything
@@ -437,10 +431,8 @@ def launch_tp(config: EngineConfig, n: int, *, timeout: float = 30.0) -> TPLaunc
         raise TensorParallelError(
             f"--tp {n} but torchrun started WORLD_SIZE={env['WORLD_SIZE']} ranks"
         )
-    rank = int(env["RANK"]) if env else 0
     build = LoadModel(config.model)
-    if rank != 0:
-        assert env is not None
+    if env is not None and int(env["RANK"]) != 0:
         run_torchrun(build, config, env, timeout)
         return None
     loaded = load_model(config.model)
