@@ -1,6 +1,6 @@
 """Tensor parallelism over real processes (gloo on 127.0.0.1): N=2 (uneven: 3 KV groups,
-intermediate 77, vocab 101) and N=3 give the same greedy tokens as N=1 and logits within
-1e-4 relative; a worker killed with SIGKILL brings rank 0 down with a clear error in
+intermediate 77, vocab 101), N=3 and N=4 (replicated KV heads) give the same greedy
+tokens as N=1 and logits within 1e-4 relative; a worker killed with SIGKILL brings rank 0 down with a clear error in
 seconds, and workers of a killed rank 0 exit instead of hanging; a worker that cannot
 start is reported with its own error."""
 
@@ -52,10 +52,12 @@ def _start(build: RandomModel, world: int) -> TPRunner:
     return runner
 
 
-# tied + no bias at N=2, untied + q/k/v bias at N=3: each against its own N=1 model
+# Each against its own N=1 model. N=2: tied, uneven (2 KV groups + 1). N=3: untied, q/k/v
+# bias, one group each. N=4 > 3 KV groups: KV head 0 replicated on ranks 0 and 1.
 CASES = {
     2: RandomModel(tiny_args(tie=True)),
     3: RandomModel(tiny_args(tie=False, bias=True), seed=1),
+    4: RandomModel(tiny_args(tie=True, bias=True), seed=2),
 }
 
 
