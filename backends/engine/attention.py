@@ -84,29 +84,29 @@ def paged_attention(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """cache: [NB, BS, Hkv, D]; block_table: [..., MB] -> [..., MB * BS, Hkv, D]."""
-    blocks = cache[block_table]  # [..., MB, BS, Hkv, D]
-    return blocks.flatten(-4, -3)
+    blocks = cache.index_select(0, block_table.reshape(-1))  # [(...) * MB, BS, Hkv, D]
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once. q: [B, H, D] -> [B, H, D]."""
+    """One query per sequence, all sequences at once. q: [B, H, D] -> [B, H, D].
+
+    Matmuls run in the model dtype (fp32 accumulation inside), the softmax in float32."""
     batch, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
-    group = n_heads // n_kv
     keys = _gather(k_cache, meta.decode_block_tables)  # [B, S, Hkv, D]
     values = _gather(v_cache, meta.decode_block_tables)  # [B, S, Hkv, D]
+    qg = q.view(batch, n_kv, n_heads // n_kv, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * head_dim**-0.5  # [B, Hkv, G, S]
     seq = keys.shape[1]
-    qg = q.view(batch, n_kv, group, head_dim).float()  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.float()) * head_dim**-0.5  # [B, Hkv, G, S]
     valid = (
         torch.arange(seq, device=q.device)[None, :] < meta.decode_context_lens[:, None]
     )  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, values.float())  # [B, Hkv, G, D]
-    return out.reshape(batch, n_heads, head_dim).to(q.dtype)
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
+    return out.reshape(batch, n_heads, head_dim)
 
 
 def _prefill_attention(
