@@ -89,6 +89,10 @@ async def test_bad_requests_are_400(server: tuple[str, EngineBackend]) -> None:
             "/v1/completions", json={"prompt": [1, 5, 10**7], "max_tokens": 2, "stream": True}
         )
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": "the " * 100, "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 500})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = await client.post(
             "/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "stream": True}
         )
