@@ -110,7 +110,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
-        return self.wo(out.reshape(t, self.n_heads * self.head_dim))
+        y: torch.Tensor = self.wo(out.reshape(t, self.n_heads * self.head_dim))
+        return y
 
 
 class FeedForward(nn.Module):
@@ -121,7 +122,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        y: torch.Tensor = self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        return y
 
 
 class TransformerBlock(nn.Module):
@@ -140,7 +142,8 @@ class TransformerBlock(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, kv_cache, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+        y: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return y
 
 
 class Transformer(nn.Module):
@@ -173,8 +176,10 @@ class Transformer(nn.Module):
         rope = self.rope[positions]  # [T, D/2, 2]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+        y: torch.Tensor = self.norm(x)
+        return y
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, dim] -> float32 logits [N, V]."""
-        return self.output(hidden).float()
+        logits: torch.Tensor = self.output(hidden)
+        return logits.float()
