@@ -40,13 +40,23 @@ def test_merges_and_special_tokens_apply(tok: Tokenizer) -> None:
 
 def test_smollm2_matches_its_reference_tokenization(smol_tok: Tokenizer) -> None:
     """Known ids from SmolLM2's own tokenizer.json; digits are split one by one."""
-    assert smol_tok.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert smol_tok.encode("What is the capital of France?") == [
+        1780,
+        314,
+        260,
+        3575,
+        282,
+        4649,
+        47,
+    ]
     assert len(smol_tok.encode("2024")) == 4
     assert smol_tok.eos_token_ids == (2,)
 
 
 def test_chat_template_renders_with_generation_prompt(smol_tok: Tokenizer) -> None:
-    text = smol_tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    text = smol_tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    )
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")
 
@@ -123,3 +133,12 @@ def _tiny_tokenizer() -> Tokenizer:
     if not _TINY:
         _TINY.append(Tokenizer.from_gguf_metadata(_meta()))
     return _TINY[0]
+
+
+def test_smollm2_streaming_text_keeps_spaces_and_multibyte_characters(smol_tok: Tokenizer) -> None:
+    text = " Bonjour, ça va? 日本語のテキスト 🎉🚀 done"
+    ids = smol_tok.encode(text)
+    detok = IncrementalDetokenizer(smol_tok, prompt_ids=smol_tok.encode("Say:"))
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
