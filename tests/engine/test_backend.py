@@ -168,7 +168,9 @@ async def test_seeded_sampling_is_reproducible_and_resumable(tiny_gguf: Path) ->
     async with open_engine_backend(engine, tok, model_name=name) as backend:
 
         async def tokens(ids: list[int], n: int) -> list[int]:
-            req = GenerateRequest(prompt_token_ids=ids, max_tokens=n, temperature=1.0, seed=1234, ignore_eos=True)
+            req = GenerateRequest(
+                prompt_token_ids=ids, max_tokens=n, temperature=1.0, seed=1234, ignore_eos=True
+            )
             return [t for e in await _collect(backend, req) for t in e.token_ids]
 
         full = await tokens(prompt, 8)
@@ -179,7 +181,9 @@ async def test_seeded_sampling_is_reproducible_and_resumable(tiny_gguf: Path) ->
 async def test_logprobs_are_reported_per_token(tiny_gguf: Path) -> None:
     engine, tok, name = build_engine(_config(tiny_gguf))
     async with open_engine_backend(engine, tok, model_name=name) as backend:
-        req = GenerateRequest(prompt_token_ids=[5, 6], max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
+        req = GenerateRequest(
+            prompt_token_ids=[5, 6], max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True
+        )
         events = await _collect(backend, req)
     lps = [lp for e in events for lp in (e.logprobs or [])]
     assert [lp.token_id for lp in lps] == [t for e in events for t in e.token_ids]
@@ -212,7 +216,9 @@ async def test_a_failing_step_breaks_the_streams_but_not_the_engine(tiny_gguf: P
         with pytest.raises(StreamBroken, match="device lost"):
             await _collect(backend, GenerateRequest(prompt_token_ids=[1, 2], max_tokens=3))
         broken.fail = False
-        events = await _collect(backend, GenerateRequest(prompt_token_ids=[1, 2], max_tokens=3, ignore_eos=True))
+        events = await _collect(
+            backend, GenerateRequest(prompt_token_ids=[1, 2], max_tokens=3, ignore_eos=True)
+        )
         assert events[-1].finish_reason == "length"
         assert backend.statistics().num_step_errors == 1
     assert engine.statistics().kv_usage == 0.0

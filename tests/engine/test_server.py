@@ -91,7 +91,10 @@ async def test_bad_requests_are_400(server: tuple[str, EngineBackend]) -> None:
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
         r = await client.post("/v1/completions", json={"prompt": "the " * 100, "max_tokens": 100})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 500})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 500},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = await client.post(
             "/v1/completions", json={"prompt": [1, 5], "max_tokens": 2, "stream": True}
@@ -161,7 +164,18 @@ async def test_headrace_engine_command_serves_and_drains_on_sigint(tiny_gguf: Pa
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "router.cli", "engine", "--model", str(tiny_gguf), "--port", "0", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "engine",
+        "--model",
+        str(tiny_gguf),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+    ]
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         with trio.fail_after(60):
