@@ -198,16 +198,17 @@ async def run_server(
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the engine loop and serve it over HTTP until ``shutdown`` is set;
-    ``task_status.started`` gets the bound URL."""
+    """Run the engine loop and serve it over HTTP until ``shutdown`` is set, then
+    drain; ``task_status.started`` gets the bound URL."""
     shutdown = trio.Event() if shutdown is None else shutdown
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
-        url = await nursery.start(
-            functools.partial(serve, build_app(backend), options, shutdown=shutdown)
-        )
-        task_status.started(url)
-        await shutdown.wait()
+        async with trio.open_nursery() as http:
+            app = build_app(backend)
+            url = await http.start(functools.partial(serve, app, options, shutdown=shutdown))
+            task_status.started(url)
+        # serve() returns once in-flight requests drained (or the grace period ran out):
+        # only now stop the engine, so draining streams finish their generations.
         await backend.aclose()
 
 

@@ -196,3 +196,23 @@ async def test_headrace_engine_command_serves_and_drains_on_sigint(tiny_gguf: Pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_shutdown_drains_in_flight_streams_before_stopping_the_engine(tiny_gguf: Path) -> None:
+    config = EngineConfig(model=str(tiny_gguf), num_kv_blocks=64, block_size=4, max_model_len=128)
+    engine, tok, name = build_engine(config)
+    backend = EngineBackend(engine, tok, model_name=name)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(run_server, backend, ServeOptions("127.0.0.1", 0), shutdown)
+        req = {"prompt": "the", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            async with client.stream("POST", "/v1/completions", json=req) as resp:
+                lines = []
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        shutdown.set()  # after the first chunk
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert not (await backend.health()).ok  # the engine stopped after the drain
