@@ -168,7 +168,7 @@ async def serve(
         app,
         options.hypercorn_config(),
         shutdown_trigger=trigger,
-        task_status=_Started(),  # type: ignore[arg-type]
+        task_status=_Started(),
         mode="asgi",
     )
 

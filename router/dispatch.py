@@ -123,9 +123,13 @@ class Dispatcher:
         for actor in self.actors.values():
             models.update(dict.fromkeys(actor.models))
         infos = [a.info for a in self.actors.values() if a.info is not None]
+        # The smallest context any backend has: a request that fits it fits
+        # wherever it is routed (per-model limits would need per-model views).
+        contexts = [i.max_context for i in infos if i.max_context is not None]
         return BackendInfo(
             name=self.name,
             models=tuple(models),
+            max_context=min(contexts) if contexts else None,
             token_ids=bool(infos) and all(i.token_ids for i in infos),
         )
 

@@ -294,7 +294,7 @@ class EngineBackend:
             try:
                 req.seq = self.engine.add_request(rid, req.prompt, req.params, req.priority)
             except HeadraceError as exc:
-                req.outputs.send_nowait(exc)
+                self._deliver(rid, req, exc)
 
     async def _step(self) -> None:
         self._stepping = True
@@ -312,17 +312,26 @@ class EngineBackend:
         for out in outputs:
             req = self._requests.get(out.request_id)
             if req is not None:
-                req.outputs.send_nowait(out)
+                self._deliver(out.request_id, req, out)
         events = self.engine.drain_kv_events()
         if events:
             self._kv_events.extend(events)
             self._kv_changed.set()
             self._kv_changed = trio.Event()
 
+    def _deliver(self, rid: str, req: _Request, item: StepOutput | HeadraceError) -> None:
+        """Hand an output to its consumer. A consumer that already left (it
+        saw a stop string, or was cancelled, and closed its channel before its
+        abort was applied) is not an engine error: abort the request."""
+        try:
+            req.outputs.send_nowait(item)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._abort(rid)
+
     def _fail_all(self, detail: str) -> None:
         for rid, req in list(self._requests.items()):
             self.engine.abort(rid)
-            req.outputs.send_nowait(StreamBroken(detail))
+            self._deliver(rid, req, StreamBroken(detail))
 
     def _record(self, outputs: list[StepOutput]) -> None:
         tokens = sum(len(o.new_token_ids) for o in outputs)
