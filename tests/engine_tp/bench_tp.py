@@ -1,7 +1,7 @@
 """Tokens/s of the engine at a given tensor-parallel size (a correctness-first number on
 CPU: gloo all-reduces cost more than they save on a small model).
 
-    .venv/bin/python -m tests.engine_tp.bench_tp --tp 1
+    .venv/bin/python -m tests.engine_tp.bench_tp --tp 1 [--threads 1]
     .venv/bin/python -m tests.engine_tp.bench_tp --tp 2
 
 Prints one line: size, requests, generated tokens, seconds, tokens/s, and a digest of the
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import time
+
+import torch
 
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine
@@ -25,7 +27,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model")
+    p.add_argument("--threads", type=int, help="torch threads of rank 0 (default: cores // tp)")
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, device="cpu", max_model_len=512, num_kv_blocks=256)
     launched = launch_tp(config, args.tp)
     assert launched is not None
