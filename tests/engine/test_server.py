@@ -206,13 +206,15 @@ async def test_shutdown_drains_in_flight_streams_before_stopping_the_engine(tiny
     async with trio.open_nursery() as nursery:
         url = await nursery.start(run_server, backend, ServeOptions("127.0.0.1", 0), shutdown)
         req = {"prompt": "the", "max_tokens": 100, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            async with client.stream("POST", "/v1/completions", json=req) as resp:
-                lines = []
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        shutdown.set()  # after the first chunk
+        lines = []
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            client.stream("POST", "/v1/completions", json=req) as resp,
+        ):
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    shutdown.set()  # after the first chunk
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert not (await backend.health()).ok  # the engine stopped after the drain
