@@ -28,7 +28,6 @@ closed.
 from __future__ import annotations
 
 import email.utils
-import re
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -57,11 +56,11 @@ from backends.errors import (
     Unauthorized,
     UpstreamError,
 )
+from backends.sse import SSEParser
 
-__all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "SSEDecoder", "status_error"]
+__all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "status_error"]
 
 MAX_ERROR_BODY = 64 * 1024
-_EOL = re.compile(rb"\r\n|\r|\n")
 _TRANSPORT_ERRORS = (
     httpx.TransportError,
     h2.exceptions.H2Error,
@@ -80,45 +79,6 @@ class HTTPBackendStatistics(msgspec.Struct, frozen=True):
 
 
 # ---------------------------------------------------------------- SSE framing
-
-
-class SSEDecoder:
-    """Incremental ``text/event-stream`` parser: bytes in, ``data`` payloads
-    out. Handles chunks split anywhere, CRLF / CR / LF line ends, comments,
-    multi-line data and fields we ignore (event, id, retry)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._data: list[str] = []
-        self._after_cr = False  # the last chunk ended in CR: skip a LF that follows
-
-    def feed(self, chunk: bytes) -> list[str]:
-        if self._after_cr and chunk.startswith(b"\n"):
-            chunk = chunk[1:]
-        self._after_cr = chunk.endswith(b"\r") or (self._after_cr and not chunk)
-        self._buffer += chunk
-        out: list[str] = []
-        pos = 0
-        for match in _EOL.finditer(self._buffer):
-            line, pos = self._buffer[pos : match.start()], match.end()
-            if line:
-                self._field(line)
-            elif self._data:
-                out.append("\n".join(self._data))
-                self._data = []
-        self._buffer = self._buffer[pos:]
-        return out
-
-    def _field(self, line: bytes) -> None:
-        if line.startswith(b":"):
-            return  # comment (keep-alive)
-        name, _, value = line.partition(b":")
-        if name != b"data":
-            return
-        try:
-            self._data.append(value.removeprefix(b" ").decode("utf-8"))
-        except UnicodeDecodeError:
-            raise BackendProtocolError("stream data is not UTF-8") from None
 
 
 # ---------------------------------------------------------------- chunks -> events
@@ -599,14 +559,18 @@ class OpenAIHTTPBackend:
             raise BackendProtocolError(
                 f"expected an SSE stream, got {content_type or 'no content type'!r}"
             )
-        decoder = SSEDecoder()
+        decoder = SSEParser(strict=True)
         async with aclosing(cast(AsyncGenerator[bytes, None], response.aiter_bytes())) as chunks:
             while True:
                 chunk = await self._next_chunk(chunks, parser)
                 if chunk is None:
                     break
-                for data in decoder.feed(chunk):
-                    events = parser.feed(data)
+                try:
+                    sse_events = decoder.feed(chunk)
+                except UnicodeDecodeError:
+                    raise BackendProtocolError("stream data is not UTF-8") from None
+                for sse in sse_events:
+                    events = parser.feed(sse.data)
                     self._saw_ids = self._saw_ids or parser.saw_ids
                     for event in events:
                         yield event

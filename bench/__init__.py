@@ -8,10 +8,10 @@ yardsticks the engine numbers are quoted against.
 
 from __future__ import annotations
 
+from backends.sse import SSEEvent, SSEParser
 from bench.client import RequestResult, RequestSpec, StreamTimer, build_body, send_request
 from bench.loadgen import LoadConfig, RunResult, run_open_loop, run_rate
 from bench.schedule import make_prompt, poisson_schedule
-from bench.sse import SSEEvent, SSEParser
 from bench.stats import Summary, percentile, percentiles, summarize
 
 __all__ = [

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import trio
 
-from bench.sse import SSEParser
+from backends.sse import SSEParser
 
 __all__ = [
     "Endpoint",

@@ -21,7 +21,8 @@ from backends.errors import (
     Unauthorized,
     UpstreamError,
 )
-from backends.openai_http import SSEDecoder, _ChunkParser, status_error
+from backends.openai_http import _ChunkParser, status_error
+from backends.sse import SSEParser
 
 PAYLOADS = ['{"a": 1}', '{"b": "x\\ny"}', "[DONE]"]
 
@@ -41,14 +42,14 @@ def test_sse_decoder_survives_any_chunking_and_line_ending(newline: bytes, cuts:
     raw = _frame(PAYLOADS, newline)
     points = sorted({min(c, len(raw)) for c in cuts})
     pieces = [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)], strict=True)]
-    decoder = SSEDecoder()
-    got = [d for piece in pieces for d in decoder.feed(piece)]
+    decoder = SSEParser(strict=True)
+    got = [e.data for piece in pieces for e in decoder.feed(piece)]
     assert got == PAYLOADS
 
 
 def test_sse_decoder_joins_multiline_data_and_ignores_unknown_fields() -> None:
-    decoder = SSEDecoder()
-    assert decoder.feed(b"id: 7\nretry: 10\ndata:one\ndata: two\n\n") == ["one\ntwo"]
+    decoder = SSEParser(strict=True)
+    assert [e.data for e in decoder.feed(b"id: 7\nretry: 10\ndata:one\ndata: two\n\n")] == ["one\ntwo"]
     assert decoder.feed(b"data: partial") == []  # no blank line yet
 
 

@@ -1,4 +1,5 @@
-"""An incremental Server-Sent Events parser, bytes in, events out.
+"""An incremental Server-Sent Events parser, bytes in, events out; shared by
+the HTTP backend adapter and the load generator.
 
 Timing a stream means noticing each event the moment its blank line arrives,
 whatever way the bytes were cut into network chunks: an event, a line, a
@@ -27,8 +28,11 @@ class SSEEvent(msgspec.Struct, frozen=True):
 class SSEParser:
     """Feed raw bytes with :meth:`feed`; each call returns the events it completed."""
 
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, *, strict: bool = False) -> None:
+        # strict: invalid UTF-8 raises UnicodeDecodeError (a backend adapter
+        # turns it into a protocol error); lenient replaces it (a load
+        # generator keeps timing).
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="strict" if strict else "replace")
         self._buffer = ""
         self._data: list[str] = []
         self._event = ""
