@@ -1,4 +1,8 @@
-"""Tiny models run faster on one thread than fighting over shared cores."""
+"""Suite-wide fixtures.
+
+Torch runs on one thread in tests: the models are tiny, CI has two cores,
+and tests often run a server process beside the test process; on shared
+cores torch's default thread count was measured up to 8x slower."""
 
 from __future__ import annotations
 
