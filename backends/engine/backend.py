@@ -37,8 +37,10 @@ from backends.engine.engine import LLMEngine, StepOutput
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
 from backends.engine.sequence import SamplingParams, Sequence
+from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.stop import StopMatcher
 from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from backends.engine.tp import RankFailure
 from backends.errors import (
     BackendUnavailable,
     BadRequest,
@@ -56,9 +58,11 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _KV_EVENT_HISTORY = 10_000
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[LLMEngine, Tokenizer, str]:
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, spec: SpecConfig | None = None
+) -> tuple[LLMEngine, Tokenizer, str]:
     """Load the model (unless given), size the KV cache, wire runner and engine
-    (blocking: seconds)."""
+    (speculative when ``spec`` asks for it); blocking: seconds."""
     device = resolve_device(config.device)
     dtype = _DTYPES[config.dtype]
     if loaded is None:
@@ -67,8 +71,23 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> tup
     per_block = kv_bytes_per_block(loaded.args, config.block_size, dtype)
     num_blocks = config.resolve_num_kv_blocks(per_block, max_len, device.type)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device=device, dtype=dtype)
-    engine = LLMEngine(config, runner, loaded.tokenizer)
+    engine = make_engine(config, runner, loaded.tokenizer, spec)
     return engine, loaded.tokenizer, loaded.name
+
+
+def _advance(
+    detok: IncrementalDetokenizer, stops: StopMatcher, new_ids: list[int]
+) -> tuple[list[int], str, bool]:
+    """Detokenize ``new_ids`` one at a time (a speculative step brings several)
+    so that a stop string ends the event at the token that completed it: the
+    event's ids then match its text, which a resume relies on."""
+    text = ""
+    for i, token in enumerate(new_ids):
+        piece, stopped = stops.feed(detok.push([token]))
+        text += piece
+        if stopped:
+            return list(new_ids[: i + 1]), text, True
+    return list(new_ids), text, False
 
 
 class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +171,9 @@ class EngineBackend:
     async def health(self) -> Health:
         if self._fatal is not None:
             return Health(ok=False, detail=self._fatal)
+        failure = getattr(self.engine.runner, "failure", None)  # a tensor-parallel rank died
+        if failure:
+            return Health(ok=False, detail=failure)
         if not self._running:
             return Health(ok=False, detail="engine loop not running")
         return Health(ok=True)
@@ -239,18 +261,20 @@ class EngineBackend:
             async for out in recv:
                 if isinstance(out, HeadraceError):
                     raise out
-                emitted += len(out.new_token_ids)
-                text, stopped = stops.feed(detok.push(out.new_token_ids))
+                ids, text, stopped = _advance(detok, stops, out.new_token_ids)
+                emitted += len(ids)
                 if out.finished and not stopped:
                     tail, stopped_tail = stops.feed(detok.flush())
                     text += tail + ("" if stopped_tail else stops.flush())
                     stopped = stopped_tail
-                event = Event(token_ids=list(out.new_token_ids), text=text, logprobs=out.logprobs)
+                logprobs = out.logprobs[: len(ids)] if out.logprobs else out.logprobs
+                event = Event(token_ids=ids, text=text, logprobs=logprobs)
                 if first:
                     event.prompt_token_ids, event.seed, first = prompt, out.seed, False
                 if stopped or out.finished:
                     event.finish_reason = "stop" if stopped else out.finish_reason
-                    event.usage = self._usage(rid, prompt, emitted, out.usage)
+                    usage = out.usage if out.usage is not None and len(ids) == len(out.new_token_ids) else None
+                    event.usage = self._usage(rid, prompt, emitted, usage)
                     yield event
                     return
                 yield event
@@ -300,6 +324,12 @@ class EngineBackend:
         self._stepping = True
         try:
             outputs = await trio.to_thread.run_sync(self.engine.step)
+        except RankFailure as exc:  # a tensor-parallel rank died: this engine is done
+            log.error("engine stopped: %s", exc.message)
+            self._fatal = exc.message
+            self._fail_all(exc.message)
+            self._closed = True
+            return
         except Exception as exc:  # a torch/runtime failure: fail the batch, keep serving
             log.exception("engine step failed")
             self._step_errors += 1

@@ -29,6 +29,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig
+from backends.engine.engine import LLMEngine
+from backends.engine.speculative import (
+    SpecConfig,
+    add_cli_arguments,
+    make_engine,
+    spec_config_from_args,
+)
+from backends.engine.tokenizer import Tokenizer
+from backends.engine.tp import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
 from backends.serving import ServeOptions, serve, wait_for_signal
@@ -234,8 +243,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-kv-events", action="store_true", help="do not record KV events")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)"
+    )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
+    add_cli_arguments(p)
     return p
 
 
@@ -272,10 +285,14 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     try:
-        engine, tokenizer, name = build_engine(_config(args))
+        config, spec = _config(args), spec_config_from_args(args)
+        built = _build(config, spec, args.tp)
     except HeadraceError as exc:
         print(f"headrace engine: {exc.message}", file=sys.stderr)
         return 2
+    if built is None:  # a torchrun worker rank, stopped by rank 0
+        return 0
+    engine, tokenizer, name = built
     backend = EngineBackend(engine, tokenizer, model_name=name)
     options = ServeOptions(
         args.host, args.port, certfile=args.certfile, keyfile=args.keyfile, graceful_timeout=5.0
@@ -287,4 +304,22 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"headrace engine: cannot serve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        close = getattr(engine.runner, "close", None)  # tensor-parallel workers
+        if close is not None:
+            close()
     return 0
+
+
+def _build(config: EngineConfig, spec: SpecConfig, tp: int) -> tuple[LLMEngine, Tokenizer, str] | None:
+    """One process (``tp == 1``) or rank 0 of ``tp`` tensor-parallel ranks."""
+    if tp == 1:
+        return build_engine(config, spec=spec)
+    if tp < 1:
+        raise BadRequest("--tp must be at least 1", param="tp")
+    if spec.method == "draft" and spec.draft_model is None:
+        raise BadRequest("--draft-layers reads the target's layers, which are sharded under --tp; use --draft-model", param="tp")
+    launched = launch_tp(config, tp)
+    if launched is None:
+        return None
+    return make_engine(config, launched.runner, launched.tokenizer, spec), launched.tokenizer, launched.name
