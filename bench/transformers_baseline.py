@@ -115,7 +115,7 @@ def run_baseline(*, gguf: Path | None = None, dtype: str = "float32", batches: t
     model, tok = load_model(path, dtype, device)
     results = [measure(model, tok, b, max_new_tokens, prompt_tokens=prompt_tokens) for b in batches]
     return {"kind": "transformers_baseline", "model": path.name, "dtype": dtype, "device": device,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "torch": str(torch.__version__),
             "transformers": transformers.__version__, "results": results}
 
 

@@ -23,7 +23,7 @@ import collections
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -136,8 +136,13 @@ class EngineBackend:
         *,
         model_name: str,
         max_queued_requests: int = 1024,
+        run_step: Callable[[Callable[[], list[StepOutput]]], Awaitable[list[StepOutput]]] | None = None,
     ) -> None:
+        """``run_step(fn)`` runs a model step off the event loop: a worker
+        thread by default, the main thread under ``headrace engine``
+        (:mod:`backends.engine.host`)."""
         self.engine = engine
+        self._run_step = run_step if run_step is not None else trio.to_thread.run_sync
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests
@@ -323,7 +328,7 @@ class EngineBackend:
     async def _step(self) -> None:
         self._stepping = True
         try:
-            outputs = await trio.to_thread.run_sync(self.engine.step)
+            outputs = await self._run_step(self.engine.step)
         except RankFailure as exc:  # a tensor-parallel rank died: this engine is done
             log.error("engine stopped: %s", exc.message)
             self._fatal = exc.message

@@ -30,6 +30,7 @@ from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine
+from backends.engine.host import MainThreadHost
 from backends.engine.speculative import (
     SpecConfig,
     add_cli_arguments,
@@ -40,7 +41,7 @@ from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
-from backends.serving import ServeOptions, serve, wait_for_signal
+from backends.serving import ServeOptions, serve
 
 __all__ = ["build_app", "main", "run_server"]
 
@@ -270,11 +271,25 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         raise BadRequest(str(exc)) from None
 
 
-async def _serve(backend: EngineBackend, options: ServeOptions) -> None:
-    shutdown = trio.Event()
+class _Shutdown:
+    """The bridge from the main thread's signal handler to Trio's drain."""
+
+    def __init__(self) -> None:
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.event: trio.Event | None = None
+
+    def request(self) -> None:
+        if self.token is not None and self.event is not None:
+            try:
+                self.token.run_sync_soon(self.event.set)
+            except trio.RunFinishedError:
+                pass
+
+
+async def _serve(backend: EngineBackend, options: ServeOptions, shutdown: _Shutdown) -> None:
+    shutdown.token, shutdown.event = trio.lowlevel.current_trio_token(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(wait_for_signal, shutdown)
-        url = await nursery.start(run_server, backend, options, shutdown)
+        url = await nursery.start(run_server, backend, options, shutdown.event)
         print(f"engine serving {backend.model_name} on {url}", flush=True)
 
 
@@ -293,14 +308,15 @@ def main(argv: list[str]) -> int:
     if built is None:  # a torchrun worker rank, stopped by rank 0
         return 0
     engine, tokenizer, name = built
-    backend = EngineBackend(engine, tokenizer, model_name=name)
+    # Steps run on this (the main) thread, Trio in another: see host.py for why.
+    host = MainThreadHost()
+    backend = EngineBackend(engine, tokenizer, model_name=name, run_step=host.run_sync)
     options = ServeOptions(
         args.host, args.port, certfile=args.certfile, keyfile=args.keyfile, graceful_timeout=5.0
     )
+    shutdown = _Shutdown()
     try:
-        trio.run(_serve, backend, options)
-    except KeyboardInterrupt:
-        return 130
+        host.serve(functools.partial(trio.run, _serve, backend, options, shutdown), shutdown.request)
     except OSError as exc:
         print(f"headrace engine: cannot serve: {exc}", file=sys.stderr)
         return 1
