@@ -118,3 +118,13 @@ def test_serve_mock_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     path = write(tmp_path, "[[backends]]\nkind = 'mock'\noptions = { tpot = 1 }")
     assert main(["--config", path]) == 2
     assert "unknown mock options: tpot" in capsys.readouterr().err
+
+
+def test_the_readme_configuration_example_is_valid(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("```toml\n") + len("```toml\n")
+    example = tmp_path / "example.toml"
+    example.write_text(readme[start : readme.index("```", start)])
+    config = load_config(example)
+    assert [b.kind for b in config.backends] == ["openai", "mock"]
+    assert config.auth.keys["sk-team-a"] == "team-a"
