@@ -42,6 +42,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [B] int64: rows of the flat batch that are decode tokens
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor  # [B] int64: tokens in cache incl. the new one
+    decode_padding: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True past the context
     prefills: tuple[PrefillSpan, ...]
 
     @property
@@ -74,6 +75,9 @@ def paged_attention(
 
     q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already written to the cache);
     returns [T, H, D]."""
+    if not meta.prefills and meta.num_decodes == q.shape[0]:
+        # Decode only: the runner lays decode rows out in order, so they are all the rows.
+        return _decode_attention(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta)
@@ -100,11 +104,7 @@ def _decode_attention(
     values = _gather(v_cache, meta.decode_block_tables)  # [B, S, Hkv, D]
     qg = q.view(batch, n_kv, n_heads // n_kv, head_dim)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * head_dim**-0.5  # [B, Hkv, G, S]
-    seq = keys.shape[1]
-    valid = (
-        torch.arange(seq, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-    )  # [B, S]
-    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(meta.decode_padding, float("-inf")).softmax(dim=-1)
     out = torch.matmul(probs.to(values.dtype), values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
     return out.reshape(batch, n_heads, head_dim)
 

@@ -139,13 +139,16 @@ class ModelRunner:
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
+        context_lens = torch.tensor(decode_lens, dtype=torch.int64, device=dev)
+        key_pos = torch.arange(width * bs, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
             decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(
                 len(padded), width
             ),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64, device=dev),
+            decode_context_lens=context_lens,
+            decode_padding=(key_pos[None, :] >= context_lens[:, None])[:, None, None, :],
             prefills=tuple(prefills),
         )
         return (
