@@ -191,6 +191,18 @@ class _EngineCollector:
             sum_value=e.mean_batch_size * e.num_steps,
         )
         yield hist
+        spec = getattr(e, "speculative", None)  # SpecEngineStatistics when speculating
+        if spec is not None:
+            yield _counter(p + "spec_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens)
+            yield _counter(p + "spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)
+            yield _counter(p + "spec_verify_steps", "Request-steps that verified drafts", spec.num_verified)
+            yield _gauge(p + "spec_acceptance_rate", "Accepted / drafted tokens", spec.acceptance_rate)
+            yield _gauge(
+                p + "spec_tokens_per_verify", "Tokens emitted per verifying request-step", spec.mean_emitted_per_verify
+            )
+            yield _counter(
+                p + "spec_batch_cutoffs", "Steps with speculation off because the batch was large", spec.num_batch_cutoffs
+            )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -4,8 +4,12 @@ HTTP/1.1 and HTTP/2. A verified fake (CONVENTIONS 14, 15)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from backends.base import Backend
+from backends.fakes import FlakyBackend, SlowBackend, StallingBackend
 from backends.mock import MockBackend, MockConfig
 from backends.mock_server import build_app
 from conformance import check_backend, check_http
@@ -34,3 +38,19 @@ async def test_the_mock_server_passes_the_http_suite(http: str) -> None:
         report = await check_http(url, http=http, **FAST)
     assert report.ok, report.format_table()
     assert report.capabilities["token_ids"] is True
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SlowBackend(_mock(), ttft_s=0.01, tpot_s=0.001),
+        lambda: FlakyBackend(_mock()),
+        lambda: StallingBackend(_mock(), stall_every=0),
+    ],
+    ids=["slow", "flaky-at-rest", "stalling-at-rest"],
+)
+async def test_the_test_fakes_pass_the_in_process_suite(make: Callable[[], Backend]) -> None:
+    """Fakes are verified too (CONVENTIONS 14): with their faults off they are
+    correct backends, so a test failure through them means the router."""
+    report = await check_backend(make, **FAST)
+    assert report.ok, report.format_table()

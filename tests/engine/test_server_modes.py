@@ -58,6 +58,10 @@ async def test_engine_modes_answer_exactly_like_the_plain_engine(tiny_gguf: Path
                     r = await client.post("/v1/completions", json=body)
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["token_ids"] == await _plain(tiny_gguf, body), (prompt, temperature)
+            metrics = (await client.get("/metrics")).text
+            if "--speculative" in extra:
+                drafted = next(line for line in metrics.splitlines() if line.startswith("headrace_engine_spec_draft_tokens_total"))
+                assert float(drafted.split()[-1]) > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         with trio.move_on_after(20):
