@@ -28,9 +28,11 @@ __all__ = ["add_common_arguments", "main", "pick_model", "run_load"]
 RESULTS_DIR = "bench/results"
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by the load and engine benchmarks."""
-    p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+def add_common_arguments(p: argparse.ArgumentParser, *, target: bool = True) -> None:
+    """Options shared by the load and engine benchmarks (``target=False``:
+    the benchmark starts its own servers)."""
+    if target:
+        p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
@@ -53,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|roofline|baseline --help'.")
+                    "'headrace bench engine|spec|roofline|baseline --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -169,6 +171,9 @@ def _sub(name: str) -> Any:
     if name == "engine":
         from bench import engine_bench
         return engine_bench.main
+    if name == "spec":
+        from bench import spec_bench
+        return spec_bench.main
     if name == "roofline":
         from bench import roofline
         return roofline.main
@@ -178,7 +183,7 @@ def _sub(name: str) -> Any:
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "roofline", "baseline"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

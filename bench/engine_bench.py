@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from bench.client import RequestResult, RequestSpec, send_request
 from bench.connect import discover, make_client
 from bench.loadgen import Sender
 from bench.progress import ProgressBar, run_progress
-from bench.schedule import make_prompt
+from bench.schedule import WORKLOADS, workload_prompt
 from bench.stats import summarize
 
 __all__ = ["format_levels", "main", "run_closed_loop", "summarize_level"]
@@ -46,11 +47,10 @@ class _Loop:
 
 
 async def _stream_worker(send: Sender, loop: _Loop, deadline: float, run_start: float,
-                         seed: int, prompt_tokens: int) -> None:
+                         prompt: Callable[[int], str]) -> None:
     while True:  # at least one request per stream, then until the deadline
         index = loop.take()
-        result = await send(index, make_prompt(seed, index, prompt_tokens),
-                            trio.current_time(), run_start)
+        result = await send(index, prompt(index), trio.current_time(), run_start)
         loop.results.append(result)
         loop.tokens += result.output_tokens if result.ok else 0
         if trio.current_time() >= deadline:
@@ -58,9 +58,13 @@ async def _stream_worker(send: Sender, loop: _Loop, deadline: float, run_start: 
 
 
 async def run_closed_loop(concurrency: int, duration: float, send: Sender, *, seed: int = 0,
-                          prompt_tokens: int = 32,
+                          prompt_tokens: int = 32, workload: str = "random",
                           progress: ProgressBar | None = None) -> tuple[float, list[RequestResult]]:
     """``concurrency`` back-to-back streams for ``duration`` s: (wall s, results)."""
+
+    def prompt(index: int) -> str:
+        return workload_prompt(workload, seed, index, prompt_tokens)
+
     if concurrency < 1 or duration <= 0:
         raise ClientError("concurrency must be >= 1 and duration > 0")
     loop = _Loop()
@@ -75,8 +79,7 @@ async def run_closed_loop(concurrency: int, duration: float, send: Sender, *, se
             outer.start_soon(run_progress, progress, status)
         async with trio.open_nursery() as streams:
             for _ in range(concurrency):
-                streams.start_soon(_stream_worker, send, loop, start + duration, start, seed,
-                                   prompt_tokens)
+                streams.start_soon(_stream_worker, send, loop, start + duration, start, prompt)
         outer.cancel_scope.cancel()
     wall = trio.current_time() - start
     if progress is not None:
@@ -128,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transformers-baseline", action="store_true",
                    help="also time transformers generate() here and quote ratios")
     p.add_argument("--baseline-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="prompts: random words, tasks that repeat their input, or open chat")
     return p
 
 
@@ -144,18 +149,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                       run_start=run_start)
 
         for i in range(args.warmup):
-            warm = await send(-1 - i, make_prompt(args.seed, -1 - i, args.prompt_tokens),
+            warm = await send(-1 - i, workload_prompt(args.workload, args.seed, -1 - i, args.prompt_tokens),
                               trio.current_time(), trio.current_time())
             if not warm.ok:
                 raise ClientError(f"warm-up request failed: {warm.error}: {warm.detail}")
         for c in args.concurrency:
             wall, results = await run_closed_loop(
                 c, args.duration, send, seed=args.seed, prompt_tokens=args.prompt_tokens,
-                progress=ProgressBar(f"engine c={c}"))
+                workload=args.workload, progress=ProgressBar(f"engine c={c}"))
             levels.append(summarize_level(c, wall, results))
     return {"kind": "engine", "target": {"url": target.url, "http": target.http_version},
             "request": {"model": spec.model, "endpoint": spec.endpoint,
                         "max_tokens": spec.max_tokens, "prompt_tokens": args.prompt_tokens,
+                        "workload": args.workload,
                         "ignore_eos": spec.ignore_eos},
             "levels": levels}
 

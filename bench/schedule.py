@@ -12,7 +12,7 @@ import random
 
 from backends.errors import BadRequest
 
-__all__ = ["make_prompt", "poisson_schedule"]
+__all__ = ["WORKLOADS", "make_prompt", "poisson_schedule", "workload_prompt"]
 
 # Common English words that byte-level BPE vocabularies (Llama, GPT-2, SmolLM)
 # encode as one token each with their leading space, so N words ~ N tokens.
@@ -55,3 +55,37 @@ def make_prompt(seed: int, index: int, n_tokens: int) -> str:
         raise BadRequest(f"prompt tokens must be >= 1, got {n_tokens}", param="prompt_tokens")
     rng = random.Random(f"prompt:{seed}:{index}")
     return " ".join(rng.choice(_WORDS) for _ in range(n_tokens))
+
+
+# Workloads for speculative decoding: prompts whose answers repeat their input
+# (where prompt lookup shines), and open-ended chat (where it has little to find).
+WORKLOADS = ("random", "repeat", "chat")
+
+_REPEAT_TASKS = (
+    "Copy the following text exactly, word for word:\n\n{text}",
+    "Extract every sentence of this passage, one per line, unchanged:\n\n{text}",
+    "Rename the variable `total` to `sum_` in this code and print the whole code:\n\n"
+    "def score(items):\n    total = 0\n    for item in items:\n        total += item.{word} * 2\n"
+    "        if total > 100:\n            total = total - item.{word}\n    return total\n",
+    "Summarise this passage, quoting its sentences verbatim:\n\n{text}",
+)
+_CHAT_TOPICS = (
+    "Write a short story about a {word} who learns to sail.",
+    "Explain how a {word} works to a ten-year-old.",
+    "Give me three ideas for a weekend trip near a {word}.",
+    "What are the pros and cons of living next to a {word}?",
+)
+
+
+def workload_prompt(workload: str, seed: int, index: int, n_tokens: int) -> str:
+    """Request ``index``'s prompt for ``workload`` (see :data:`WORKLOADS`)."""
+    if workload == "random":
+        return make_prompt(seed, index, n_tokens)
+    rng = random.Random(f"{workload}:{seed}:{index}")
+    word = rng.choice(_WORDS)
+    if workload == "chat":
+        return rng.choice(_CHAT_TOPICS).format(word=word)
+    if workload == "repeat":
+        sentences = [" ".join(rng.choice(_WORDS) for _ in range(8)).capitalize() + "." for _ in range(max(1, n_tokens // 9))]
+        return rng.choice(_REPEAT_TASKS).format(text=" ".join(sentences), word=word)
+    raise BadRequest(f"unknown workload {workload!r}; use one of {', '.join(WORKLOADS)}", param="workload")

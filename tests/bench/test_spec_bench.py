@@ -1,0 +1,50 @@
+"""`headrace bench spec`: workloads, the ratio table, and one real end-to-end
+run against two tiny-model engines (speculation off and on)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.schedule import workload_prompt
+from bench.spec_bench import _cells, format_cells, main
+from tests.engine import tiny
+
+
+def test_workloads_are_reproducible_and_repeat_prompts_carry_text_to_copy() -> None:
+    for workload in ("random", "repeat", "chat"):
+        assert workload_prompt(workload, 1, 5, 40) == workload_prompt(workload, 1, 5, 40)
+        assert workload_prompt(workload, 1, 5, 40) != workload_prompt(workload, 1, 6, 40)
+    assert len(workload_prompt("repeat", 0, 0, 90).split()) > 60
+    assert len(workload_prompt("chat", 0, 0, 90).split()) < 20
+
+
+def test_cells_pair_each_level_with_its_plain_twin() -> None:
+    level = lambda c, tok: {"concurrency": c, "aggregate_tok_s": tok, "requests": 3, "ok": 3}  # noqa: E731
+    results = {
+        "off": {"repeat": [level(1, 10.0), level(16, 80.0)], "chat": [level(1, 10.0), level(16, 80.0)]},
+        "ngram": {"repeat": [level(1, 20.0), level(16, 80.0)], "chat": [level(1, 9.0), level(16, 84.0)]},
+    }
+    cells = _cells(results, "ngram")
+    assert [(c["workload"], c["concurrency"], round(c["ratio"], 2)) for c in cells] == [
+        ("repeat", 1, 2.0), ("repeat", 16, 1.0), ("chat", 1, 0.9), ("chat", 16, 1.05)]
+    assert "2.00x" in format_cells(cells)
+
+
+@pytest.mark.slow
+def test_a_short_run_against_two_tiny_engines_writes_the_table_json_and_png(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
+    out = tmp_path / "spec.json"
+    code = main(["--concurrency", "1", "2", "--duration", "1", "--max-tokens", "8", "--prompt-tokens", "20",
+                 "--engine-args", f"--model {model} --threads 1 --block-size 4",
+                 "--json", str(out), "--plot", str(tmp_path / "spec.png")])
+    assert code == 0
+    document = json.loads(out.read_text())
+    cells = document["cells"]
+    assert [(c["workload"], c["concurrency"]) for c in cells] == [("repeat", 1), ("repeat", 2), ("chat", 1), ("chat", 2)]
+    assert all(c["plain_tok_s"] > 0 and c["spec_tok_s"] > 0 and c["errors"] == 0 for c in cells)
+    assert (tmp_path / "spec.png").stat().st_size > 0
+    assert "ratio" in capsys.readouterr().out
