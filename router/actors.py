@@ -64,8 +64,14 @@ class BackendActor:
         weight: float = 1.0,
         probe_interval: float = 2.0,
         probe_timeout: float = 2.0,
+        unhealthy_threshold: int = 2,
     ) -> None:
         self.name = name
+        # Consecutive failed probes that take an UP backend DOWN: one slow
+        # probe on a loaded box must not eject a healthy backend (Envoy's
+        # unhealthy_threshold). A backend not yet known up goes down at once.
+        self.unhealthy_threshold = unhealthy_threshold
+        self._failed_probes = 0
         self.backend = backend
         self.weight = weight
         self.probe_interval = probe_interval
@@ -111,6 +117,12 @@ class BackendActor:
         self._counts["probes"] += 1
         self._counts["probe_failures"] += 0 if ok else 1
         self._detail = detail
+        self._failed_probes = 0 if ok else self._failed_probes + 1
+        if not ok and self.state is HealthState.UP and self._failed_probes < self.unhealthy_threshold:
+            log.warning("backend %s: probe failed (%s), %d of %d before down", self.name, detail,
+                        self._failed_probes, self.unhealthy_threshold)
+            self._wake.set()  # probe again now rather than after a full interval
+            return
         self._apply(HealthEvent.PROBE_OK if ok else HealthEvent.PROBE_FAILED)
 
     async def _refresh_info(self) -> None:

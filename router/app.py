@@ -69,7 +69,14 @@ class Router:
         self.config = config
         h = config.health
         self.actors = [
-            BackendActor(b.name, b.backend, weight=b.weight, probe_interval=h.interval, probe_timeout=h.timeout)
+            BackendActor(
+                b.name,
+                b.backend,
+                weight=b.weight,
+                probe_interval=h.interval,
+                probe_timeout=h.timeout,
+                unhealthy_threshold=h.unhealthy_threshold,
+            )
             for b in backends
         ]
         self.metrics = RouterMetrics()

@@ -77,6 +77,7 @@ class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True
 class HealthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     interval: Positive = 2.0  # seconds between probes of one backend
     timeout: Positive = 2.0  # a probe slower than this counts as failed
+    unhealthy_threshold: PositiveInt = 2  # consecutive failed probes that take an up backend down
     restart_backoff: Positive = 0.1  # first delay before restarting a crashed actor
     restart_backoff_max: Positive = 10.0
 

@@ -41,7 +41,8 @@ def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0)
 
 
-async def test_actor_marks_down_on_failed_probe_and_up_when_it_passes(clock: trio.testing.MockClock) -> None:
+async def test_actor_marks_down_after_two_failed_probes_and_up_when_one_passes(clock: trio.testing.MockClock) -> None:
+    """The first failure re-probes at once; the second takes the backend down."""
     fake = FakeBackend()
     actor = BackendActor("a", fake, probe_interval=1.0)
     async with trio.open_nursery() as nursery:
@@ -55,7 +56,26 @@ async def test_actor_marks_down_on_failed_probe_and_up_when_it_passes(clock: tri
         await trio.sleep(1.0)
         assert actor.state is HealthState.UP
         nursery.cancel_scope.cancel()
-    assert fake.probes == 3
+    assert fake.probes == 4
+
+
+async def test_one_failed_probe_does_not_eject_an_up_backend(clock: trio.testing.MockClock) -> None:
+    fake = FakeBackend()
+    actor = BackendActor("a", fake, unhealthy_threshold=3)
+    await actor.probe()
+    fake.healthy = False
+    await actor.probe()
+    await actor.probe()
+    assert actor.state is HealthState.UP and actor.eligible(None)
+    fake.healthy = True
+    await actor.probe()  # a success resets the count
+    fake.healthy = False
+    await actor.probe()
+    await actor.probe()
+    assert actor.state is HealthState.UP
+    await actor.probe()
+    assert actor.state is HealthState.DOWN
+    assert actor.statistics().probe_failures == 5
 
 
 async def test_probe_slower_than_timeout_counts_as_failed(clock: trio.testing.MockClock) -> None:

@@ -42,7 +42,7 @@ async def serve_router(nursery: trio.Nursery, router: Router, **server: object) 
 
 async def wait_idle(fake: FakeBackend, router: Router) -> None:
     with trio.fail_after(1):
-        while fake.in_flight or router.actors[0].in_flight:  # noqa: ASYNC110 - state of other tasks, real time
+        while fake.in_flight or router.actors[0].in_flight:
             await trio.sleep(0.002)
 
 
