@@ -77,6 +77,17 @@ class WrappedBackend:
             async for event in events:
                 yield event
 
+    async def _prefix(self, request: GenerateRequest, limit: int, sent: list[int]) -> AsyncGenerator[Event, None]:
+        """The inner stream's first ``limit`` events, never its final one;
+        ``sent[0]`` counts what went out (for the fault's message)."""
+        self.injected += 1
+        async with _closing(self.inner.stream(request)) as events:
+            async for event in events:
+                if sent[0] == limit or event.finish_reason is not None:
+                    break
+                sent[0] += 1
+                yield event
+
 
 class SlowBackend(WrappedBackend):
     """Adds ``ttft_s`` before the first event and ``tpot_s`` before each
@@ -138,15 +149,11 @@ class FlakyBackend(WrappedBackend):
                 async for event in events:
                     yield event
             return
-        self.injected += 1
-        sent = 0
-        async with _closing(self.inner.stream(request)) as events:
+        sent = [0]
+        async with aclosing(self._prefix(request, self.after_events, sent)) as events:
             async for event in events:
-                if sent == self.after_events or event.finish_reason is not None:
-                    break
-                sent += 1
                 yield event
-        raise self.error(f"flaky backend: stream {number} failed after {sent} events")
+        raise self.error(f"flaky backend: stream {number} failed after {sent[0]} events")
 
 
 class StallingBackend(WrappedBackend):
@@ -183,13 +190,8 @@ class StallingBackend(WrappedBackend):
                 async for event in events:
                     yield event
             return
-        self.injected += 1
-        sent = 0
-        async with _closing(self.inner.stream(request)) as events:
+        async with aclosing(self._prefix(request, self.after_events, [0])) as events:
             async for event in events:
-                if sent == self.after_events or event.finish_reason is not None:
-                    break
-                sent += 1
                 yield event
         self.stalled += 1
         try:
