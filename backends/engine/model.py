@@ -111,12 +111,6 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def _identity(t: torch.Tensor) -> tuple[object, ...]:
-    """Changes when ``t`` is replaced, moved, converted or updated in place."""
-    version = 0 if t.is_inference() else t._version
-    return (id(t), t.data_ptr(), version, t.dtype, t.device)
-
-
 class LinearGroup:
     """Several Linears over the same input: ``group(x) == tuple(l(x) for l in linears)``,
     bit for bit.
@@ -126,34 +120,54 @@ class LinearGroup:
     the cost of the linears. Elsewhere each linear runs as usual, with no weight copy
     (a fused float32 copy measured no faster on CPU). The linears stay the model's
     parameters, so checkpoint names, tensor-parallel sharding and in-place edits all see
-    them; the packed weight is rebuilt whenever any of them changes. Not a Module: it
-    adds nothing to the state dict."""
+    them; the packed weight is rebuilt whenever one of them is replaced, moved, converted
+    or updated in place. Not a Module: it adds nothing to the state dict."""
 
     def __init__(self, *linears: nn.Linear) -> None:
         self.linears = linears
-        self._key: tuple[object, ...] | None = None
+        self._seen: list[tuple[torch.Tensor, int, int]] = []  # (weight, data_ptr, version)
         self._packed: torch.Tensor | None = None
         self._sizes: list[int] = []
 
-    def _refresh(self) -> torch.Tensor | None:
+    def _stale(self, weights: list[torch.Tensor]) -> bool:
+        if len(weights) != len(self._seen):
+            return True
+        for w, (seen, ptr, version) in zip(weights, self._seen, strict=True):
+            if w is not seen or w.data_ptr() != ptr or _version(w) != version:
+                return True
+        return False
+
+    def packed(self) -> torch.Tensor | None:
+        """The prepacked fused weight, or None where this group runs plain linears."""
         weights = [lin.weight for lin in self.linears]
-        key = tuple(_identity(w) for w in weights)
-        if key != self._key:
-            packable = _can_pack(weights[0]) and all(lin.bias is None for lin in self.linears)
+        if self._stale(weights):
             self._packed = None
-            if packable:
+            if _can_pack(weights[0]) and all(lin.bias is None for lin in self.linears):
                 fused = torch.cat([w.detach() for w in weights])
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(fused, 1)
             self._sizes = [w.shape[0] for w in weights]
-            self._key = key
+            self._seen = [(w, w.data_ptr(), _version(w)) for w in weights]
         return self._packed
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``cat(group(x), -1)`` when it is computed as one matmul, else None."""
+        packed = self.packed()
+        if packed is None or x.dim() != 2 or x.shape[0] > _PACKED_MAX_ROWS:
+            return None
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return y
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        packed = self._refresh()
-        if packed is not None and x.dim() == 2 and x.shape[0] <= _PACKED_MAX_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            return tuple(y.split(self._sizes, dim=-1))
-        return tuple(F.linear(x, lin.weight, lin.bias) for lin in self.linears)
+        y = self.fused(x)
+        if y is None:
+            return tuple(F.linear(x, lin.weight, lin.bias) for lin in self.linears)
+        if len(self._sizes) == 1:
+            return (y,)
+        return tuple(torch.split_with_sizes(y, self._sizes, dim=-1))
+
+
+def _version(t: torch.Tensor) -> int:
+    return 0 if t.is_inference() else t._version
 
 
 def permute_qk_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -187,10 +201,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]; rope: the tables of :func:`rope_tables`."""
         t, h, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self._qkv(x)  # [T, H D], [T, Hkv D], [T, Hkv D]
-        q = apply_rope(q.view(t, h, d), rope)  # q: [T, H, D]
-        k = apply_rope(k.view(t, hkv, d), rope)  # k: [T, Hkv, D]
-        v = v.view(t, hkv, d)  # v: [T, Hkv, D]
+        qkv = self._qkv.fused(x)  # [T, (H + 2 Hkv) D] or None
+        if qkv is not None:  # q and k are adjacent: rotate them in one go
+            qk = apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), rope)
+            q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
+            v = qkv[:, (h + hkv) * d :].view(t, hkv, d)  # [T, Hkv, D]
+        else:
+            q2, k2, v2 = self._qkv(x)  # [T, H D], [T, Hkv D], [T, Hkv D]
+            q = apply_rope(q2.view(t, h, d), rope)  # [T, H, D]
+            k = apply_rope(k2.view(t, hkv, d), rope)  # [T, Hkv, D]
+            v = v2.view(t, hkv, d)  # [T, Hkv, D]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
