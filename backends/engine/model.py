@@ -5,7 +5,10 @@ sequences, ``positions [T]``, and an :class:`AttentionMetadata` that says which 
 slots they write and which blocks they read. The model knows nothing about sequences,
 scheduling or parallelism: tensor parallelism is a transform applied to the built
 module later (gpt-fast ``apply_tp``), which is why Q/K/V and gate/up stay separate
-linears (sharded per component, never as a slice of a fused matrix).
+linears (sharded per component, never as a slice of a fused matrix). Speed comes from
+:class:`LinearGroup`, derived from those linears at run time: Q/K/V as one matmul over
+a shared buffer, and on CPU in bfloat16 every linear prepacked for oneDNN. Every fast
+path here gives the plain formulation's result bit for bit.
 
 RoPE rotates *adjacent pairs* (Meta / llama.cpp layout). GGUF q/k weights are already
 in that layout; Hugging Face checkpoints are permuted once at load time
@@ -99,7 +102,8 @@ def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 # Up to this many rows, oneDNN's prepacked bfloat16 GEMM gives exactly F.linear's result
-# (measured on torch 2.13 CPU, AMX and AVX-512 paths alike); above it F.linear is kept.
+# (measured: torch 2.13 on this project's AMX CPUs, every M from 1 to 32 and the model's
+# shapes); above it F.linear is kept, since there the two differ in the last bits.
 _PACKED_MAX_ROWS = 32
 
 
@@ -108,6 +112,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # F.linear takes oneDNN too
     )
 
 
