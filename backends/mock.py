@@ -44,6 +44,7 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
 )
+from backends.tally import StreamTally
 
 __all__ = [
     "DEFAULT_VOCAB",
@@ -326,8 +327,8 @@ class MockBackend:
         self.config = config or MockConfig()
         self._seeds = random.Random(self.config.seed)
         self._requests = 0
-        self._in_flight = self._started = self._completed = 0
-        self._cancelled = self._failed = self._rejected = 0
+        self._tally = StreamTally()
+        self._rejected = 0
 
     def info(self) -> BackendInfo:
         c = self.config
@@ -342,14 +343,8 @@ class MockBackend:
         return None
 
     def statistics(self) -> MockStatistics:
-        return MockStatistics(
-            self._in_flight,
-            self._started,
-            self._completed,
-            self._cancelled,
-            self._failed,
-            self._rejected,
-        )
+        t = self._tally
+        return MockStatistics(t.in_flight, t.started, t.completed, t.cancelled, t.failed, self._rejected)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -398,31 +393,10 @@ class MockBackend:
             raise
         seed = self._seed(request)
         faults = self._draw_faults()
-        self._in_flight += 1
-        self._started += 1
-        outcome = "cancelled"
-        try:
-            gen = _Generation(prompt, seed, limit, request, self.config.vocab)
-            async with aclosing(self._run(gen, prompt, seed, faults)) as events:
-                async for event in events:
-                    if event.finish_reason is not None:
-                        outcome = "completed"
-                    yield event
-            outcome = "completed"
-        except HeadraceError:
-            outcome = "failed"
-            raise
-        finally:
-            self._in_flight -= 1
-            self._count(outcome)
-
-    def _count(self, outcome: str) -> None:
-        if outcome == "completed":
-            self._completed += 1
-        elif outcome == "failed":
-            self._failed += 1
-        else:
-            self._cancelled += 1
+        gen = _Generation(prompt, seed, limit, request, self.config.vocab)
+        async with aclosing(self._tally.track(self._run(gen, prompt, seed, faults))) as events:
+            async for event in events:
+                yield event
 
     async def _run(
         self, gen: _Generation, prompt: list[int], seed: int, faults: list[Fault]

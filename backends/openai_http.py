@@ -57,6 +57,7 @@ from backends.errors import (
     UpstreamError,
 )
 from backends.sse import SSEParser
+from backends.tally import StreamTally
 
 __all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "status_error"]
 
@@ -389,7 +390,7 @@ class OpenAIHTTPBackend:
         self._models: tuple[str, ...] | None = None
         self._max_context: int | None = None
         self._saw_ids = False
-        self._in_flight = self._started = self._completed = self._failed = self._cancelled = 0
+        self._tally = StreamTally()
 
     # ------------------------------------------------------------ Backend
 
@@ -401,9 +402,8 @@ class OpenAIHTTPBackend:
         )
 
     def statistics(self) -> HTTPBackendStatistics:
-        return HTTPBackendStatistics(
-            self._in_flight, self._started, self._completed, self._failed, self._cancelled
-        )
+        t = self._tally
+        return HTTPBackendStatistics(t.in_flight, t.started, t.completed, t.failed, t.cancelled)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -450,29 +450,9 @@ class OpenAIHTTPBackend:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, payload = self._payload(request)
-        self._in_flight += 1
-        self._started += 1
-        outcome = "cancelled"
-        try:
-            async with aclosing(self._stream(path, payload)) as events:
-                async for event in events:
-                    if event.finish_reason is not None:
-                        outcome = "completed"
-                    yield event
-        except HeadraceError:
-            outcome = "failed"
-            raise
-        finally:
-            self._in_flight -= 1
-            self._count(outcome)
-
-    def _count(self, outcome: str) -> None:
-        if outcome == "completed":
-            self._completed += 1
-        elif outcome == "failed":
-            self._failed += 1
-        else:
-            self._cancelled += 1
+        async with aclosing(self._tally.track(self._stream(path, payload))) as events:
+            async for event in events:
+                yield event
 
     # ------------------------------------------------------------ internals
 
