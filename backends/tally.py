@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from backends.base import Event
@@ -20,7 +20,7 @@ class StreamTally:
         self.in_flight = self.started = 0
         self.completed = self.failed = self.cancelled = 0
 
-    async def track(self, events: AsyncGenerator[Event, None]) -> AsyncIterator[Event]:
+    async def track(self, events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
         self.in_flight += 1
         self.started += 1
         outcome = "cancelled"
