@@ -13,6 +13,7 @@ from backends.fakes import FlakyBackend, SlowBackend, StallingBackend
 from backends.mock import MockBackend, MockConfig
 from backends.mock_server import build_app
 from conformance import check_backend, check_http
+from tests.router.fakes import FakeBackend
 
 from .serving import serving
 
@@ -46,8 +47,9 @@ async def test_the_mock_server_passes_the_http_suite(http: str) -> None:
         lambda: SlowBackend(_mock(), ttft_s=0.01, tpot_s=0.001),
         lambda: FlakyBackend(_mock()),
         lambda: StallingBackend(_mock(), stall_every=0),
+        lambda: FakeBackend(delay=0.001),
     ],
-    ids=["slow", "flaky-at-rest", "stalling-at-rest"],
+    ids=["slow", "flaky-at-rest", "stalling-at-rest", "router-tests-fake"],
 )
 async def test_the_test_fakes_pass_the_in_process_suite(make: Callable[[], Backend]) -> None:
     """Fakes are verified too (CONVENTIONS 14): with their faults off they are

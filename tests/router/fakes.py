@@ -8,11 +8,26 @@ from collections.abc import AsyncIterator
 import trio
 
 from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
+from backends.engine.stop import StopMatcher
 from backends.errors import BackendUnavailable, HeadraceError, StreamBroken
 
 
+def _resume_point(prompt: list[int]) -> int:
+    """Where the count continues: a prompt ending in ``0, 1, ..., k-1`` (a
+    resumed stream) continues at ``k``; any other prompt starts at 0."""
+    j, expect = len(prompt) - 1, None
+    while j >= 0 and (expect is None or prompt[j] == expect):
+        expect = prompt[j] - 1
+        if prompt[j] == 0:
+            return prompt[-1] + 1
+        j -= 1
+    return 0
+
+
 class FakeBackend:
-    """Emits ``max_tokens`` (default 4) tokens ``0, 1, ...`` as words ``" t<i>"``.
+    """Emits ``max_tokens`` (default 4) tokens ``0, 1, ...`` as words ``" t<i>"``
+    (continuing the count when the prompt ends in one: the resume contract),
+    honouring stop strings; it passes the in-process conformance suite.
 
     ``fail_before`` raises before the first event; ``break_after`` raises
     StreamBroken after that many events; ``delay`` sleeps before each token;
@@ -65,20 +80,28 @@ class FakeBackend:
             raise self.fail_before
         n = request.max_tokens or 4
         prompt = request.prompt_token_ids or [1, 2, 3]
+        first = _resume_point(prompt)
+        stops = StopMatcher(request.stop)
         self.in_flight += 1
         try:
             for i in range(n):
                 if self.break_after is not None and i == self.break_after:
                     raise StreamBroken(f"{self.name} died")
                 await trio.sleep(self.delay)
-                last = i == n - 1
+                token = first + i
+                text, stopped = stops.feed(f" t{token}")
+                last = stopped or i == n - 1
+                if last and not stopped:
+                    text += stops.flush()
                 yield Event(
-                    token_ids=[i],
-                    text=f" t{i}",
+                    token_ids=[token],
+                    text=text,
                     prompt_token_ids=prompt if i == 0 else None,
-                    finish_reason="length" if last else None,
-                    usage=Usage(len(prompt), n) if last else None,
+                    finish_reason=("stop" if stopped else "length") if last else None,
+                    usage=Usage(len(prompt), i + 1) if last else None,
                 )
+                if last:
+                    return
         except (trio.Cancelled, GeneratorExit):
             self.cancelled += 1
             self.cancelled_at = trio.current_time()
