@@ -5,57 +5,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import httpx
 import pytest
 import trio
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
+from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable
 from backends.openai_server import OpenAIServer
 from backends.serving import ServeOptions, serve
+from tests.router.fakes import FakeBackend
 
 
-class CountingBackend:
-    """Emits tokens 0..max_tokens-1 as words; records cancellations."""
+class CountingBackend(FakeBackend):
+    """The router tests' verified fake (tokens 0, 1, ... as " t<i>"; it passes
+    the conformance suite) serving models m1 and m2, refusing the prompt
+    "overload" with 503 before any token."""
 
     def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.cancelled = 0
-        self.in_flight = 0
-
-    def info(self) -> BackendInfo:
-        return BackendInfo(name="counting", models=("m1", "m2"), token_ids=True)
-
-    async def health(self) -> Health:
-        return Health(ok=True)
-
-    async def aclose(self) -> None:
-        return None
+        super().__init__("counting", ("m1", "m2"), delay=delay)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         if request.prompt == "overload":
             raise BackendUnavailable("busy", retry_after=2)
-        n = request.max_tokens or 4
-        prompt_ids = request.prompt_token_ids or [1, 2, 3]
-        self.in_flight += 1
-        try:
-            for i in range(n):
-                await trio.sleep(self.delay)
-                last = i == n - 1
-                yield Event(
-                    token_ids=[i],
-                    text=f" t{i}",
-                    prompt_token_ids=prompt_ids if i == 0 else None,
-                    seed=request.seed if i == 0 else None,
-                    finish_reason="length" if last else None,
-                    usage=Usage(len(prompt_ids), n) if last else None,
-                )
-        except trio.Cancelled:
-            self.cancelled += 1
-            raise
-        finally:
-            self.in_flight -= 1
+        async with aclosing(super().stream(request)) as events:  # type: ignore[type-var]
+            async for event in events:
+                yield event
 
 
 @pytest.fixture

@@ -97,6 +97,7 @@ class FakeBackend:
                     token_ids=[token],
                     text=text,
                     prompt_token_ids=prompt if i == 0 else None,
+                    seed=request.seed if i == 0 else None,
                     finish_reason=("stop" if stopped else "length") if last else None,
                     usage=Usage(len(prompt), i + 1) if last else None,
                 )
