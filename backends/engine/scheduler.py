@@ -205,8 +205,8 @@ class Scheduler:
         while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = waiting[0]
             hits = bm.lookup(seq)
-            todo = len(seq.token_ids) - len(hits) * bm.block_size
-            n = min(todo, budget)
+            uncached = len(seq.token_ids) - len(hits) * bm.block_size
+            n = min(uncached, budget)
             if not bm.allocate(seq, n, hits):
                 break  # admission never preempts; the head waits for blocks
             waiting.pop(0)
