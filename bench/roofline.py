@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from backends.errors import BadRequest, ClientError, HeadraceError
+from bench.report import write_json
 
 __all__ = [
     "BYTES_PER_WEIGHT",
@@ -168,8 +168,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(_report(result))
     if args.json_path:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json_path, result)
     return 0
 
 

@@ -15,7 +15,6 @@ subtracted), ``tok_s`` is the whole call. Progress goes to stderr per step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from backends.errors import BadRequest, ClientError, HeadraceError
 from bench.progress import ProgressBar
+from bench.report import write_json
 from bench.roofline import default_gguf
 from bench.schedule import make_prompt
 
@@ -154,8 +154,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(format_results(doc))
     if args.json_path:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json_path, doc)
     return 0
 
 

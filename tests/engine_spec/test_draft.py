@@ -87,7 +87,7 @@ def test_rejection_mode_keeps_greedy_requests_exact_and_draws_valid_tokens(model
     for rid, _, p in reqs:
         if p.greedy:
             assert got[rid] == truth[rid]
-        assert 1 <= len(got[rid]) <= p.max_tokens
+        assert 0 < len(got[rid]) <= p.max_tokens
     assert engine.statistics().speculative.num_draft_tokens > 0
 
 
