@@ -5,11 +5,13 @@ A token at absolute position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``; the runner computes
 those slots (``slot_mapping``) and the model writes new K/V through them.
 
-Reading is a gather of each sequence's blocks. Sequences that add exactly one token
-this step (decode) are attended in ONE batched, masked matmul: that is where batching
-pays on CPU. Sequences that add several tokens (prefill chunks, speculative drafts)
-are attended one by one with ``scaled_dot_product_attention``; a prefill that starts
-at position 0 attends to its own fresh K/V without touching the cache at all.
+Reading is a gather of each sequence's blocks. Decode rows (one query each, over the
+cache up to its own position) are attended in ONE batched, masked matmul: that is where
+batching pays on CPU. The runner makes every decode token a decode row, and so every
+token of a short span after a cached context (speculative drafts), since all of the
+step's K/V is written before attention reads it. Longer spans (prefill chunks) are
+attended one by one with ``scaled_dot_product_attention``; a prefill that starts at
+position 0 attends to its own fresh K/V without touching the cache at all.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ from backends.engine.scheduler import ScheduledSeq
 
 __all__ = ["ModelRunner", "kv_bytes_per_block", "resolve_device"]
 
+# Spans of up to this many new tokens after a cached context go through the batched
+# decode attention (one query row per token) instead of one SDPA call per sequence.
+_SHORT_SPAN = 16
+
 
 def resolve_device(name: str) -> torch.device:
     """``"auto"``: the first CUDA device when there is one, else the CPU."""
@@ -127,10 +131,16 @@ class ModelRunner:
             pos += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             rows += range(len(ids) - count, len(ids))
-            if end - start == 1:
-                decode_rows.append(row0)
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+            if end - start <= _SHORT_SPAN and (start > 0 or end == 1):
+                # Decode tokens, and short spans over a cached context (speculative
+                # drafts, a resumed tail): every token is its own query row of the
+                # batched decode attention, over the cache up to its own position
+                # (all of the step's K/V is written before attention reads). A token
+                # is then computed the same way however it was scheduled.
+                for j, p in enumerate(range(start, end)):
+                    decode_rows.append(row0 + j)
+                    decode_tables.append(table[: -(-(p + 1) // bs)])
+                    decode_lens.append(p + 1)
             else:
                 block_table = torch.tensor(
                     table[: -(-end // bs)], dtype=torch.int64, device=self.device

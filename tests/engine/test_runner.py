@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends.engine.loader import load_model
+from backends.engine.model import _can_pack
 from backends.engine.runner import ModelRunner, kv_bytes_per_block
 from backends.engine.scheduler import ScheduledSeq
 from backends.engine.sequence import SamplingParams, Sequence
@@ -83,6 +84,35 @@ def test_prefix_blocks_written_by_one_sequence_serve_another(
     torch.testing.assert_close(
         logits, _full_logits(tiny_hf_model, b.token_ids)[-3:], rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_span_is_computed_exactly_like_decoding_it_token_by_token(
+    tiny_gguf: Path, dtype: torch.dtype
+) -> None:
+    """Speculative verification feeds k tokens at once; each must come out as if it had
+    been decoded alone (bit for bit where the linears are row-invariant), or speculation
+    would change the output."""
+    model = load_model(str(tiny_gguf), dtype=dtype).model
+    prompt, tail = list(range(20, 31)), [40, 41, 42, 43, 44]
+    logits = []
+    for span in (1, len(tail)):
+        r = ModelRunner(model, num_kv_blocks=16, block_size=4)
+        seq = _seq("s", list(prompt), [3, 9, 1, 12, 5])
+        r.execute([ScheduledSeq(seq, len(prompt))])
+        _advance(ScheduledSeq(seq, len(prompt)))
+        rows = []
+        for i in range(0, len(tail), span):
+            seq.token_ids += tail[i : i + span]
+            item = ScheduledSeq(seq, span)
+            rows.append(r.execute([item], [span]))
+            _advance(item)
+        logits.append(torch.cat(rows))
+    if dtype == torch.bfloat16 and _can_pack(model.output.weight):
+        # Row-invariant linears (oneDNN prepacked, up to 32 rows): bit for bit.
+        assert torch.equal(logits[0], logits[1])
+    else:  # MKL's float32 GEMV and GEMM round differently: last bits only
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 def test_logits_rows_follow_schedule_order_and_skip_mid_prompt_chunks(runner: ModelRunner) -> None:
