@@ -158,7 +158,7 @@ class ModelRunner:
                 len(padded), width
             ),
             decode_context_lens=context_lens,
-            decode_padding=(key_pos[None, :] >= context_lens[:, None])[:, None, None, :],
+            decode_mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
             prefills=tuple(prefills),
         )
         return (
