@@ -41,11 +41,12 @@ class AttentionMetadata:
     shared by every layer of one forward pass."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    decode_rows: torch.Tensor  # [B] int64: rows of the flat batch that are decode tokens
+    decode_rows: torch.Tensor  # [B] int64: rows of the flat batch that are decode rows
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor  # [B] int64: tokens in cache incl. the new one
     decode_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True within the context
     prefills: tuple[PrefillSpan, ...]
+    num_decode_seqs: int = 0  # sequences the decode rows belong to
 
     @property
     def num_decodes(self) -> int:

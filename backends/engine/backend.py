@@ -35,6 +35,7 @@ from backends.base import BackendInfo, Event, GenerateRequest, Health, KVEvent, 
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine, StepOutput
 from backends.engine.loader import LoadedModel, load_model
+from backends.engine.quant import attach_q4
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
 from backends.engine.sequence import SamplingParams, Sequence
 from backends.engine.speculative import SpecConfig, make_engine
@@ -71,6 +72,8 @@ def build_engine(
     per_block = kv_bytes_per_block(loaded.args, config.block_size, dtype)
     num_blocks = config.resolve_num_kv_blocks(per_block, max_len, device.type)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device=device, dtype=dtype)
+    if config.packed_weights and loaded.q4:
+        attach_q4(runner.model, loaded.q4)
     engine = make_engine(config, runner, loaded.tokenizer, spec)
     return engine, loaded.tokenizer, loaded.name
 

@@ -39,6 +39,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # record KV events for KV-aware routing (drain them!)
     default_max_tokens: Pos = 256  # when a request sets none (capped by the context left)
+    # Run GGUF Q4_0/Q4_1 weights packed (4-bit kernel, bfloat16 on CPU) for small
+    # batches instead of dequantised: see backends/engine/quant.py.
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         # msgspec checks the Meta constraints when decoding; direct construction

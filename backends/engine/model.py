@@ -24,6 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.engine.attention import AttentionMetadata, paged_attention, write_kv
+from backends.engine.quant import (
+    Int4Linear,
+    attach_epoch,
+    int4_supported,
+    packed_row_count,
+    q4_of,
+)
 
 __all__ = [
     "LinearGroup",
@@ -102,8 +109,9 @@ def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 # Up to this many rows, oneDNN's prepacked bfloat16 GEMM gives exactly F.linear's result
-# (measured: torch 2.13 on this project's AMX CPUs, every M from 1 to 32 and the model's
-# shapes); above it F.linear is kept, since there the two differ in the last bits.
+# (measured: torch 2.13 on AVX-512 CPUs with and without AMX, every M from 1 to 32 and
+# the model's shapes); above it F.linear is kept, since there the two differ in the
+# last bits.
 _PACKED_MAX_ROWS = 32
 
 
@@ -118,7 +126,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 class LinearGroup:
     """Several Linears over the same input: ``group(x) == tuple(l(x) for l in linears)``,
-    bit for bit.
+    bit for bit (except with 4-bit codes attached, below).
 
     On CPU in bfloat16 the group runs as ONE oneDNN matmul over a fused weight prepacked
     once (F.linear reorders the weight on every call): at decode batch sizes that halves
@@ -129,18 +137,26 @@ class LinearGroup:
     linears stay the model's parameters, so checkpoint names, tensor-parallel sharding
     and in-place edits all see them; the fused weight is rebuilt whenever one of them
     is replaced, moved, converted or updated in place. Not a Module: it adds nothing to
-    the state dict."""
+    the state dict.
+
+    With 4-bit codes attached to every linear (:func:`backends.engine.quant.attach_q4`,
+    GGUF Q4_0/Q4_1 in bfloat16 on CPU), the rows that :func:`~backends.engine.quant.
+    packed_row_count` names run through the packed 4-bit kernel instead: 2-3x less
+    memory traffic per decode step, results within bfloat16 rounding of the dense ones,
+    each row independent of the others."""
 
     def __init__(self, *linears: nn.Linear, share_storage: bool = False) -> None:
         self.linears = linears
         self._share = share_storage and len(linears) > 1
         self._seen: list[tuple[torch.Tensor, int, int]] = []  # (weight, data_ptr, version)
         self._packed: torch.Tensor | None = None
+        self._int4: Int4Linear | None = None  # 4-bit codes attached by quant.attach_q4
+        self._epoch = -1
         self._dense: torch.Tensor | None = None  # the shared buffer, rows of every weight
         self._sizes: list[int] = []
 
     def _stale(self, weights: list[torch.Tensor]) -> bool:
-        if len(weights) != len(self._seen):
+        if len(weights) != len(self._seen) or self._epoch != attach_epoch():
             return True
         for w, (seen, ptr, version) in zip(weights, self._seen, strict=True):
             if w is not seen or w.data_ptr() != ptr or _version(w) != version:
@@ -151,8 +167,16 @@ class LinearGroup:
         weights = [lin.weight for lin in self.linears]
         if not self._stale(weights):
             return
-        self._packed = self._dense = None
+        self._packed = self._dense = self._int4 = None
         plain = all(lin.bias is None for lin in self.linears)
+        q4s = [q for q in (q4_of(lin) for lin in self.linears) if q is not None]
+        if (
+            plain
+            and len(q4s) == len(weights)
+            and int4_supported(weights[0])
+            and Int4Linear.fits(q4s)
+        ):
+            self._int4 = Int4Linear(q4s, weights[0].dtype)
         if plain and _can_pack(weights[0]):
             fused = torch.cat([w.detach() for w in weights])
             self._packed = torch.ops.mkldnn._reorder_linear_weight(fused, 1)
@@ -161,6 +185,7 @@ class LinearGroup:
             weights = [lin.weight for lin in self.linears]
         self._sizes = [w.shape[0] for w in weights]
         self._seen = [(w, w.data_ptr(), _version(w)) for w in weights]
+        self._epoch = attach_epoch()
 
     def _share_storage(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """One buffer holding every weight's rows; each weight becomes a view into it."""
@@ -175,6 +200,18 @@ class LinearGroup:
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """``cat(group(x), -1)`` when it is computed as one matmul, else None."""
         self._refresh()
+        if self._int4 is not None and x.dim() == 2:
+            n = packed_row_count(x.shape[0])
+            if n == x.shape[0]:
+                return self._int4(x)
+            if n:  # packed decode rows, then dense prefill rows
+                rest = self._dense_fused(x[n:])
+                if rest is None:
+                    rest = torch.cat([F.linear(x[n:], lin.weight) for lin in self.linears], -1)
+                return torch.cat([self._int4(x[:n]), rest])
+        return self._dense_fused(x)
+
+    def _dense_fused(self, x: torch.Tensor) -> torch.Tensor | None:
         if self._dense is not None:
             return F.linear(x, self._dense)
         if self._packed is None or x.dim() != 2 or x.shape[0] > _PACKED_MAX_ROWS:

@@ -19,6 +19,7 @@ import torch
 
 from backends.engine.attention import AttentionMetadata, PrefillSpan
 from backends.engine.model import ModelArgs, Transformer
+from backends.engine.quant import INT4_MAX_SEQS, packed_rows
 from backends.engine.scheduler import ScheduledSeq
 
 __all__ = ["ModelRunner", "kv_bytes_per_block", "resolve_device"]
@@ -104,41 +105,62 @@ class ModelRunner:
                 "logits_per_seq must give 0..num_new_tokens rows for each scheduled sequence"
             )
         input_ids, positions, meta, rows = self._prepare(scheduled, counts)
-        hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
-        return self.model.compute_logits(hidden[rows])  # [N, V]
+        # Decode rows come first in the flat batch; with few decoding sequences they
+        # run through packed 4-bit weights where the model has them (quant.py). The
+        # choice depends on how many sequences decode, never on how many rows each
+        # adds, so a speculative step picks the same kernels as a plain one.
+        packed = meta.num_decodes if meta.num_decode_seqs <= INT4_MAX_SEQS else 0
+        with packed_rows(packed):
+            hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
+        with packed_rows(0):  # which rows are sampled depends on the batch: dense head
+            return self.model.compute_logits(hidden[rows])  # [N, V]
 
     def _prepare(
         self, scheduled: Sequence[ScheduledSeq], counts: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The flat batch: every decode-like sequence's rows first (decode tokens and
+        short spans after a cached context), then the prefill chunks; logits rows in
+        the order of ``scheduled``."""
         bs = self.block_size
+        for item in scheduled:
+            seq, end = item.seq, item.end
+            if (
+                len(seq.block_table) * bs < end
+                or end > self.args.max_seq_len
+                or end > len(seq.token_ids)
+            ):
+                raise ValueError(
+                    f"{seq!r}: cannot compute positions [{item.start}, {end}) "
+                    f"with {len(seq.block_table)} blocks"
+                )
+        decoding = [
+            i
+            for i, it in enumerate(scheduled)
+            if it.end - it.start <= _SHORT_SPAN and (it.start > 0 or it.end == 1)
+        ]
+        is_decode = set(decoding)
+        order = decoding + [i for i in range(len(scheduled)) if i not in is_decode]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        rows: list[int] = []
-        decode_rows: list[int] = []
+        first_row = [0] * len(scheduled)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
-        for item, count in zip(scheduled, counts, strict=True):
+        for i in order:
+            item = scheduled[i]
             seq, start, end = item.seq, item.start, item.end
             table = seq.block_table
-            if len(table) * bs < end or end > self.args.max_seq_len or end > len(seq.token_ids):
-                raise ValueError(
-                    f"{seq!r}: cannot compute positions [{start}, {end}) with {len(table)} blocks"
-                )
-            row0 = len(ids)
+            first_row[i] = row0 = len(ids)
             ids += seq.token_ids[start:end]
             pos += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            rows += range(len(ids) - count, len(ids))
-            if end - start <= _SHORT_SPAN and (start > 0 or end == 1):
-                # Decode tokens, and short spans over a cached context (speculative
-                # drafts, a resumed tail): every token is its own query row of the
-                # batched decode attention, over the cache up to its own position
-                # (all of the step's K/V is written before attention reads). A token
-                # is then computed the same way however it was scheduled.
-                for j, p in enumerate(range(start, end)):
-                    decode_rows.append(row0 + j)
+            if i in is_decode:
+                # Every token is its own query row of the batched decode attention,
+                # over the cache up to its own position (all of the step's K/V is
+                # written before attention reads): a token is computed the same way
+                # whether it was decoded alone or verified in a speculative span.
+                for p in range(start, end):
                     decode_tables.append(table[: -(-(p + 1) // bs)])
                     decode_lens.append(p + 1)
             else:
@@ -146,6 +168,10 @@ class ModelRunner:
                     table[: -(-end // bs)], dtype=torch.int64, device=self.device
                 )
                 prefills.append(PrefillSpan(row0, len(ids), end, block_table))
+        rows: list[int] = []
+        for i, (item, count) in enumerate(zip(scheduled, counts, strict=True)):
+            last = first_row[i] + item.num_new_tokens
+            rows += range(last - count, last)
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
@@ -153,13 +179,14 @@ class ModelRunner:
         key_pos = torch.arange(width * bs, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+            decode_rows=torch.arange(len(decode_lens), dtype=torch.int64, device=dev),
             decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(
                 len(padded), width
             ),
             decode_context_lens=context_lens,
             decode_mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
             prefills=tuple(prefills),
+            num_decode_seqs=len(decoding),
         )
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),

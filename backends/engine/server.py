@@ -257,6 +257,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-events", action="store_true", help="do not record KV events")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
+        "--packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run GGUF Q4_0/Q4_1 weights packed (4-bit kernel) for small batches in bfloat16",
+    )
+    p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)"
     )
     p.add_argument("--certfile")
@@ -278,6 +284,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
             enable_kv_events=not args.no_kv_events,
+            packed_weights=args.packed_weights,
         )
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from None
