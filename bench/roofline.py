@@ -54,11 +54,21 @@ def default_gguf() -> Path:
     return found[0]
 
 
+# The engine's packed 4-bit path (backends/engine/quant.py): 4-bit codes plus a
+# bfloat16 scale and zero per 32 weights, for GGUF Q4_0/Q4_1 matrices.
+PACKED_Q4_BYTES_PER_WEIGHT = 0.5 + 4 / 32
+_PACKED_TYPES = ("Q4_0", "Q4_1")
+
+
 def weight_bytes(gguf: Path, dtype: str) -> tuple[int, int]:
     """(weights read per decode step, bytes at ``dtype``); ``dtype="gguf"``
-    counts the file's own (possibly quantised) tensor bytes."""
+    counts the file's own (possibly quantised) tensor bytes; ``"bf16-packed"`` is
+    how ``headrace engine --dtype bfloat16`` decodes small batches: Q4_0/Q4_1
+    matrices packed, everything else in bfloat16."""
     from gguf import GGUFReader
 
+    if dtype == "bf16-packed":
+        return _packed_bytes(gguf)
     if dtype != "gguf" and dtype not in BYTES_PER_WEIGHT:
         raise BadRequest(f"unknown dtype {dtype!r}", param="dtype")
     try:
@@ -70,6 +80,22 @@ def weight_bytes(gguf: Path, dtype: str) -> tuple[int, int]:
     n = sum(int(t.n_elements) for t in read)
     size = sum(int(t.n_bytes) for t in read) if dtype == "gguf" else round(n * BYTES_PER_WEIGHT[dtype])
     return n, size
+
+
+def _packed_bytes(gguf: Path) -> tuple[int, int]:
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(gguf).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = [t for t in tensors if tied or t.name != "token_embd.weight"]
+    n = sum(int(t.n_elements) for t in read)
+    size = sum(
+        int(t.n_elements)
+        * (PACKED_Q4_BYTES_PER_WEIGHT if t.tensor_type.name in _PACKED_TYPES
+           and t.name != "token_embd.weight" else BYTES_PER_WEIGHT["bf16"])
+        for t in read
+    )
+    return n, round(size)
 
 
 def _sync(device: Any) -> None:
@@ -118,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size-mib", type=int, default=512, help="copy size; well above caches")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--gguf", type=Path, help="model file (default: the packaged SmolLM2)")
-    p.add_argument("--dtype", default="bf16", choices=[*BYTES_PER_WEIGHT, "gguf"],
+    p.add_argument("--dtype", default="bf16", choices=[*BYTES_PER_WEIGHT, "gguf", "bf16-packed"],
                    help="how the engine holds the weights (default: %(default)s)")
     p.add_argument("--weight-bytes", type=float, help="override: bytes read per decode step")
     p.add_argument("--tok-s", type=float, help="measured single-stream tokens/s to rate")

@@ -75,3 +75,24 @@ def test_transformers_generate_makes_exactly_max_new_tokens_with_eos_banned() ->
     assert r["tok_s"] == pytest.approx(10 / r["seconds"])
     assert r["decode_tok_s"] > 0 and r["per_stream_decode_tok_s"] == pytest.approx(
         r["decode_tok_s"] / 2)
+
+
+def test_packed_bytes_count_q4_matrices_at_four_bits_and_the_rest_in_bfloat16(
+        tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "q4.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((100, 32), dtype=np.float32))
+    up = gguf.quants.quantize(np.ones((16, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_up.weight", up, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(32, dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file):
+        step()
+    writer.close()
+    n, size = weight_bytes(path, "bf16-packed")
+    assert n == 3200 + 512 + 32
+    # tied embedding (the LM head) and the norm in bfloat16, the Q4_1 matrix packed
+    assert size == 2 * 3200 + 2 * 32 + round(512 * (0.5 + 4 / 32))
