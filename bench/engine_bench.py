@@ -167,12 +167,38 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def baseline_ratios(levels: list[dict[str, Any]], baseline: dict[str, Any]) -> list[dict[str, Any]]:
-    """Engine aggregate tok/s over transformers tok/s, where concurrency = batch."""
-    by_c = {lv["concurrency"]: lv for lv in levels}
-    return [{"batch": r["batch"], "engine_tok_s": by_c[r["batch"]]["aggregate_tok_s"],
-             "transformers_tok_s": r["tok_s"],
-             "ratio": by_c[r["batch"]]["aggregate_tok_s"] / r["tok_s"]}
-            for r in baseline["results"] if r["batch"] in by_c]
+    """Engine aggregate tok/s at each concurrency over two transformers yardsticks:
+
+    - ``sequential``: a server that runs ``generate()`` for one request at a time
+      delivers its batch-1 tok/s whatever the concurrency;
+    - ``batched``: ``generate()`` on a static batch as large as the concurrency (an
+      upper bound for a batching server built on it), where that batch was measured.
+    """
+    by_batch = {r["batch"]: r["tok_s"] for r in baseline["results"]}
+    ratios = []
+    for lv in levels:
+        c, tok_s = lv["concurrency"], lv["aggregate_tok_s"]
+        row: dict[str, Any] = {"concurrency": c, "engine_tok_s": tok_s}
+        if 1 in by_batch:
+            row["sequential_tok_s"] = by_batch[1]
+            row["vs_sequential"] = tok_s / by_batch[1]
+        if c in by_batch:
+            row["batched_tok_s"] = by_batch[c]
+            row["vs_batched"] = tok_s / by_batch[c]
+        if len(row) > 2:
+            ratios.append(row)
+    return ratios
+
+
+def format_ratios(ratios: list[dict[str, Any]]) -> str:
+    lines = [f"{'conc':>5} {'engine tok/s':>13} {'vs transformers 1-at-a-time':>28} "
+             f"{'vs transformers batch=conc':>27}"]
+    for r in ratios:
+        seq = (f"{r['vs_sequential']:.2f}x ({r['sequential_tok_s']:.1f})"
+               if "vs_sequential" in r else "-")
+        bat = f"{r['vs_batched']:.2f}x ({r['batched_tok_s']:.1f})" if "vs_batched" in r else "-"
+        lines.append(f"{r['concurrency']:>5} {r['engine_tok_s']:>13.1f} {seq:>28} {bat:>27}")
+    return "\n".join(lines)
 
 
 def _plot(document: dict[str, Any], path: Path) -> Path:
@@ -204,9 +230,7 @@ def _main(args: argparse.Namespace) -> int:
         document["transformers_baseline"] = baseline
         document["ratios"] = baseline_ratios(document["levels"], baseline)
         print(format_results(baseline))
-        for r in document["ratios"]:
-            print(f"batch {r['batch']}: engine {r['engine_tok_s']:.1f} tok/s vs transformers "
-                  f"{r['transformers_tok_s']:.1f} = {r['ratio']:.2f}x")
+        print(format_ratios(document["ratios"]))
     finish(args, "engine", document, _plot)
     return 0
 

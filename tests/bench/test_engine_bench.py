@@ -62,3 +62,17 @@ def test_engine_cli_against_a_streaming_server_writes_a_table_json_and_png(
     assert all(b["ignore_eos"] is True and b["max_tokens"] == 8 for b in app.bodies)
     assert next(tmp_path.glob("engine-*.png")).read_bytes()[:4] == b"\x89PNG"
     assert "agg tok/s" in capsys.readouterr().out
+
+
+def test_ratios_against_transformers_one_at_a_time_and_batched() -> None:
+    from bench.engine_bench import baseline_ratios, format_ratios
+
+    levels = [{"concurrency": c, "aggregate_tok_s": t} for c, t in ((1, 30.0), (4, 80.0), (16, 160.0))]
+    baseline = {"results": [{"batch": 1, "tok_s": 20.0}, {"batch": 16, "tok_s": 200.0}]}
+    ratios = {r["concurrency"]: r for r in baseline_ratios(levels, baseline)}
+    assert ratios[1]["vs_sequential"] == 1.5 and ratios[1]["vs_batched"] == 1.5
+    assert ratios[4]["vs_sequential"] == 4.0 and "vs_batched" not in ratios[4]
+    assert ratios[16]["vs_sequential"] == 8.0 and ratios[16]["vs_batched"] == 0.8
+    table = format_ratios(list(ratios.values()))
+    assert "8.00x (20.0)" in table and "0.80x (200.0)" in table
+    assert baseline_ratios(levels, {"results": []}) == []
