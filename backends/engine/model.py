@@ -66,10 +66,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm, so float32 logits agree to ~1e-6.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's fused kernel: in float32 the same result as transformers' LlamaRMSNorm
+        # (x * rsqrt(mean(x^2) + eps) * weight); in bfloat16 it rounds once instead of
+        # twice. A third of the time of the spelled-out seven ops on CPU.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_cache(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
