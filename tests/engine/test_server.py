@@ -218,3 +218,14 @@ async def test_shutdown_drains_in_flight_streams_before_stopping_the_engine(tiny
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert not (await backend.health()).ok  # the engine stopped after the drain
+
+
+def test_dtype_auto_picks_bfloat16_only_where_it_is_fast() -> None:
+    import torch
+
+    from backends.engine.server import resolve_dtype
+
+    assert resolve_dtype("float32", "cpu") == "float32"
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")

@@ -47,7 +47,7 @@ async def _serve(cmd: list[str]) -> tuple[trio.Process, str]:
 @pytest.mark.parametrize("extra", [["--speculative", "ngram", "--num-speculative-tokens", "3"], ["--tp", "2"]])
 async def test_engine_modes_answer_exactly_like_the_plain_engine(tiny_gguf: Path, extra: list[str]) -> None:
     cmd = [sys.executable, "-m", "router.cli", "engine", "--model", str(tiny_gguf), "--port", "0",
-           "--threads", "1", "--block-size", "4", *extra]
+           "--threads", "1", "--block-size", "4", "--dtype", "float32", *extra]
     proc, url = await _serve(cmd)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
