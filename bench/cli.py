@@ -2,6 +2,7 @@
 
 Subcommands: ``headrace bench engine`` (closed-loop throughput at fixed
 concurrency), ``headrace bench roofline`` (memory-bandwidth decode floor),
+``headrace bench kernels`` (the engine's linear kernels by row count),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
 """
@@ -55,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|spec|roofline|baseline --help'.")
+                    "'headrace bench engine|spec|roofline|baseline|kernels --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -177,13 +178,16 @@ def _sub(name: str) -> Any:
     if name == "roofline":
         from bench import roofline
         return roofline.main
+    if name == "kernels":
+        from bench import kernels
+        return kernels.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "spec", "roofline", "baseline"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

@@ -54,7 +54,8 @@ __all__ = [
 
 GROUP = 32  # GGUF Q4_0 / Q4_1 block size, and the kernel's group size here
 # Up to this many rows the int4 kernel beats the dense bfloat16 GEMM on CPU (measured
-# 2.2-3.4x at 1-4 rows, 1.3x at 8, slower from ~12: bench/README.md, "Packed weights").
+# 2.7x at 1 row, 1.9x at 4, 1.1x at 8, 0.6x at 16: `headrace bench kernels`,
+# bench/README.md "Packed weights").
 INT4_MAX_ROWS = 8
 # The runner packs the decode rows of steps with at most this many decoding sequences.
 INT4_MAX_SEQS = 8

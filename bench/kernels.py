@@ -1,0 +1,135 @@
+"""``headrace bench kernels``: the engine's linear kernels at decode batch sizes.
+
+Times, for the linears of one model (default: the packaged SmolLM2's shapes), a
+whole pass over every layer at ``M`` rows with
+
+- ``int4``: packed 4-bit codes (``aten._weight_int4pack_mm_for_cpu``, what the engine
+  runs for the decode rows of small batches with GGUF Q4 weights, quant.py);
+- ``bf16``: dense bfloat16 prepacked for oneDNN (the engine's dense path up to 32 rows);
+- ``fp32``: dense float32 ``F.linear``.
+
+Each layer gets its own weights, so the pass reads as many bytes as a real decode
+step instead of re-reading a cached one. Times are the calling thread's CPU time
+(``time.thread_time``) with ``--threads 1`` by default, which a noisy shared box
+disturbs far less than wall time; the crossover row count is what the engine's
+``INT4_MAX_ROWS`` / ``INT4_MAX_SEQS`` come from::
+
+    headrace bench kernels [--rows 1 2 4 8 16 32] [--threads 1] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from backends.errors import ClientError, HeadraceError
+from bench.progress import ProgressBar
+from bench.report import write_json
+
+__all__ = ["SMOLLM2_SHAPES", "main", "measure"]
+
+# (out_features, in_features) of one SmolLM2-135M layer: fused QKV, O, fused gate/up, down.
+SMOLLM2_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+_GROUP = 32
+
+
+def _weights(shapes: tuple[tuple[int, int], ...], layers: int) -> dict[str, list[list[Any]]]:
+    import torch
+
+    out: dict[str, list[list[Any]]] = {"int4": [], "bf16": [], "fp32": []}
+    for _ in range(layers):
+        i4, b16, f32 = [], [], []
+        for n, k in shapes:
+            q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            scales = (torch.rand(k // _GROUP, n, 2) * 0.01).to(torch.bfloat16)
+            i4.append((packed, scales, k))
+            dense = torch.randn(n, k) * 0.02
+            b16.append((torch.ops.mkldnn._reorder_linear_weight(dense.to(torch.bfloat16), 1), k))
+            f32.append(dense)
+        out["int4"].append(i4)
+        out["bf16"].append(b16)
+        out["fp32"].append(f32)
+    return out
+
+
+def _pass(kind: str, layers: list[list[Any]], xs: dict[int, Any]) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    for layer in layers:
+        for w in layer:
+            if kind == "int4":
+                packed, scales, k = w
+                torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], packed, _GROUP, scales)
+            elif kind == "bf16":
+                packed, k = w
+                torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+            else:
+                F.linear(xs[w.shape[1]].float(), w)
+
+
+def measure(rows: list[int], *, layers: int = 30, repeats: int = 3, threads: int = 1,
+            shapes: tuple[tuple[int, int], ...] = SMOLLM2_SHAPES) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    weights = _weights(shapes, layers)
+    bar = ProgressBar("kernels")
+    results = []
+    for i, m in enumerate(rows):
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+        row: dict[str, Any] = {"rows": m}
+        for kind in ("int4", "bf16", "fp32"):
+            _pass(kind, weights[kind], xs)  # warm-up
+            start = time.thread_time()
+            for _ in range(repeats):
+                _pass(kind, weights[kind], xs)
+            row[f"{kind}_ms"] = (time.thread_time() - start) / repeats * 1e3
+        row["int4_speedup_vs_bf16"] = row["bf16_ms"] / row["int4_ms"]
+        results.append(row)
+        bar.update((i + 1) / len(rows), f"M={m}", time.monotonic())
+    bar.close("done")
+    return {"kind": "kernels", "layers": layers, "shapes": [list(s) for s in shapes],
+            "threads": threads, "torch": str(torch.__version__), "results": results}
+
+
+def format_results(doc: dict[str, Any]) -> str:
+    lines = [f"linears of {doc['layers']} layers, CPU ms per pass ({doc['threads']} thread(s))",
+             f"{'rows':>5} {'int4':>8} {'bf16':>8} {'fp32':>8} {'int4 vs bf16':>13}"]
+    lines += [f"{r['rows']:>5} {r['int4_ms']:>8.1f} {r['bf16_ms']:>8.1f} {r['fp32_ms']:>8.1f} "
+              f"{r['int4_speedup_vs_bf16']:>12.2f}x" for r in doc["results"]]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headrace bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", dest="json_path", type=Path)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1 or args.threads < 1:
+            raise ClientError("--rows, --layers, --repeats and --threads must be >= 1")
+        doc = measure(args.rows, layers=args.layers, repeats=args.repeats, threads=args.threads)
+    except HeadraceError as exc:
+        print(f"headrace bench kernels: error: {exc.message}", file=sys.stderr)
+        return 2
+    print(format_results(doc))
+    if args.json_path:
+        write_json(args.json_path, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
