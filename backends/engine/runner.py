@@ -7,6 +7,13 @@ all of them, and returns float32 logits for the rows that need sampling. Decode
 sequences of a step share one batched attention call (see attention.py), so a step
 of 32 decoding sequences costs one pass over the weights, not 32.
 
+Rows are laid out decode-like sequences first (decode tokens, short speculative
+spans), prefill chunks after. With at most ``INT4_MAX_SEQS`` sequences decoding, the
+decode rows run through the packed 4-bit weights when the model has them (quant.py)
+and everything else through the dense ones; the choice depends on how many
+sequences decode, not on how many rows they add, so a token is computed the same way
+decoded alone, batched with a few others, or verified in a speculative span.
+
 The KV cache is one tensor ``[L, 2, num_blocks, block_size, n_kv_heads, head_dim]``;
 layer ``i`` gets the views ``kv[i, 0]`` and ``kv[i, 1]``.
 """
