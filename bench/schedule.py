@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 
 from backends.errors import BadRequest
+from bench.workload_texts import CODE_FILES, PASSAGES
 
-__all__ = ["WORKLOADS", "make_prompt", "poisson_schedule", "workload_prompt"]
+__all__ = ["WORKLOADS", "make_prompt", "poisson_schedule", "repeat_text", "workload_prompt"]
 
 # Common English words that byte-level BPE vocabularies (Llama, GPT-2, SmolLM)
 # encode as one token each with their leading space, so N words ~ N tokens.
@@ -61,14 +62,20 @@ def make_prompt(seed: int, index: int, n_tokens: int) -> str:
 # (where prompt lookup shines), and open-ended chat (where it has little to find).
 WORKLOADS = ("random", "repeat", "chat")
 
-_REPEAT_TASKS = (
-    "Copy the following text exactly, word for word:\n\n{text}",
-    "Extract every sentence of this passage, one per line, unchanged:\n\n{text}",
-    "Rename the variable `total` to `sum_` in this code and print the whole code:\n\n"
-    "def score(items):\n    total = 0\n    for item in items:\n        total += item.{word} * 2\n"
-    "        if total > 100:\n            total = total - item.{word}\n    return total\n",
-    "Summarise this passage, quoting its sentences verbatim:\n\n{text}",
+# The 'repeat' tasks the issue names: copy, extraction, summarise-with-quotes and a
+# code edit, over readable texts (bench.workload_texts): a small instruct model
+# copies real sentences but paraphrases word salad.
+_COPY = "Repeat the following text exactly, word for word:\n\n{text}"
+_EXTRACT = (
+    "Copy every sentence that mentions {keyword} from the text below, exactly as it is "
+    "written.\n\n{text}"
 )
+_QUOTE = "Quote the text below in full, then answer the question: {question}\n\n{text}"
+_CODE_EDIT = (
+    "Rename `{old}` to `{new}` in this code and print the whole file with the change."
+    "\n\n```\n{code}```"
+)
+_REPEAT_KINDS = ("copy", "extract", "quote", "code")
 _CHAT_TOPICS = (
     "Write a short story about a {word} who learns to sail.",
     "Explain how a {word} works to a ten-year-old.",
@@ -77,15 +84,41 @@ _CHAT_TOPICS = (
 )
 
 
+def repeat_text(first: int, second: int, n_tokens: int) -> str:
+    """Whole sentences of passage ``first``, then of passage ``second``, until
+    about ``n_tokens`` tokens (1.3 tokens per word) or both are used up."""
+    words, out = 0, []
+    for sentence in PASSAGES[first].sentences + PASSAGES[second].sentences:
+        if out and words * 1.3 >= n_tokens:
+            break
+        out.append(sentence)
+        words += len(sentence.split())
+    return " ".join(out)
+
+
+def _repeat_prompt(rng: random.Random, n_tokens: int) -> str:
+    kind = rng.choice(_REPEAT_KINDS)
+    if kind == "code":
+        f = rng.choice(CODE_FILES)
+        old, new = rng.choice(f.renames)
+        return _CODE_EDIT.format(old=old, new=new, code=f.text)
+    first, second = rng.sample(range(len(PASSAGES)), 2)
+    text = repeat_text(first, second, n_tokens)
+    keywords = [k for p in (first, second) for k in PASSAGES[p].keywords if k in text]
+    if kind == "extract" and keywords:
+        return _EXTRACT.format(keyword=keywords[0], text=text)
+    if kind == "quote":
+        return _QUOTE.format(question=PASSAGES[first].question, text=text)
+    return _COPY.format(text=text)
+
+
 def workload_prompt(workload: str, seed: int, index: int, n_tokens: int) -> str:
     """Request ``index``'s prompt for ``workload`` (see :data:`WORKLOADS`)."""
     if workload == "random":
         return make_prompt(seed, index, n_tokens)
     rng = random.Random(f"{workload}:{seed}:{index}")
-    word = rng.choice(_WORDS)
     if workload == "chat":
-        return rng.choice(_CHAT_TOPICS).format(word=word)
+        return rng.choice(_CHAT_TOPICS).format(word=rng.choice(_WORDS))
     if workload == "repeat":
-        sentences = [" ".join(rng.choice(_WORDS) for _ in range(8)).capitalize() + "." for _ in range(max(1, n_tokens // 9))]
-        return rng.choice(_REPEAT_TASKS).format(text=" ".join(sentences), word=word)
+        return _repeat_prompt(rng, n_tokens)
     raise BadRequest(f"unknown workload {workload!r}; use one of {', '.join(WORKLOADS)}", param="workload")

@@ -31,7 +31,12 @@ from backends.base import FinishReason, Logprob, Usage
 from backends.engine.block_manager import BlockManager
 from backends.engine.config import EngineConfig
 from backends.engine.sampling import sample
-from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerStatistics
+from backends.engine.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStatistics,
+)
 from backends.engine.sequence import SamplingParams, SeqEvent, Sequence
 from backends.errors import BadRequest, ContextLengthExceeded
 
@@ -172,15 +177,19 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return outputs
+        if not plan.is_empty:
+            self._run(plan, outputs)
+        return outputs
+
+    def _run(self, plan: SchedulerOutput, outputs: list[StepOutput]) -> None:
+        """Execute a non-empty plan, commit it and append the outputs (the hook
+        speculative decoding overrides)."""
         logits = self.runner.execute(plan.scheduled)  # [num_sampled, V]
         seqs = [s.seq for s in plan.scheduled if s.needs_sampling]
         results = sample(logits, seqs, self.eos_token_ids)
         self.scheduler.commit(plan, [t for t, _ in results])
         for seq, (token, lp) in zip(seqs, results, strict=True):
             outputs.append(self._after_token(seq, token, lp))
-        return outputs
 
     def _after_token(self, seq: Sequence, token: int, lp: Logprob | None) -> StepOutput:
         self._generated += 1

@@ -4,9 +4,11 @@ Prompt lookup (n-gram matching, TGI/vLLM "ngram"): find the most recent earlier
 occurrence of the sequence's last ``n`` tokens (``n`` from ``max_n`` down to
 ``min_n``, the longest match wins) and propose the tokens that followed it. It
 costs no model call and shines on summarisation, code edits, RAG and any output
-that quotes its prompt or repeats itself.
+that quotes its prompt or repeats itself. The proposal comes with the length of
+the match, extended backwards past ``n`` (up to :data:`MAX_MATCH`): how much
+context agrees is what predicts acceptance (spec_policy.MatchAcceptance).
 
-:func:`ngram_propose` is the stateless definition (a backwards scan, O(L·n) per
+:func:`ngram_lookup` is the stateless definition (a backwards scan, O(L·n) per
 call). :class:`NgramProposer` gives the same answers from an incremental index per
 sequence (n-gram -> where its most recent continuation starts), so a step costs
 O(new tokens · max_n) rather than a rescan of a long context. Both only ever read
@@ -22,8 +24,8 @@ Its KV in blocks shared through the prefix cache may have been written by a
 sequence that never drafted: that only lowers acceptance, never correctness,
 because verification is exact.
 
-How many to propose is :class:`AdaptiveK`'s call (pure policy: per-request EWMA
-acceptance, expected-gain rule, batch-size cut-off, periodic re-probing).
+How many of the proposed tokens to verify is spec_policy's call (a measured cost
+model and per-match-length acceptance estimates).
 
 Draft sampling, per request: greedy requests draft the argmax; sampled requests
 either draw with the *target's* noise for (seed, position) ("match" mode: the
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -49,112 +51,37 @@ from backends.engine.sequence import Sequence
 from backends.engine.spec_verify import DRAFT_STREAM, keyed_gumbel, processed_logits
 
 __all__ = [
-    "AdaptiveK",
-    "AdaptivePolicy",
+    "MAX_MATCH",
     "DraftProposal",
     "DraftProposer",
+    "Lookup",
     "NgramProposer",
     "TokenProposer",
-    "best_k",
     "layer_skip_model",
+    "ngram_lookup",
     "ngram_propose",
 ]
 
 
-# -- how many to propose: adaptive k ------------------------------------------------
+class Lookup(NamedTuple):
+    """A model-free proposal: the draft ``tokens`` and the length of the suffix
+    match they continue (how much context agrees: the acceptance predictor)."""
 
-
-def best_k(alpha: float, k_max: int, cost: float) -> int:
-    """The k in [0, k_max] maximising expected tokens per target pass
-    ``(1 - alpha^(k+1)) / (1 - alpha)`` divided by the pass's cost ``1 + cost·k``."""
-    best, best_gain = 0, 1.0
-    for k in range(1, k_max + 1):
-        tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-        gain = tokens / (1.0 + cost * k)
-        if gain > best_gain + 1e-12:
-            best, best_gain = k, gain
-    return best
-
-
-@dataclass
-class _Acceptance:
-    successes: float  # decayed count of accepted drafts
-    trials: float  # decayed count of drafts judged (accepted + the first rejected)
-    idle: int = 0  # steps since k fell to 0
-
-
-@dataclass(frozen=True)
-class AdaptivePolicy:
-    """The knobs of :class:`AdaptiveK` (``SpecConfig`` carries them)."""
-
-    k_max: int
-    enabled: bool = True
-    max_batch_size: int = 4  # more decoding requests in a step: k = 0 for all (CPU-measured)
-    draft_cost: float = 0.1  # verifying one more token, as a fraction of a decode step
-    decay: float = 0.8  # EWMA weight of the past
-    prior_acceptance: float = 0.6
-    probe_interval: int = 8  # steps at k = 0 before probing with k = 1
-
-
-class AdaptiveK:
-    """Per-request k from an EWMA acceptance estimate; pure (no clock, no torch).
-
-    Under the geometric model each judged draft is accepted with probability
-    alpha and judging stops at the first rejection, so accepted / (accepted +
-    rejected) estimates alpha; both counts decay by ``decay`` per observation."""
-
-    def __init__(self, policy: AdaptivePolicy) -> None:
-        self.config = policy
-        self._state: dict[str, _Acceptance] = {}
-
-    def _get(self, seq_id: str) -> _Acceptance:
-        st = self._state.get(seq_id)
-        if st is None:
-            prior = self.config.prior_acceptance
-            st = self._state[seq_id] = _Acceptance(successes=2.0 * prior, trials=2.0)
-        return st
-
-    def acceptance(self, seq_id: str) -> float:
-        st = self._get(seq_id)
-        return st.successes / st.trials
-
-    def k_for(self, seq_id: str, batch_size: int) -> int:
-        """How many drafts ``seq_id`` should propose in a step with
-        ``batch_size`` decoding requests."""
-        c = self.config
-        if not c.enabled:
-            return c.k_max
-        if batch_size > c.max_batch_size:
-            return 0
-        st = self._get(seq_id)
-        k = best_k(st.successes / st.trials, c.k_max, c.draft_cost)
-        if k > 0:
-            st.idle = 0
-            return k
-        st.idle += 1
-        if st.idle >= c.probe_interval:
-            st.idle = 0
-            return 1
-        return 0
-
-    def observe(self, seq_id: str, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        st, d = self._get(seq_id), self.config.decay
-        st.successes = d * st.successes + accepted
-        st.trials = d * st.trials + accepted + (1 if accepted < proposed else 0)
-
-    def forget(self, seq_id: str) -> None:
-        self._state.pop(seq_id, None)
+    tokens: list[int]
+    match: int
 
 
 class TokenProposer(Protocol):
     """A model-free proposer (the n-gram one; tests plug in an oracle): up to
     ``k`` guesses after ``tokens`` (committed tokens only)."""
 
-    def propose(self, seq_id: str, tokens: Seq[int], k: int) -> list[int]: ...
+    def lookup(self, seq_id: str, tokens: Seq[int], k: int) -> Lookup: ...
 
     def forget(self, seq_id: str) -> None: ...
+
+
+# A match is measured up to this many tokens (longer ones are all "very sure").
+MAX_MATCH = 32
 
 
 def _check_n(min_n: int, max_n: int) -> None:
@@ -162,20 +89,36 @@ def _check_n(min_n: int, max_n: int) -> None:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
 
 
-def ngram_propose(tokens: Seq[int], k: int, *, min_n: int = 1, max_n: int = 4) -> list[int]:
+def ngram_lookup(tokens: Seq[int], k: int, *, min_n: int = 1, max_n: int = 8) -> Lookup:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the
-    longest suffix n-gram (``max_n >= n >= min_n``) of ``tokens``; [] if none."""
+    longest suffix n-gram (``max_n >= n >= min_n``) of ``tokens``, and how many
+    tokens before that occurrence agree with the suffix (at least ``n``, at most
+    :data:`MAX_MATCH`); ``([], 0)`` if there is no match."""
     _check_n(min_n, max_n)
     size = len(tokens)
     if k <= 0:
-        return []
+        return Lookup([], 0)
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         suffix = list(tokens[size - n :])
         # occurrences starting at j, ending before the suffix's own last token
         for j in range(size - n - 1, -1, -1):
             if tokens[j + n - 1] == suffix[-1] and list(tokens[j : j + n]) == suffix:
-                return list(tokens[j + n : j + n + k])
-    return []
+                return Lookup(list(tokens[j + n : j + n + k]), _extend(tokens, j + n, n))
+    return Lookup([], 0)
+
+
+def ngram_propose(tokens: Seq[int], k: int, *, min_n: int = 1, max_n: int = 8) -> list[int]:
+    """The tokens of :func:`ngram_lookup`."""
+    return ngram_lookup(tokens, k, min_n=min_n, max_n=max_n).tokens
+
+
+def _extend(tokens: Seq[int], end: int, n: int) -> int:
+    """Length of the common suffix of ``tokens[:end]`` and ``tokens``, known to be
+    at least ``n``, counted up to :data:`MAX_MATCH`."""
+    size, m = len(tokens), n
+    while m < MAX_MATCH and end - m - 1 >= 0 and tokens[end - m - 1] == tokens[size - m - 1]:
+        m += 1
+    return m
 
 
 class _Index:
@@ -193,25 +136,29 @@ class NgramProposer:
     """Prompt lookup with a per-sequence incremental index. Call :meth:`forget`
     when a sequence ends."""
 
-    def __init__(self, *, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, *, min_n: int = 1, max_n: int = 8) -> None:
         _check_n(min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
         self._index: dict[str, _Index] = {}
 
-    def propose(self, seq_id: str, tokens: Seq[int], k: int) -> list[int]:
-        """Same answer as ``ngram_propose(tokens, k, min_n=..., max_n=...)``.
+    def lookup(self, seq_id: str, tokens: Seq[int], k: int) -> Lookup:
+        """Same answer as ``ngram_lookup(tokens, k, min_n=..., max_n=...)``.
         ``tokens`` must only grow between calls for one ``seq_id`` (a shorter
         list rebuilds the index)."""
         if k <= 0:
-            return []
+            return Lookup([], 0)
         index = self._catch_up(seq_id, tokens)
         size = len(tokens)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             start = index.table.get(tuple(tokens[size - n :]))
             if start is not None:
-                return list(tokens[start : start + k])
-        return []
+                return Lookup(list(tokens[start : start + k]), _extend(tokens, start, n))
+        return Lookup([], 0)
+
+    def propose(self, seq_id: str, tokens: Seq[int], k: int) -> list[int]:
+        """The tokens of :meth:`lookup`."""
+        return self.lookup(seq_id, tokens, k).tokens
 
     def _catch_up(self, seq_id: str, tokens: Seq[int]) -> _Index:
         index = self._index.get(seq_id)

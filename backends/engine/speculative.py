@@ -23,17 +23,25 @@ the output is token-for-token what plain decoding produces (greedy and seeded
 sampling alike), up to floating-point differences between scoring a token in a
 multi-token pass and in a single-token pass.
 
-Adaptivity (:class:`AdaptiveK`): per request an EWMA estimate of the per-token
-acceptance ``alpha`` picks the k that maximises expected tokens per pass
-``(1 - alpha^(k+1)) / (1 - alpha)`` per unit of verification cost ``1 + c·k``;
-k = 0 (speculation off) when that does not pay, re-probed with k = 1 now and
-then; and no speculation at all when more than ``max_batch_size`` requests decode
-in one step (compute-bound: verification costs more than it saves).
+Adaptivity (spec_policy): every step, :func:`plan_drafts` picks each request's k
+from a cost model fitted online to this engine's own decode steps (seconds against
+rows computed) and acceptance estimates: per suffix-match length for prompt lookup
+(shared by all requests), per request for a draft model. A draft is verified only
+while it raises the step's expected tokens per second, so k grows (up to K) while
+acceptance is high, falls to 0 when it is low or when the batch is large enough
+that a row costs more than it is expected to return. Requests without a proposal
+decode as usual in the same pass.
+
+K defaults to 15 for prompt lookup: a span of 1 + k <= 16 tokens after a cached
+context is what the runner computes as one decode row per token (bit-identical to
+decoding them one at a time); longer spans take the prefill path. 4 for a draft
+model, whose every draft costs a pass of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -46,13 +54,20 @@ from backends.engine.engine import EngineStatistics, LLMEngine, StepOutput
 from backends.engine.sampling import sample
 from backends.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backends.engine.sequence import Sequence
-from backends.engine.spec_propose import (
+from backends.engine.spec_policy import (
     AdaptiveK,
     AdaptivePolicy,
+    Candidate,
+    MatchAcceptance,
+    StepCost,
+    best_k,
+    plan_drafts,
+)
+from backends.engine.spec_propose import (
     DraftProposer,
+    Lookup,
     NgramProposer,
     TokenProposer,
-    best_k,
     layer_skip_model,
 )
 from backends.engine.spec_verify import (
@@ -82,31 +97,43 @@ Pos = Annotated[int, msgspec.Meta(gt=0)]
 Frac = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
 
 
+# Drafts per request per step by default: prompt lookup up to the runner's exact
+# short span (1 + 15 tokens), a draft model 4 (each draft is a draft-model pass).
+DEFAULT_K = {"ngram": 15, "draft": 4, "off": 4}
+
+
 class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``method``: off, ngram (prompt lookup) or draft (a draft model).
+    ``num_speculative_tokens``: K, the most drafts per request per step (None:
+    :data:`DEFAULT_K`); with ``adaptive`` the cost model picks 0..K every step.
     ``draft_verify``: for sampled requests with a draft model, "match" (draft with
     the target's noise; output identical to plain decoding) or "rejection"
     (draft from q, Leviathan/Chen rejection sampling)."""
 
     method: Literal["off", "ngram", "draft"] = "ngram"
-    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=32)] | None = None
     ngram_min: Pos = 1
-    ngram_max: Pos = 4
+    ngram_max: Pos = 8
     draft_verify: Literal["match", "rejection"] = "match"
     adaptive: bool = True
-    max_batch_size: Pos = 4  # more decoding requests in a step: no speculation (CPU-measured)
-    draft_cost: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1  # one more verified token / one step
-    decay: Frac = 0.8  # EWMA weight of the past
+    max_batch_size: Pos | None = None  # a hard cut-off on top of the cost model
+    row_cost: Annotated[float, msgspec.Meta(gt=0.0)] = 0.1  # prior: one more row / one-row step
+    cost_decay: Frac = 0.97  # weight of the past in the step-cost fit
+    draft_cost: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1  # draft model: one more token / step
+    decay: Frac = 0.8  # draft model: EWMA weight of the past
     prior_acceptance: Frac = 0.6
-    probe_interval: Pos = 8  # steps at k = 0 before probing with k = 1
+    probe_interval: Pos = 8  # draft model: steps at k = 0 before probing with k = 1
     draft_model: str | None = None  # path of a cheaper model with the same vocabulary
     draft_layers: Pos | None = None  # or: draft with the target's first N layers
 
+    @property
+    def k_max(self) -> int:
+        return self.num_speculative_tokens or DEFAULT_K[self.method]
+
     def adaptive_policy(self) -> AdaptivePolicy:
         return AdaptivePolicy(
-            k_max=self.num_speculative_tokens,
+            k_max=self.k_max,
             enabled=self.adaptive,
-            max_batch_size=self.max_batch_size,
             draft_cost=self.draft_cost,
             decay=self.decay,
             prior_acceptance=self.prior_acceptance,
@@ -137,8 +164,10 @@ class SpecStatistics(msgspec.Struct, frozen=True, kw_only=True):
     mean_emitted_per_verify: float
     accepted_per_position: tuple[int, ...]  # [i]: times draft i was accepted
     num_no_proposal: int  # request-steps that wanted drafts and got none
-    num_batch_cutoffs: int  # steps with speculation off for batch size
+    num_batch_cutoffs: int  # steps with proposals where none paid for its rows (cost model)
     num_lookahead_failures: int  # request-steps without blocks for drafts
+    step_cost_s: float  # cost model: seconds per decode step ...
+    row_cost_s: float  # ... plus this per row computed
 
 
 class SpecEngineStatistics(EngineStatistics, frozen=True, kw_only=True):
@@ -173,6 +202,7 @@ class _Plan:
     drafts: list[list[int]]
     probs: list[torch.Tensor | None]  # q per draft (rejection mode), else None
     lookahead: list[bool]  # blocks were allocated for drafts
+    match: list[int]  # prompt lookup: the suffix match behind the drafts
 
 
 class SpeculativeEngine(LLMEngine):
@@ -203,7 +233,9 @@ class SpeculativeEngine(LLMEngine):
             min_n=self.spec.ngram_min, max_n=self.spec.ngram_max
         )
         self.adaptive = AdaptiveK(self.spec.adaptive_policy())
-        self._counters = _Counters(self.spec.num_speculative_tokens)
+        self.acceptance = MatchAcceptance()
+        self.cost = StepCost(prior_row_cost=self.spec.row_cost, decay=self.spec.cost_decay)
+        self._counters = _Counters(self.spec.k_max)
 
     # -- requests -------------------------------------------------------------
 
@@ -219,13 +251,11 @@ class SpeculativeEngine(LLMEngine):
 
     # -- the loop -------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def _run(self, plan: SchedulerOutput, outputs: list[StepOutput]) -> None:
         if self.spec.method == "off":
-            return super().step()
-        outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return outputs
+            super()._run(plan, outputs)
+            return
+        t0 = time.perf_counter()
         sp = self._propose(plan)
         items = [
             ScheduledSeq(s.seq, s.num_new_tokens + len(d), start=s.start)
@@ -235,7 +265,9 @@ class SpeculativeEngine(LLMEngine):
         logits = self.runner.execute(items, counts)  # [sum(counts), V]
         verified = self._verify(plan, sp, logits)
         self._commit(plan, sp, verified, outputs)
-        return outputs
+        if all(s.num_new_tokens == 1 for s in plan.scheduled):  # decode steps: the cost model's
+            rows = plan.num_batched_tokens + sum(len(d) for d in sp.drafts)
+            self.cost.observe(rows, time.perf_counter() - t0)
 
     # -- propose --------------------------------------------------------------
 
@@ -246,37 +278,51 @@ class SpeculativeEngine(LLMEngine):
             [[] for _ in range(n)],
             [None] * n,
             [False] * n,
+            [0] * n,
         )
         decoding = [
             i for i, s in enumerate(plan.scheduled) if sp.sampled[i] and s.num_new_tokens == 1
         ]
         if not decoding:
             return sp
-        if self.spec.adaptive and len(decoding) > self.spec.max_batch_size:
+        cap = self.spec.max_batch_size
+        if cap is not None and len(decoding) > cap:
             self._counters.cutoffs += 1
             return sp
-        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
-        ks: dict[int, int] = {}
-        for i in decoding:
-            seq = plan.scheduled[i].seq
-            k = min(self.adaptive.k_for(seq.seq_id, len(decoding)), self._room(seq), budget)
-            if k > 0:
-                ks[i] = k
-                budget -= k
         if self.spec.method == "ngram":
-            self._propose_ngram(plan, sp, ks)
+            self._propose_ngram(plan, sp, decoding)
         else:
-            self._propose_draft(plan, sp, ks)
+            self._propose_draft(plan, sp, decoding)
         for s, d in zip(plan.scheduled, sp.drafts, strict=True):
             s.seq.token_ids.extend(d)
         return sp
 
     def _room(self, seq: Sequence) -> int:
-        """Drafts that cannot overrun max_tokens or the context (k drafts emit up to k+1)."""
+        """Drafts that cannot overrun K, max_tokens or the context (k drafts emit up to k+1)."""
         return min(
+            self.spec.k_max,
             seq.params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - len(seq.token_ids) - 1,
         )
+
+    def _plan(self, plan: SchedulerOutput, sp: _Plan, cands: dict[int, Candidate]) -> list[int]:
+        """k per candidate: the cost model's choice (adaptive), else all it has,
+        within the step's token budget."""
+        budget = self.config.max_num_batched_tokens
+        if not self.spec.adaptive:
+            ks, left = [], budget - plan.num_batched_tokens
+            for c in cands.values():
+                ks.append(max(0, min(c.cap, left)))
+                left -= ks[-1]
+            return ks
+        a, b = self.cost.coefficients()
+        ks = plan_drafts(
+            list(cands.values()), tokens=sum(sp.sampled), rows=plan.num_batched_tokens,
+            a=a, b=b, max_rows=budget,
+        )
+        if cands and not any(ks):
+            self._counters.cutoffs += 1
+        return ks
 
     def _lookahead(self, sp: _Plan, i: int, seq: Sequence, k: int) -> bool:
         """Blocks for k drafts on top of the scheduled token; False (nothing
@@ -287,18 +333,38 @@ class SpeculativeEngine(LLMEngine):
         self._counters.lookahead_failures += 1
         return False
 
-    def _propose_ngram(self, plan: SchedulerOutput, sp: _Plan, ks: dict[int, int]) -> None:
-        for i, k in ks.items():
+    def _propose_ngram(self, plan: SchedulerOutput, sp: _Plan, decoding: list[int]) -> None:
+        looks: dict[int, Lookup] = {}
+        cands: dict[int, Candidate] = {}
+        for i in decoding:
             seq = plan.scheduled[i].seq
-            d = self.ngram.propose(seq.seq_id, seq.token_ids, k)
-            if not d:
+            room = self._room(seq)
+            if room <= 0:
+                continue
+            lk = self.ngram.lookup(seq.seq_id, seq.token_ids, room)
+            if not lk.tokens:
                 self._counters.no_proposal += 1
-            elif self._lookahead(sp, i, seq, len(d)):
-                sp.drafts[i] = d
+                continue
+            q, beta = self.acceptance.estimate(seq.params.greedy, lk.match)
+            looks[i], cands[i] = lk, Candidate(q, beta, len(lk.tokens))
+        for i, k in zip(cands, self._plan(plan, sp, cands), strict=True):
+            lk, seq = looks[i], plan.scheduled[i].seq
+            if self.spec.adaptive and self.acceptance.probe(seq.params.greedy, lk.match, k):
+                k = 1  # a bucket planning keeps skipping: one draft to refresh its estimate
+            if k > 0 and self._lookahead(sp, i, seq, k):
+                sp.drafts[i], sp.match[i] = lk.tokens[:k], lk.match
 
-    def _propose_draft(self, plan: SchedulerOutput, sp: _Plan, ks: dict[int, int]) -> None:
+    def _propose_draft(self, plan: SchedulerOutput, sp: _Plan, decoding: list[int]) -> None:
         assert self.draft is not None  # checked in __init__
-        idx = [i for i, k in ks.items() if self._lookahead(sp, i, plan.scheduled[i].seq, k)]
+        cands: dict[int, Candidate] = {}
+        for i in decoding:
+            seq = plan.scheduled[i].seq
+            k = min(self.adaptive.k_for(seq.seq_id), self._room(seq))
+            if k > 0:
+                alpha = self.adaptive.acceptance(seq.seq_id)
+                cands[i] = Candidate(alpha, alpha, k)
+        ks = dict(zip(cands, self._plan(plan, sp, cands), strict=True))
+        idx = [i for i, k in ks.items() if k > 0 and self._lookahead(sp, i, plan.scheduled[i].seq, k)]
         seqs = [plan.scheduled[i].seq for i in idx]
         prop = self.draft.propose(seqs, [ks[i] for i in idx], self.eos_token_ids)
         for j, i in enumerate(idx):
@@ -405,7 +471,10 @@ class SpeculativeEngine(LLMEngine):
             items.append(ScheduledSeq(s.seq, s.num_new_tokens + m - 1, start=s.start))
             tokens.append(toks[-1])
             emitted.append((s.seq, toks, lps))
-            self.adaptive.observe(s.seq.seq_id, len(sp.drafts[i]), a)
+            if self.spec.method == "ngram":
+                self.acceptance.observe(s.seq.params.greedy, sp.match[i], len(sp.drafts[i]), a)
+            else:
+                self.adaptive.observe(s.seq.seq_id, len(sp.drafts[i]), a)
             self._counters.record(len(sp.drafts[i]), a, m)
         self.scheduler.commit(
             SchedulerOutput(
@@ -456,9 +525,10 @@ class SpeculativeEngine(LLMEngine):
 
     def spec_statistics(self) -> SpecStatistics:
         c = self._counters
+        a, b = self.cost.coefficients() if self.cost.num_observed else (0.0, 0.0)
         return SpecStatistics(
             method=self.spec.method,
-            num_speculative_tokens=self.spec.num_speculative_tokens,
+            num_speculative_tokens=self.spec.k_max,
             num_verified=c.verified,
             num_draft_tokens=c.drafted,
             num_accepted_tokens=c.accepted,
@@ -469,6 +539,8 @@ class SpeculativeEngine(LLMEngine):
             num_no_proposal=c.no_proposal,
             num_batch_cutoffs=c.cutoffs,
             num_lookahead_failures=c.lookahead_failures,
+            step_cost_s=a,
+            row_cost_s=b,
         )
 
 
@@ -497,7 +569,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """``--speculative {off,ngram,draft} --num-speculative-tokens K`` and the draft's source."""
     g = parser.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=None, metavar="K",
+        help="most drafts per request per step (default: 15 for ngram, 4 for draft)",
+    )
     g.add_argument(
         "--draft-model",
         default=None,
@@ -508,8 +583,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--spec-draft-verify", choices=["match", "rejection"], default="match")
     g.add_argument(
-        "--spec-max-batch-size", type=int, default=4,
-        help="speculate only while at most this many requests decode (measured break-even on CPU; raise on GPU)",
+        "--spec-max-batch-size", type=int, default=None,
+        help="never speculate above this many decoding requests (default: the measured "
+        "cost model decides)",
     )
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.schedule import workload_prompt
+from bench.schedule import repeat_text, workload_prompt
 from bench.spec_bench import _cells, format_cells, main
+from bench.workload_texts import CODE_FILES, PASSAGES
 from tests.engine import tiny
 
 
@@ -17,8 +18,32 @@ def test_workloads_are_reproducible_and_repeat_prompts_carry_text_to_copy() -> N
     for workload in ("random", "repeat", "chat"):
         assert workload_prompt(workload, 1, 5, 40) == workload_prompt(workload, 1, 5, 40)
         assert workload_prompt(workload, 1, 5, 40) != workload_prompt(workload, 1, 6, 40)
-    assert len(workload_prompt("repeat", 0, 0, 90).split()) > 60
     assert len(workload_prompt("chat", 0, 0, 90).split()) < 20
+    prompts = [workload_prompt("repeat", 0, i, 120) for i in range(60)]
+    assert len(set(prompts)) > 45  # mostly distinct: a shared prompt is a prefix-cache hit
+    kinds = {p.split()[0] for p in prompts}
+    assert kinds == {"Repeat", "Copy", "Quote", "Rename"}  # copy, extract, quote, code edit
+    for p in prompts:
+        if p.startswith("Rename"):
+            assert any(f.text in p and any(f"`{old}`" in p and old in f.text for old, _ in f.renames)
+                       for f in CODE_FILES)
+        else:
+            text = p.split("\n\n", 1)[1]
+            assert 70 <= len(text.split()) <= 130  # about 120 tokens of whole sentences
+            assert all(s in text for s in PASSAGES[_first(text)].sentences[:3])
+        if p.startswith("Copy every sentence that mentions "):
+            keyword = p.removeprefix("Copy every sentence that mentions ").split(" from the text")[0]
+            assert keyword in p.split("\n\n", 1)[1]
+
+
+def _first(text: str) -> int:
+    return next(i for i, passage in enumerate(PASSAGES) if text.startswith(passage.sentences[0]))
+
+
+def test_repeat_texts_grow_with_the_prompt_size_in_whole_sentences() -> None:
+    short, long = repeat_text(0, 1, 20), repeat_text(0, 1, 160)
+    assert long.startswith(short) and len(long.split()) > 3 * len(short.split())
+    assert short.endswith(".") and long.endswith(".")
 
 
 def test_cells_pair_each_level_with_its_plain_twin() -> None:

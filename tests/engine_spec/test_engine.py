@@ -12,6 +12,7 @@ import torch
 
 from backends.engine.engine import LLMEngine
 from backends.engine.sequence import SamplingParams
+from backends.engine.spec_propose import MAX_MATCH, Lookup
 from backends.engine.speculative import SpecConfig, SpeculativeEngine
 from backends.errors import BadRequest
 from tests.engine_spec.helpers import EOS, config, mixed_requests, run, runner_for, tiny_model
@@ -38,6 +39,9 @@ class OracleProposer:
         done = len(tokens) - len(self.prompts[seq_id])
         guess = list(self.truth[seq_id][done : done + k]) or [3] * k
         return [t if self.rng.random() >= self.noise else (t + 1) % EOS for t in guess]
+
+    def lookup(self, seq_id: str, tokens: Seq[int], k: int) -> Lookup:
+        return Lookup(self.propose(seq_id, tokens, k), MAX_MATCH)
 
     def forget(self, seq_id: str) -> None:
         self.forgotten.append(seq_id)
@@ -198,7 +202,7 @@ def test_abort_mid_speculation_frees_everything(model) -> None:  # type: ignore[
     reqs = mixed_requests(2, max_tokens=30)
     truth = plain(model, reqs)
     oracle = OracleProposer(truth, {r: p for r, p, _ in reqs}, 0.0)
-    engine = spec_engine(model, SpecConfig(adaptive=False), oracle)
+    engine = spec_engine(model, SpecConfig(num_speculative_tokens=4, adaptive=False), oracle)
     for r in reqs:
         engine.add_request(*r)
     for _ in range(3):
