@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backends.errors import ClientError, HeadraceError
+from backends.errors import ClientError
 from bench.progress import ProgressBar
-from bench.report import write_json
+from bench.report import report_tool
 
 __all__ = ["SMOLLM2_SHAPES", "main", "measure"]
 
@@ -118,17 +118,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
+
+    def compute() -> dict[str, Any]:
         if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1 or args.threads < 1:
             raise ClientError("--rows, --layers, --repeats and --threads must be >= 1")
-        doc = measure(args.rows, layers=args.layers, repeats=args.repeats, threads=args.threads)
-    except HeadraceError as exc:
-        print(f"headrace bench kernels: error: {exc.message}", file=sys.stderr)
-        return 2
-    print(format_results(doc))
-    if args.json_path:
-        write_json(args.json_path, doc)
-    return 0
+        return measure(args.rows, layers=args.layers, repeats=args.repeats, threads=args.threads)
+
+    return report_tool("kernels", compute, format_results, args.json_path)
 
 
 if __name__ == "__main__":

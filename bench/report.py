@@ -10,13 +10,15 @@ latency as deltas and ratios. Everything here is plain data in, plain data out.
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from backends.errors import HeadraceError
 from bench.loadgen import RunResult
 from bench.stats import summarize
 
@@ -25,6 +27,7 @@ __all__ = [
     "default_path",
     "format_compare",
     "format_table",
+    "report_tool",
     "summarize_run",
     "write_json",
 ]
@@ -127,3 +130,22 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     target.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
     return target
 
+
+
+def report_tool(
+    name: str,
+    compute: Callable[[], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    json_path: str | os.PathLike[str] | None,
+) -> int:
+    """The shape of every one-shot ``headrace bench NAME`` tool: compute, print the
+    table, write the JSON; a :class:`HeadraceError` is one line on stderr and exit 2."""
+    try:
+        document = compute()
+    except HeadraceError as exc:
+        print(f"headrace bench {name}: error: {exc.message}", file=sys.stderr)
+        return 2
+    print(render(document))
+    if json_path:
+        write_json(json_path, document)
+    return 0

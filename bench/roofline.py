@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backends.errors import BadRequest, ClientError, HeadraceError
-from bench.report import write_json
+from backends.errors import BadRequest, ClientError
+from bench.report import report_tool
 
 __all__ = [
     "BYTES_PER_WEIGHT",
@@ -187,15 +187,7 @@ def _report(r: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        result = run(args)
-    except HeadraceError as exc:
-        print(f"headrace bench roofline: error: {exc.message}", file=sys.stderr)
-        return 2
-    print(_report(result))
-    if args.json_path:
-        write_json(args.json_path, result)
-    return 0
+    return report_tool("roofline", lambda: run(args), _report, args.json_path)
 
 
 if __name__ == "__main__":

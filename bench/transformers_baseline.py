@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backends.errors import BadRequest, ClientError, HeadraceError
+from backends.errors import BadRequest, ClientError
 from bench.progress import ProgressBar
-from bench.report import write_json
+from bench.report import report_tool
 from bench.roofline import default_gguf
 from bench.schedule import make_prompt
 
@@ -145,17 +145,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        doc = run_baseline(gguf=args.gguf, dtype=args.dtype, batches=tuple(args.batch),
-                           max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens,
-                           device=args.device, threads=args.threads)
-    except HeadraceError as exc:
-        print(f"headrace bench baseline: error: {exc.message}", file=sys.stderr)
-        return 2
-    print(format_results(doc))
-    if args.json_path:
-        write_json(args.json_path, doc)
-    return 0
+    return report_tool(
+        "baseline",
+        lambda: run_baseline(gguf=args.gguf, dtype=args.dtype, batches=tuple(args.batch),
+                             max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens,
+                             device=args.device, threads=args.threads),
+        format_results, args.json_path)
 
 
 if __name__ == "__main__":
