@@ -5,8 +5,8 @@ Verifying ``k`` drafts adds ``k`` rows to the step's forward pass. Whether that 
 depends on two things this module estimates online:
 
 * **cost** (:class:`StepCost`): step time against the number of rows the pass
-  computes, ``t ≈ a + b·rows``, a least-squares fit over the engine's recent decode
-  steps (older steps decay). On this project's CPUs one more row costs 5-12 % of a
+  computes, from the engine's recent decode steps (older steps decay): a line
+  ``a + b·rows`` plus a per-row-count table where kernels make it bumpy. On this project's CPUs one more row costs 5-12 % of a
   single-token step at batch 1 and a few % at batch 16 (bfloat16 and float32
   alike), so neither "always speculate" nor a fixed batch-size cut-off is right.
 * **acceptance**: how many drafts the target will accept. For prompt lookup the
@@ -18,16 +18,16 @@ depends on two things this module estimates online:
   decaying). A draft model gets a per-request geometric rate (:class:`AdaptiveK`).
 
 :func:`plan_drafts` then picks every request's ``k`` for the step at once. Draft
-``j`` of request ``i`` is worth ``g = q_i·beta_i^(j-1)`` expected tokens and costs
-``b``; drafts are taken in order of ``g`` while they raise the step's expected
-tokens per second ``N / (a + b·T)``, i.e. while ``g·(a + b·T) > b·N`` (Dinkelbach).
-That one rule grows k while acceptance is high, shrinks it when low, and turns
-speculation off in large batches, where ``N`` is large and a row buys little.
+``j`` of request ``i`` is worth ``g = q_i·beta_i^(j-1)`` expected tokens; the plan
+takes the most valuable drafts, as many as maximise the step's expected tokens per
+second ``N / t(rows)``. That one rule grows k while acceptance is high, shrinks it
+when low, and turns speculation off in large batches, where ``N`` is large and a
+row buys little.
 """
 
 from __future__ import annotations
 
-import heapq
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -54,62 +54,73 @@ class Candidate:
     q: float
     beta: float
     cap: int
-    forced: int = 0  # drafts to verify whatever the gain (a probe)
 
 
 def plan_drafts(
-    candidates: Seq[Candidate], *, tokens: float, rows: int, a: float, b: float, max_rows: int
+    candidates: Seq[Candidate],
+    *,
+    tokens: float,
+    rows: int,
+    step_time: Callable[[int], float],
+    max_rows: int,
 ) -> list[int]:
-    """Drafts per candidate maximising expected tokens per second for the step.
+    """Drafts per candidate maximising the step's expected tokens per second.
 
     ``tokens``: tokens the step yields without drafts (one per sampled request);
-    ``rows``: rows it computes without drafts; step time is ``a + b·rows``; the
-    step may compute at most ``max_rows`` rows."""
-    ks = [min(c.forced, c.cap) for c in candidates]
-    n = tokens + sum(_tokens(c.q, c.beta, k) - 1.0 for c, k in zip(candidates, ks, strict=True))
-    t_rows = rows + sum(ks)
-    heap = [(-_gain(c, k), i) for i, (c, k) in enumerate(zip(candidates, ks, strict=True)) if k < c.cap]
-    heapq.heapify(heap)
-    while heap and t_rows < max_rows:
-        neg, i = heapq.heappop(heap)
-        g = -neg
-        if g * (a + b * t_rows) <= b * n:
-            break  # every remaining draft is worth less than this one
-        ks[i] += 1
+    ``rows``: rows it computes without drafts; ``step_time(r)``: seconds for a step
+    of ``r`` rows (any shape: CPU kernels have steps in it); at most ``max_rows``.
+
+    Draft ``j`` of a candidate is worth ``q·beta^(j-1)``, falling with ``j``, so for
+    any number of extra rows the best drafts are the most valuable ones overall;
+    only how many remains, and every count is tried."""
+    gains = sorted(
+        ((c.q * c.beta**j, i) for i, c in enumerate(candidates) for j in range(c.cap)),
+        key=lambda g: -g[0],
+    )
+    gains = gains[: max(0, max_rows - rows)]
+    best_j, best, n = 0, tokens / step_time(rows), tokens
+    for j, (g, _) in enumerate(gains, 1):
         n += g
-        t_rows += 1
-        c = candidates[i]
-        if ks[i] < c.cap:
-            heapq.heappush(heap, (-_gain(c, ks[i]), i))
+        rate = n / step_time(rows + j)
+        if rate > best * (1 + 1e-9):
+            best_j, best = j, rate
+    ks = [0] * len(candidates)
+    for _, i in gains[:best_j]:
+        ks[i] += 1
     return ks
-
-
-def _gain(c: Candidate, k: int) -> float:
-    """Expected extra tokens from draft ``k+1`` given ``k`` already proposed."""
-    return c.q * c.beta**k
-
-
-def _tokens(q: float, beta: float, k: int) -> float:
-    """Expected tokens emitted with ``k`` drafts (1 + expected accepted)."""
-    return 1.0 + sum(q * beta**j for j in range(k))
 
 
 # -- cost ----------------------------------------------------------------------------
 
 
 class StepCost:
-    """Online fit of step seconds ``t ≈ a + b·rows``: exponentially weighted least
-    squares, with a weak ridge pulling ``b`` towards ``prior_row_cost · a`` (one more
-    row costs that fraction of a one-row step) so that the slope stays defined
-    while the rows hardly vary."""
+    """Online estimate of a step's seconds as a function of the rows it computes.
+
+    Two parts: an exponentially weighted least-squares line ``a + b·rows`` (with a
+    weak ridge pulling ``b`` towards ``prior_row_cost · a``, so the slope stays
+    defined while the rows hardly vary), and a table of recent step times per row
+    count up to ``table_rows``, which wins where it has data: CPU matmul kernels
+    change at small sizes (measured here, float32 at batch 1: 2 and 3 rows cost
+    +5 % and +15 %, 4 rows +60 %), which no line captures."""
 
     def __init__(
-        self, *, prior_row_cost: float = 0.1, decay: float = 0.97, prior_weight: float = 1.0
+        self,
+        *,
+        prior_row_cost: float = 0.1,
+        decay: float = 0.97,
+        prior_weight: float = 1.0,
+        table_rows: int = 64,
+        table_decay: float = 0.9,
+        table_min: float = 2.0,
     ) -> None:
         self.prior_row_cost = prior_row_cost
         self.decay = decay
         self.prior_weight = prior_weight
+        self.table_rows = table_rows
+        self.table_decay = table_decay
+        self.table_min = table_min  # decayed observations before a table entry is used
         self._sums = [0.0] * 5  # decayed: w, x, y, xx, xy
+        self._table: dict[int, list[float]] = {}  # rows -> [decayed sum of seconds, weight]
         self.num_observed = 0
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -117,16 +128,20 @@ class StepCost:
             return
         if self.num_observed:
             guess = self.predict(rows)
-            seconds = min(max(seconds, guess / 4.0), guess * 4.0)  # one stall is not a trend
+            seconds = min(max(seconds, guess / 2.0), guess * 2.0)  # one stall is not a trend
         d, x, y = self.decay, float(rows), seconds
         self._sums = [v * d for v in self._sums]
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[i] += v
+        if rows <= self.table_rows:
+            entry = self._table.setdefault(rows, [0.0, 0.0])
+            entry[0] = self.table_decay * entry[0] + seconds
+            entry[1] = self.table_decay * entry[1] + 1.0
         self.num_observed += 1
 
     def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``: seconds per step and per row (both > 0); ``(1.0, prior)``
-        before the first observation."""
+        """The line: ``(a, b)`` seconds per step and per row (both > 0);
+        ``(1.0, prior)`` before the first observation."""
         if self.num_observed == 0:
             return 1.0, self.prior_row_cost
         w, x, y, xx, xy = self._sums
@@ -140,6 +155,10 @@ class StepCost:
         return max(a, 0.05 * mean_y), max(b, 1e-3 * mean_y)  # neither is ever free
 
     def predict(self, rows: int) -> float:
+        """Seconds for a step of ``rows`` rows: the table where it has data, else the line."""
+        entry = self._table.get(rows)
+        if entry is not None and entry[1] >= self.table_min:
+            return entry[0] / entry[1]
         a, b = self.coefficients()
         return a + b * rows
 

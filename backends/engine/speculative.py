@@ -257,6 +257,14 @@ class SpeculativeEngine(LLMEngine):
             return
         t0 = time.perf_counter()
         sp = self._propose(plan)
+        if not any(sp.lookahead):  # nothing to verify: the plain step, without its overhead
+            first = len(outputs)
+            super()._run(plan, outputs)
+            for o in outputs[first:]:
+                if o.finished:
+                    self._forget(o.request_id)
+            self._observe_cost(plan, 0, t0)
+            return
         items = [
             ScheduledSeq(s.seq, s.num_new_tokens + len(d), start=s.start)
             for s, d in zip(plan.scheduled, sp.drafts, strict=True)
@@ -265,9 +273,12 @@ class SpeculativeEngine(LLMEngine):
         logits = self.runner.execute(items, counts)  # [sum(counts), V]
         verified = self._verify(plan, sp, logits)
         self._commit(plan, sp, verified, outputs)
-        if all(s.num_new_tokens == 1 for s in plan.scheduled):  # decode steps: the cost model's
-            rows = plan.num_batched_tokens + sum(len(d) for d in sp.drafts)
-            self.cost.observe(rows, time.perf_counter() - t0)
+        self._observe_cost(plan, sum(len(d) for d in sp.drafts), t0)
+
+    def _observe_cost(self, plan: SchedulerOutput, drafts: int, t0: float) -> None:
+        """Decode steps (no prompt chunk) feed the cost model: rows -> seconds."""
+        if all(s.num_new_tokens == 1 for s in plan.scheduled):
+            self.cost.observe(plan.num_batched_tokens + drafts, time.perf_counter() - t0)
 
     # -- propose --------------------------------------------------------------
 
@@ -315,10 +326,9 @@ class SpeculativeEngine(LLMEngine):
                 ks.append(max(0, min(c.cap, left)))
                 left -= ks[-1]
             return ks
-        a, b = self.cost.coefficients()
         ks = plan_drafts(
             list(cands.values()), tokens=sum(sp.sampled), rows=plan.num_batched_tokens,
-            a=a, b=b, max_rows=budget,
+            step_time=self.cost.predict, max_rows=budget,
         )
         if cands and not any(ks):
             self._counters.cutoffs += 1

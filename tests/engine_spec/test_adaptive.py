@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -33,8 +34,12 @@ from backends.errors import BadRequest
 A, B = 0.050, 0.004
 
 
+def line(a: float, b: float) -> Callable[[int], float]:
+    return lambda rows: a + b * rows
+
+
 def plan(cands: list[Candidate], tokens: float, rows: int, max_rows: int = 512) -> list[int]:
-    return plan_drafts(cands, tokens=tokens, rows=rows, a=A, b=B, max_rows=max_rows)
+    return plan_drafts(cands, tokens=tokens, rows=rows, step_time=line(A, B), max_rows=max_rows)
 
 
 def test_a_sure_match_alone_verifies_every_draft_it_has() -> None:
@@ -49,7 +54,8 @@ def test_k_grows_with_acceptance() -> None:
 
 def test_k_shrinks_as_rows_get_dearer() -> None:
     c = [Candidate(0.7, 0.8, 15)]
-    ks = [plan_drafts(c, tokens=1, rows=1, a=A, b=b, max_rows=512)[0] for b in (0.001, 0.004, 0.02, 0.1)]
+    ks = [plan_drafts(c, tokens=1, rows=1, step_time=line(A, b), max_rows=512)[0]
+          for b in (0.001, 0.004, 0.02, 0.1)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
 
 
@@ -57,12 +63,23 @@ def test_a_large_batch_turns_speculation_off_for_what_pays_alone() -> None:
     """Batch 16 at bfloat16-like costs (a step ~60 ms, a row ~1.5 ms): a 1-token
     match (q ~ 0.25) pays for a lone request, not next to 15 others."""
     weak = Candidate(0.25, 0.7, 15)
-    alone = plan_drafts([weak], tokens=1, rows=1, a=0.060, b=0.0015, max_rows=512)
-    crowd = plan_drafts([weak] * 16, tokens=16, rows=16, a=0.060, b=0.0015, max_rows=512)
+    cost = line(0.060, 0.0015)
+    alone = plan_drafts([weak], tokens=1, rows=1, step_time=cost, max_rows=512)
+    crowd = plan_drafts([weak] * 16, tokens=16, rows=16, step_time=cost, max_rows=512)
     assert alone[0] > 0 and crowd == [0] * 16
-    sure = plan_drafts([Candidate(0.95, 0.95, 15)] * 16, tokens=16, rows=16, a=0.060, b=0.0015,
+    sure = plan_drafts([Candidate(0.95, 0.95, 15)] * 16, tokens=16, rows=16, step_time=cost,
                        max_rows=512)
     assert all(k > 0 for k in sure)  # copying requests still speculate in a crowd
+
+
+def test_a_jump_in_step_time_is_planned_around() -> None:
+    """CPU kernels: 2 and 3 rows cost little more than 1, 4 rows a lot more. A
+    middling proposal verifies 2 drafts; a sure one jumps the step and takes all."""
+    def bumpy(rows: int) -> float:
+        return 0.040 * (1.0 + 0.05 * (rows - 1)) if rows <= 3 else 0.064 + 0.004 * rows
+    middling = plan_drafts([Candidate(0.6, 0.7, 15)], tokens=1, rows=1, step_time=bumpy, max_rows=64)
+    sure = plan_drafts([Candidate(0.98, 0.98, 15)], tokens=1, rows=1, step_time=bumpy, max_rows=64)
+    assert middling == [2] and sure == [15]
 
 
 def test_the_row_budget_and_each_cap_are_respected() -> None:
@@ -71,9 +88,10 @@ def test_the_row_budget_and_each_cap_are_respected() -> None:
     assert plan([Candidate(0.99, 0.99, 2), Candidate(0.99, 0.99, 0)], tokens=2, rows=2) == [2, 0]
 
 
-def _throughput(cands: list[Candidate], ks: tuple[int, ...], tokens: float, rows: int) -> float:
+def _throughput(cands: list[Candidate], ks: tuple[int, ...], tokens: float, rows: int,
+                cost: Callable[[int], float]) -> float:
     n = tokens + sum(sum(c.q * c.beta**j for j in range(k)) for c, k in zip(cands, ks, strict=True))
-    return n / (A + B * (rows + sum(ks)))
+    return n / cost(rows + sum(ks))
 
 
 @settings(max_examples=80, deadline=None)
@@ -83,16 +101,26 @@ def _throughput(cands: list[Candidate], ks: tuple[int, ...], tokens: float, rows
         min_size=1, max_size=3,
     ),
     extra=st.integers(0, 20),
+    bumps=st.lists(st.floats(0.0, 0.05), min_size=40, max_size=40),
 )
-def test_the_plan_is_the_best_allocation(cands: list[Candidate], extra: int) -> None:
-    """No allocation within the caps gives more expected tokens per second."""
+def test_the_plan_is_the_best_allocation(cands: list[Candidate], extra: int,
+                                         bumps: list[float]) -> None:
+    """No allocation within the caps gives more expected tokens per second, for any
+    step time that grows with the rows (bumps included)."""
+    steps = itertools.accumulate(bumps, initial=A)
+    table = list(steps)
+
+    def cost(rows: int) -> float:
+        return table[rows] + B * rows
+
     tokens, rows = len(cands), len(cands) + extra
     best = max(
-        _throughput(cands, ks, tokens, rows)
+        _throughput(cands, ks, tokens, rows, cost)
         for ks in itertools.product(*[range(c.cap + 1) for c in cands])
     )
-    got = _throughput(cands, tuple(plan(cands, tokens, rows)), tokens, rows)
-    assert got >= best * (1 - 1e-9)
+    ks = plan_drafts(cands, tokens=tokens, rows=rows, step_time=cost, max_rows=512)
+    assert all(0 <= k <= c.cap for k, c in zip(ks, cands, strict=True))
+    assert _throughput(cands, tuple(ks), tokens, rows, cost) >= best * (1 - 1e-9)
 
 
 def test_the_cost_fit_recovers_a_linear_step_time() -> None:
@@ -120,6 +148,17 @@ def test_one_stalled_step_moves_the_fit_only_a_little() -> None:
     before = cost.predict(4)
     cost.observe(4, 5.0)  # the machine was busy elsewhere for five seconds
     assert cost.predict(4) < 1.5 * before
+
+
+def test_where_the_table_has_data_it_beats_the_line() -> None:
+    cost = StepCost()
+    measured = {1: 0.040, 2: 0.042, 3: 0.046, 4: 0.064, 5: 0.068, 8: 0.080}
+    for _ in range(20):
+        for rows, t in measured.items():
+            cost.observe(rows, t)
+    assert all(cost.predict(r) == pytest.approx(t, rel=1e-3) for r, t in measured.items())
+    a, b = cost.coefficients()
+    assert cost.predict(6) == pytest.approx(a + b * 6)  # no data: the line
 
 
 def test_old_regimes_fade() -> None:
