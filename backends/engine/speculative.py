@@ -117,6 +117,12 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     draft_verify: Literal["match", "rejection"] = "match"
     adaptive: bool = True
     max_batch_size: Pos | None = None  # a hard cut-off on top of the cost model
+    # The runner computes a row the same way in any step of up to this many rows
+    # (CPU, measured: oneDNN's packed bf16 GEMM and the 4-bit kernel up to 32 rows;
+    # past it F.linear's result depends on the row count). Drafts never take a step
+    # past it, and a step already past it gets none, so a token is computed as plain
+    # decoding computes it.
+    max_exact_rows: Pos = 32
     row_cost: Annotated[float, msgspec.Meta(gt=0.0)] = 0.1  # prior: one more row / one-row step
     cost_decay: Frac = 0.97  # weight of the past in the step-cost fit
     draft_cost: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1  # draft model: one more token / step
@@ -297,7 +303,7 @@ class SpeculativeEngine(LLMEngine):
         if not decoding:
             return sp
         cap = self.spec.max_batch_size
-        if cap is not None and len(decoding) > cap:
+        if (cap is not None and len(decoding) > cap) or self._row_limit(plan) <= 0:
             self._counters.cutoffs += 1
             return sp
         if self.spec.method == "ngram":
@@ -316,19 +322,25 @@ class SpeculativeEngine(LLMEngine):
             self.max_model_len - len(seq.token_ids) - 1,
         )
 
+    def _row_limit(self, plan: SchedulerOutput) -> int:
+        """How many draft rows the step may add: the token budget, and never past
+        ``max_exact_rows``."""
+        limit = min(self.config.max_num_batched_tokens, self.spec.max_exact_rows)
+        return limit - plan.num_batched_tokens
+
     def _plan(self, plan: SchedulerOutput, sp: _Plan, cands: dict[int, Candidate]) -> list[int]:
         """k per candidate: the cost model's choice (adaptive), else all it has,
-        within the step's token budget."""
-        budget = self.config.max_num_batched_tokens
+        within the step's row limit."""
+        left = self._row_limit(plan)
         if not self.spec.adaptive:
-            ks, left = [], budget - plan.num_batched_tokens
+            ks = []
             for c in cands.values():
                 ks.append(max(0, min(c.cap, left)))
                 left -= ks[-1]
             return ks
         ks = plan_drafts(
             list(cands.values()), tokens=sum(sp.sampled), rows=plan.num_batched_tokens,
-            step_time=self.cost.predict, max_rows=budget,
+            step_time=self.cost.predict, max_rows=plan.num_batched_tokens + left,
         )
         if cands and not any(ks):
             self._counters.cutoffs += 1
@@ -357,10 +369,13 @@ class SpeculativeEngine(LLMEngine):
                 continue
             q, beta = self.acceptance.estimate(seq.params.greedy, lk.match)
             looks[i], cands[i] = lk, Candidate(q, beta, len(lk.tokens))
-        for i, k in zip(cands, self._plan(plan, sp, cands), strict=True):
+        ks = self._plan(plan, sp, cands)
+        spare = self._row_limit(plan) - sum(ks)
+        for i, k in zip(cands, ks, strict=True):
             lk, seq = looks[i], plan.scheduled[i].seq
-            if self.spec.adaptive and self.acceptance.probe(seq.params.greedy, lk.match, k):
-                k = 1  # a bucket planning keeps skipping: one draft to refresh its estimate
+            probe = self.spec.adaptive and self.acceptance.probe(seq.params.greedy, lk.match, k)
+            if probe and spare > 0:  # a bucket planning keeps skipping: one draft refreshes it
+                k, spare = 1, spare - 1
             if k > 0 and self._lookahead(sp, i, seq, k):
                 sp.drafts[i], sp.match[i] = lk.tokens[:k], lk.match
 

@@ -228,3 +228,28 @@ def test_bad_speculative_settings_are_client_errors(model) -> None:  # type: ign
         SpecConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(BadRequest):
         spec_engine(model, SpecConfig(method="draft"))
+
+
+def test_drafts_never_take_a_step_past_the_exact_row_limit(model) -> None:  # type: ignore[no-untyped-def]
+    """Kernels compute a row the same way only up to some rows per step: with room
+    for 10, four requests that could each verify 6 drafts share that room, and a
+    step that is past it already (a prompt chunk) gets no drafts at all."""
+    reqs = mixed_requests(4, max_tokens=24)
+    truth = plain(model, reqs)
+    oracle = OracleProposer(truth, {r: p for r, p, _ in reqs}, 0.0)
+    engine = spec_engine(
+        model, SpecConfig(num_speculative_tokens=6, adaptive=False, max_exact_rows=10), oracle
+    )
+    steps: list[tuple[int, int]] = []  # (rows computed, drafts verified)
+    execute = engine.runner.execute
+
+    def recording(items, counts=None):  # type: ignore[no-untyped-def]
+        rows = sum(s.num_new_tokens for s in items)
+        steps.append((rows, sum(c - 1 for c in counts or () if c > 1)))
+        return execute(items, counts)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    assert run(engine, reqs) == truth
+    drafted = [rows for rows, extra in steps if extra > 0]
+    assert drafted and max(drafted) <= 10
+    assert engine.statistics().speculative.num_accepted_tokens > 0
