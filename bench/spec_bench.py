@@ -3,10 +3,21 @@
 Starts ``headrace engine`` twice on the same model (``--speculative off``, then
 the method under test), and for each runs the closed-loop engine benchmark on
 two workloads: prompts whose answers repeat their input (copy, extraction,
-code edit, summarise-with-quotes: where prompt lookup finds drafts) and
-open-ended chat (where it finds few). Prints tokens/s per cell and the ratio
-speculative / plain, measured in one run. Greedy by default, so both servers
-produce the same tokens and only speed differs.
+code edit, summarise-with-quotes over readable texts: where prompt lookup finds
+drafts) and open-ended chat (where it finds few). Prints tokens/s per cell and
+the ratio speculative / plain, measured in one run. Greedy by default, so both
+servers produce the same tokens and only speed differs; the chat endpoint by
+default, since the prompts are instructions to an instruct model.
+
+Two throughputs per cell. ``tok/s``: output tokens / wall time of the level, the
+engine benchmark's number. ``busy tok/s``: concurrency x output tokens / the
+summed request latencies, i.e. tokens per second while every stream is busy.
+They differ by the level's ragged end: streams stop taking requests at the
+deadline and the wall clock runs until the last one finishes, and at high
+concurrency with long requests (16 streams of 128 tokens on a CPU: about one
+request per stream in 12 s) that tail is much of the level and falls
+differently for the two engines (speculation makes request times uneven).
+Use a long ``--duration`` to make the two agree.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from bench.cli import add_common_arguments, finish
 from bench.engine_bench import _run as run_levels
 from router.replicas import EngineReplica
 
-__all__ = ["format_cells", "main"]
+__all__ = ["busy_tok_s", "format_cells", "main"]
 
 WORKLOADS = ("repeat", "chat")
 
@@ -34,11 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="headrace bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p, target=False)
-    p.set_defaults(max_tokens=128, temperature=0.0)
+    p.set_defaults(max_tokens=128, temperature=0.0, endpoint="chat")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--duration", type=float, default=20.0, help="seconds per cell")
     p.add_argument("--method", choices=("ngram", "draft"), default="ngram")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K for the speculative engine (default: the engine's, 15 for ngram)")
     p.add_argument("--engine-args", default="--threads 2",
                    help="extra arguments for both engines, e.g. '--dtype bfloat16 --draft-layers 8'")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
@@ -47,9 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    modes = {"off": ["--speculative", "off"],
-             args.method: ["--speculative", args.method,
-                           "--num-speculative-tokens", str(args.num_speculative_tokens)]}
+    k_flags = ([] if args.num_speculative_tokens is None
+               else ["--num-speculative-tokens", str(args.num_speculative_tokens)])
+    modes = {"off": ["--speculative", "off"], args.method: ["--speculative", args.method, *k_flags]}
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for mode, flags in modes.items():
         replica = EngineReplica(f"engine-{mode}", [*flags, *shlex.split(args.engine_args)])
@@ -62,9 +74,24 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 document = await run_levels(level_args)
                 results[mode][workload] = document["levels"]
             nursery.cancel_scope.cancel()
-    return {"kind": "spec", "method": args.method, "k": args.num_speculative_tokens,
+    return {"kind": "spec", "method": args.method, "k": args.num_speculative_tokens or "default",
             "engine_args": args.engine_args, "max_tokens": args.max_tokens,
+            "endpoint": args.endpoint, "ignore_eos": args.ignore_eos, "duration": args.duration,
             "cells": _cells(results, args.method)}
+
+
+def busy_tok_s(level: dict[str, Any]) -> float | None:
+    """Concurrency x output tokens / summed request latencies: a closed loop's
+    tokens per second while all its streams are busy (no ragged end)."""
+    e2e = level.get("e2e_ms") or {}
+    if not e2e.get("n") or not e2e.get("mean"):
+        return None
+    busy_s = e2e["mean"] * e2e["n"] / 1000.0
+    return float(level["concurrency"] * level["output_tokens"] / busy_s)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _cells(results: dict[str, dict[str, list[dict[str, Any]]]], method: str) -> list[dict[str, Any]]:
@@ -72,22 +99,29 @@ def _cells(results: dict[str, dict[str, list[dict[str, Any]]]], method: str) -> 
     for workload in WORKLOADS:
         plain = {lv["concurrency"]: lv for lv in results["off"][workload]}
         for lv in results[method][workload]:
-            base = plain[lv["concurrency"]]["aggregate_tok_s"]
+            base = plain[lv["concurrency"]]
             cells.append({"workload": workload, "concurrency": lv["concurrency"],
-                          "plain_tok_s": base, "spec_tok_s": lv["aggregate_tok_s"],
-                          "ratio": lv["aggregate_tok_s"] / base if base else None,
-                          "errors": lv["requests"] - lv["ok"] + (plain[lv["concurrency"]]["requests"]
-                                                                 - plain[lv["concurrency"]]["ok"])})
+                          "plain_tok_s": base["aggregate_tok_s"], "spec_tok_s": lv["aggregate_tok_s"],
+                          "ratio": _ratio(lv["aggregate_tok_s"], base["aggregate_tok_s"]),
+                          "plain_busy_tok_s": busy_tok_s(base), "spec_busy_tok_s": busy_tok_s(lv),
+                          "busy_ratio": _ratio(busy_tok_s(lv), busy_tok_s(base)),
+                          "errors": lv["requests"] - lv["ok"] + base["requests"] - base["ok"]})
     return cells
 
 
 def format_cells(cells: list[dict[str, Any]]) -> str:
-    head = f"{'workload':<9} {'conc':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} {'err':>4}"
+    head = (f"{'workload':<9} {'conc':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} "
+            f"{'busy plain':>11} {'busy spec':>10} {'ratio':>7} {'err':>4}")
     lines = [head, "-" * len(head)]
+
+    def num(v: float | None, width: int, fmt: str = ".1f", unit: str = "") -> str:
+        return f"{format(v, fmt) + unit if v is not None else '-':>{width}}"
+
     for c in cells:
-        ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "-"
-        lines.append(f"{c['workload']:<9} {c['concurrency']:>5} {c['plain_tok_s']:>12.1f} "
-                     f"{c['spec_tok_s']:>11.1f} {ratio:>7} {c['errors']:>4}")
+        lines.append(f"{c['workload']:<9} {c['concurrency']:>5} {num(c['plain_tok_s'], 12)} "
+                     f"{num(c['spec_tok_s'], 11)} {num(c['ratio'], 7, '.2f', 'x')} "
+                     f"{num(c.get('plain_busy_tok_s'), 11)} {num(c.get('spec_busy_tok_s'), 10)} "
+                     f"{num(c.get('busy_ratio'), 7, '.2f', 'x')} {c['errors']:>4}")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.schedule import repeat_text, workload_prompt
-from bench.spec_bench import _cells, format_cells, main
+from bench.spec_bench import _cells, busy_tok_s, format_cells, main
 from bench.workload_texts import CODE_FILES, PASSAGES
 from tests.engine import tiny
 
@@ -55,6 +55,20 @@ def test_cells_pair_each_level_with_its_plain_twin() -> None:
     cells = _cells(results, "ngram")
     assert [(c["workload"], c["concurrency"], round(c["ratio"], 2)) for c in cells] == [
         ("repeat", 1, 2.0), ("repeat", 16, 1.0), ("chat", 1, 0.9), ("chat", 16, 1.05)]
+    assert "2.00x" in format_cells(cells)
+
+
+def test_busy_throughput_leaves_out_the_ragged_end_of_a_level() -> None:
+    """16 streams, 32 requests of 128 tokens, each 10 s: 16 x 4096 / 320 s of busy
+    streams, whatever the wall clock says."""
+    level = {"concurrency": 16, "output_tokens": 4096, "aggregate_tok_s": 150.0, "requests": 32, "ok": 32,
+             "e2e_ms": {"n": 32, "mean": 10_000.0}}
+    assert busy_tok_s(level) == pytest.approx(204.8)
+    assert busy_tok_s({**level, "e2e_ms": {"n": 0, "mean": None}}) is None
+    results = {"off": {"repeat": [level], "chat": [level]},
+               "ngram": {"repeat": [{**level, "e2e_ms": {"n": 32, "mean": 5_000.0}}], "chat": [level]}}
+    cells = _cells(results, "ngram")
+    assert cells[0]["busy_ratio"] == pytest.approx(2.0) and cells[0]["ratio"] == pytest.approx(1.0)
     assert "2.00x" in format_cells(cells)
 
 
