@@ -63,12 +63,15 @@ def plan_drafts(
     rows: int,
     step_time: Callable[[int], float],
     max_rows: int,
+    min_gain: float = 0.0,
 ) -> list[int]:
     """Drafts per candidate maximising the step's expected tokens per second.
 
     ``tokens``: tokens the step yields without drafts (one per sampled request);
     ``rows``: rows it computes without drafts; ``step_time(r)``: seconds for a step
     of ``r`` rows (any shape: CPU kernels have steps in it); at most ``max_rows``.
+    No drafts at all unless the best plan beats none by ``min_gain`` (relative):
+    a margin for the estimates' error where speculation would barely pay.
 
     Draft ``j`` of a candidate is worth ``q·beta^(j-1)``, falling with ``j``, so for
     any number of extra rows the best drafts are the most valuable ones overall;
@@ -78,12 +81,15 @@ def plan_drafts(
         key=lambda g: -g[0],
     )
     gains = gains[: max(0, max_rows - rows)]
-    best_j, best, n = 0, tokens / step_time(rows), tokens
+    plain = best = tokens / step_time(rows)
+    best_j, n = 0, tokens
     for j, (g, _) in enumerate(gains, 1):
         n += g
         rate = n / step_time(rows + j)
         if rate > best * (1 + 1e-9):
             best_j, best = j, rate
+    if best < plain * (1.0 + min_gain):
+        best_j = 0
     ks = [0] * len(candidates)
     for _, i in gains[:best_j]:
         ks[i] += 1

@@ -3,9 +3,9 @@
 A speculative step is the plain engine's step with two more moves::
 
     schedule   the scheduler's plan; a decoding request computes 1 token
-    propose    per decoding request k drafts (AdaptiveK picks k, the n-gram or
-               draft-model proposer fills them); lookahead blocks are allocated
-               and the drafts appended to token_ids
+    propose    per decoding request k drafts (spec_policy.plan_drafts picks k, the
+               n-gram or draft-model proposer fills them); lookahead blocks are
+               allocated and the drafts appended to token_ids
     runner     ONE target pass over [last token, drafts]: logits at k+1 positions
     verify     the target's pick at each position through sample() with explicit
                positions (the same penalties and the same (seed, position) noise
@@ -18,10 +18,14 @@ A speculative step is the plain engine's step with two more moves::
     outputs    1..k+1 tokens per request, cut at the first stop token
 
 Ragged acceptance is the norm (each request accepts a different number per step);
-requests with no proposal decode as usual in the same pass. With the match rule
-the output is token-for-token what plain decoding produces (greedy and seeded
-sampling alike), up to floating-point differences between scoring a token in a
-multi-token pass and in a single-token pass.
+requests with no proposal decode as usual in the same pass; a step in which nobody
+verifies anything runs as the plain engine's step. With the match rule the output
+is token-for-token what plain decoding produces (greedy and seeded sampling alike)
+wherever the runner computes a row the same way however many rows its step has:
+drafts never take a step past ``max_exact_rows`` (32, where CPU bfloat16 kernels
+stop being row-invariant). CPU float32 is not row-invariant even below that (one
+row runs a GEMV, 2-8 rows another kernel, 16 another), so there plain decoding
+itself gives last-bit differences between batch sizes, and so does speculation.
 
 Adaptivity (spec_policy): every step, :func:`plan_drafts` picks each request's k
 from a cost model fitted online to this engine's own decode steps (seconds against
@@ -124,6 +128,7 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # decoding computes it.
     max_exact_rows: Pos = 32
     row_cost: Annotated[float, msgspec.Meta(gt=0.0)] = 0.1  # prior: one more row / one-row step
+    min_gain: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05  # speculate when it should pay this much
     cost_decay: Frac = 0.97  # weight of the past in the step-cost fit
     draft_cost: Annotated[float, msgspec.Meta(ge=0.0)] = 0.1  # draft model: one more token / step
     decay: Frac = 0.8  # draft model: EWMA weight of the past
@@ -341,6 +346,7 @@ class SpeculativeEngine(LLMEngine):
         ks = plan_drafts(
             list(cands.values()), tokens=sum(sp.sampled), rows=plan.num_batched_tokens,
             step_time=self.cost.predict, max_rows=plan.num_batched_tokens + left,
+            min_gain=self.spec.min_gain,
         )
         if cands and not any(ks):
             self._counters.cutoffs += 1

@@ -82,6 +82,15 @@ def test_a_jump_in_step_time_is_planned_around() -> None:
     assert middling == [2] and sure == [15]
 
 
+def test_a_plan_that_barely_pays_is_dropped_under_a_margin() -> None:
+    """One draft right 1 time in 8 adds 0.125 tokens; if its row costs 1 % more time
+    that is 11 % more tokens/s: kept under a 5 % margin, dropped under 20 %."""
+    c = [Candidate(0.125, 0.5, 1)]
+    cheap = line(0.050, 0.0005)
+    assert plan_drafts(c, tokens=1, rows=1, step_time=cheap, max_rows=64, min_gain=0.05) == [1]
+    assert plan_drafts(c, tokens=1, rows=1, step_time=cheap, max_rows=64, min_gain=0.2) == [0]
+
+
 def test_the_row_budget_and_each_cap_are_respected() -> None:
     ks = plan([Candidate(0.99, 0.99, 15)] * 4, tokens=4, rows=4, max_rows=20)
     assert sum(ks) == 16 and all(k <= 15 for k in ks)
