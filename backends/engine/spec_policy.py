@@ -6,9 +6,10 @@ depends on two things this module estimates online:
 
 * **cost** (:class:`StepCost`): step time against the number of rows the pass
   computes, from the engine's recent decode steps (older steps decay): a line
-  ``a + b·rows`` plus a per-row-count table where kernels make it bumpy. On this project's CPUs one more row costs 5-12 % of a
-  single-token step at batch 1 and a few % at batch 16 (bfloat16 and float32
-  alike), so neither "always speculate" nor a fixed batch-size cut-off is right.
+  ``a + b·rows`` plus a per-row-count table where kernels make it bumpy. On this
+  project's CPUs one more row costs 5-15 % of a one-row step at batch 1 and 2-5 %
+  of a step at batch 16 (bfloat16 and float32 alike), so neither "always
+  speculate" nor a fixed batch-size cut-off is right.
 * **acceptance**: how many drafts the target will accept. For prompt lookup the
   length ``m`` of the suffix match that produced a draft predicts it well (SmolLM2
   on the bench's copy tasks: a 1-token match is right about 1 time in 4, a match of
@@ -20,9 +21,9 @@ depends on two things this module estimates online:
 :func:`plan_drafts` then picks every request's ``k`` for the step at once. Draft
 ``j`` of request ``i`` is worth ``g = q_i·beta_i^(j-1)`` expected tokens; the plan
 takes the most valuable drafts, as many as maximise the step's expected tokens per
-second ``N / t(rows)``. That one rule grows k while acceptance is high, shrinks it
-when low, and turns speculation off in large batches, where ``N`` is large and a
-row buys little.
+second ``N / t(rows)`` (and none unless that beats plain decoding by a margin).
+That one rule grows k while acceptance is high, shrinks it when low, and turns
+speculation off in large batches, where ``N`` is large and a row buys little.
 """
 
 from __future__ import annotations
