@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "PrefillSpan", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "PrefillSpan", "decode_attention", "paged_attention", "write_kv"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [B] int64: rows of the flat batch that are decode rows
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     decode_context_lens: torch.Tensor  # [B] int64: tokens in cache incl. the new one
-    decode_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True within the context
+    # [B, 1, 1, max_blocks * block_size] in the model's dtype: 0 within the context,
+    # -inf past it (a boolean True-within mask works too)
+    decode_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
     num_decode_seqs: int = 0  # sequences the decode rows belong to
 
@@ -80,10 +82,10 @@ def paged_attention(
     returns [T, H, D]."""
     if not meta.prefills and meta.num_decodes == q.shape[0]:
         # Decode only: the runner lays decode rows out in order, so they are all the rows.
-        return _decode_attention(q, k_cache, v_cache, meta)
+        return decode_attention(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta)
+        out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span)
     return out
@@ -95,7 +97,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
     """One query per row, all rows at once. q: [B, H, D] -> [B, H, D].

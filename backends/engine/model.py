@@ -17,13 +17,19 @@ in that layout; Hugging Face checkpoints are permuted once at load time
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.engine.attention import AttentionMetadata, paged_attention, write_kv
+from backends.engine.attention import (
+    AttentionMetadata,
+    decode_attention,
+    paged_attention,
+    write_kv,
+)
 from backends.engine.quant import (
     Int4Linear,
     attach_epoch,
@@ -313,6 +319,115 @@ class TransformerBlock(nn.Module):
         return y
 
 
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _FastLayer:
+    block: TransformerBlock
+    qkv: Kernel  # each: x -> cat(group(x), -1), one kernel call
+    out: Kernel
+    gate_up: Kernel
+    down: Kernel
+
+
+class FastDecode:
+    """A decode step's layers as straight-line kernel calls.
+
+    A decode step of a small model on CPU spends about as long in Python (module
+    calls, :class:`LinearGroup`'s per-call staleness checks, tensor views) as in the
+    weights; this runs the very same kernels in the same order, so the result is
+    bit for bit the module path's, with the per-linear bookkeeping done once per step
+    (:meth:`valid`) instead of once per call. Built for one choice of rows (``int4``:
+    every row runs through the 4-bit codes where a linear has them, else every row
+    through oneDNN's prepacked bfloat16 weights) and only where every linear has that
+    kernel, the layers are the plain modules and nothing hooks them (tensor
+    parallelism hooks its all-reduces onto attention and feed-forward)."""
+
+    def __init__(self, model: Transformer, int4: bool) -> None:
+        self.int4 = int4
+        self.epoch = attach_epoch()
+        self.layers: list[_FastLayer] = []
+        self.groups: list[LinearGroup] = []
+        self.hooked: list[nn.Module] = []
+        for block in model.layers:
+            if type(block) is not TransformerBlock:
+                raise _NoFastPath
+            attn, ffn = block.attention, block.feed_forward
+            if type(attn) is not Attention or type(ffn) is not FeedForward:
+                raise _NoFastPath
+            hooked = [block, block.attention_norm, attn, block.ffn_norm, ffn]
+            if any(_has_hooks(m) for m in hooked):
+                raise _NoFastPath
+            groups = (attn._qkv, attn._out, ffn._gate_up, ffn._down)
+            kernels = [_kernel(g, int4) for g in groups]
+            self.layers.append(_FastLayer(block, *kernels))
+            self.groups += groups
+            self.hooked += hooked
+        self.linears = [lin for g in self.groups for lin in g.linears]
+        self.seen = [(lin.weight, lin.weight.data_ptr(), _version(lin.weight)) for lin in self.linears]
+
+    def valid(self) -> bool:
+        """Every weight still the one the kernels were built from, nothing hooked."""
+        if self.epoch != attach_epoch():
+            return False
+        for lin, (weight, ptr, version) in zip(self.linears, self.seen, strict=True):
+            w = lin.weight
+            if w is not weight or w.data_ptr() != ptr or _version(w) != version:
+                return False
+        return not any(_has_hooks(m) for m in self.hooked)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """What ``for layer in layers: x = layer(x, rope, kv, meta)`` computes for a
+        decode-only step."""
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            block = layer.block
+            attn = block.attention
+            t, h, hkv, d = x.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
+            norm = block.attention_norm
+            qkv = layer.qkv(F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+            qk = apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), rope)
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = decode_attention(q, k_cache, v_cache, meta)
+            x = x + layer.out(out.reshape(t, h * d))
+            norm = block.ffn_norm
+            gate_up = layer.gate_up(F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
+            gate, up = torch.split_with_sizes(gate_up, block.feed_forward._gate_up._sizes, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return x
+
+
+class _NoFastPath(Exception):
+    pass
+
+
+def _kernel(group: LinearGroup, int4: bool) -> Kernel:
+    group._refresh()
+    if int4 and group._int4 is not None:
+        return group._int4
+    packed = group._packed  # what LinearGroup.fused runs without codes too
+    if packed is None:
+        raise _NoFastPath
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return y
+
+    return dense
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -341,10 +456,39 @@ class Transformer(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
         x = self.tok_embeddings(input_ids)  # [T, dim]
         rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
+        fast = self._fast_decode(x.shape[0], meta)
+        if fast is not None:
+            x = fast(x, rope, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rope, kv_cache, meta)
         y: torch.Tensor = self.norm(x)
         return y
+
+    # Decode steps take :class:`FastDecode` where it applies (off: the module path).
+    fast_decode = True
+
+    def _fast_decode(self, rows: int, meta: AttentionMetadata) -> FastDecode | None:
+        """The straight-line layers for this step, when it is decode-only and every
+        row takes one kernel kind that every linear has."""
+        if not self.fast_decode or meta.prefills or meta.num_decodes != rows:
+            return None
+        packed = packed_row_count(rows)
+        if packed == rows:
+            int4 = True
+        elif packed == 0 and rows <= _PACKED_MAX_ROWS:
+            int4 = False
+        else:
+            return None
+        cache: dict[bool, FastDecode] = self.__dict__.setdefault("_fast", {})
+        plan = cache.get(int4)
+        if plan is None or not plan.valid():
+            try:  # cheap when it does not apply: the first layer tells
+                plan = cache[int4] = FastDecode(self, int4)
+            except _NoFastPath:
+                cache.pop(int4, None)
+                return None
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, dim] -> float32 logits [N, V]."""

@@ -187,7 +187,7 @@ def q4_of(linear: nn.Linear) -> Q4Weight | None:
     weight, version, q4 = entry
     if weight is not linear.weight or _version(weight) != version:
         return None  # replaced or edited in place since
-    return q4  # type: ignore[no-any-return]
+    return q4
 
 
 def _version(t: torch.Tensor) -> int:

@@ -191,7 +191,11 @@ class ModelRunner:
                 len(padded), width
             ),
             decode_context_lens=context_lens,
-            decode_mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
+            # Additive, as SDPA turns a boolean mask into anyway: once per step, not
+            # once per layer.
+            decode_mask=torch.zeros(
+                len(decode_lens), 1, 1, width * bs, dtype=self.dtype, device=dev
+            ).masked_fill_((key_pos[None, :] >= context_lens[:, None])[:, None, None, :], -torch.inf),
             prefills=tuple(prefills),
             num_decode_seqs=len(decoding),
         )

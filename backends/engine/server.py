@@ -301,8 +301,10 @@ def resolve_dtype(name: str, device: str) -> Literal["float32", "bfloat16"]:
     """``auto``: bfloat16 on CUDA, and on CPUs whose oneDNN has bfloat16 kernels
     (AVX-512 and up: there bfloat16 with packed 4-bit weights decodes ~2x faster than
     float32, bench/README.md); float32 elsewhere."""
-    if name == "float32" or name == "bfloat16":
-        return name
+    if name == "float32":
+        return "float32"
+    if name == "bfloat16":
+        return "bfloat16"
     import torch
 
     if resolve_device(device).type == "cuda":

@@ -13,8 +13,9 @@ from torch import nn
 
 from backends.engine.backend import build_engine
 from backends.engine.config import EngineConfig
+from backends.engine.engine import LLMEngine
 from backends.engine.loader import load_model
-from backends.engine.model import LinearGroup
+from backends.engine.model import FastDecode, LinearGroup, _can_pack
 from backends.engine.quant import (
     INT4_MAX_ROWS,
     Int4Linear,
@@ -146,3 +147,48 @@ def test_engine_serves_q4_packed_and_stays_batch_invariant(tiny_q4: Path) -> Non
     dense = run(False, prompts)
     agree = sum(a == b for t, d in zip(together, dense, strict=True) for a, b in zip(t, d, strict=True))
     assert agree >= 0.75 * sum(len(t) for t in together)
+
+
+def _decode(engine: LLMEngine, prompts: list[list[int]], tokens: int = 10) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    base = engine.statistics().num_requests_finished  # fresh request ids each call
+    for i, prompt in enumerate(prompts):
+        out[f"q{base}-{i}"] = []
+        engine.add_request(f"q{base}-{i}", prompt, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return list(out.values())
+
+
+@needs_int4
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_fast_decode_path_gives_the_module_paths_tokens(tiny_q4: Path, packed: bool) -> None:
+    """Decode steps run as straight-line kernel calls (model.FastDecode): the same
+    tokens as the module path, packed 4-bit or prepacked bfloat16; a weight edited in
+    place and a hook on a layer (how tensor parallelism all-reduces) are seen."""
+    if not _can_pack(torch.empty(0, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU")
+    prompts = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43], [12, 13]]
+    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", packed_weights=packed)
+    fast_engine, _, _ = build_engine(config)
+    slow_engine, _, _ = build_engine(config)
+    fast, slow = fast_engine.runner.model, slow_engine.runner.model
+    slow.fast_decode = False
+    assert _decode(fast_engine, prompts) == _decode(slow_engine, prompts)
+    plan = fast.__dict__["_fast"][True]  # 4 decoding sequences: packed rows
+    assert isinstance(plan, FastDecode) and plan.valid()
+    assert isinstance(plan.layers[0].gate_up, Int4Linear) == packed  # else oneDNN's
+    assert "_fast" not in slow.__dict__
+
+    with torch.inference_mode():  # an in-place edit: the kernels are rebuilt, or dropped
+        for model in (fast, slow):
+            model.layers[1].feed_forward.w2.weight.mul_(-1.5)
+    assert not plan.valid()
+    assert _decode(fast_engine, prompts) == _decode(slow_engine, prompts)
+
+    calls: list[int] = []
+    fast.layers[0].attention.register_forward_hook(lambda *_: calls.append(1))
+    _decode(fast_engine, prompts[:1], tokens=3)
+    assert len(calls) == 3  # the prefill and both decode steps went through the module
