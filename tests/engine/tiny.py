@@ -10,6 +10,7 @@ the adjacent-pair RoPE layout, byte-level BPE vocabulary in ``tokenizer.ggml.*``
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -53,12 +54,14 @@ def vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, MERGES
 
 
-def hf_model(*, tie: bool = False, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+def hf_model(
+    *, tie: bool = False, seed: int = 0, layers: int = 2, intermediate: int = 128
+) -> LlamaForCausalLM:
     tokens, _, _ = vocab()
     config = LlamaConfig(
         vocab_size=len(tokens),
         hidden_size=64,
-        intermediate_size=128,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -121,8 +124,11 @@ def write_gguf(
     *,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     chat_template: str | None = CHAT_TEMPLATE,
+    raw: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> Path:
-    """Write ``model`` as llama.cpp would; 2-D weights in ``qtype``, norms in F32."""
+    """Write ``model`` as llama.cpp would; 2-D weights in ``qtype``, norms in F32.
+    ``raw`` maps GGUF tensor names to ready-made bytes (uint8, ``[rows, bytes per row]``)
+    and their type, written instead of the model's weights (types gguf cannot quantise)."""
     c = model.config
     tokens, types, merges = vocab()
     w = gguf.GGUFWriter(str(path), "llama")
@@ -147,7 +153,10 @@ def write_gguf(
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for name, array in _gguf_tensors(model).items():
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if raw is not None and name in raw:
+            data, raw_type = raw[name]
+            w.add_tensor(name, data, raw_dtype=raw_type)
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)
