@@ -8,7 +8,10 @@ what batching buys: aggregate output tokens/s, per-stream decode tokens/s
 server works; ``--ignore-eos`` (on by default) makes every request generate
 exactly ``--max-tokens`` so levels are comparable. ``--transformers-baseline``
 also runs :mod:`bench.transformers_baseline` in the same process and quotes
-ratios against it (start the server with the same model and dtype).
+ratios against it (start the server with the same model and dtype);
+``--roofline DTYPE`` measures the memory bandwidth here too (:mod:`bench.roofline`)
+and quotes the single-stream decode rate as a fraction of the decode ceiling for
+weights read at that dtype (``bf16-packed`` for ``headrace engine`` in bfloat16).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from bench.progress import ProgressBar, run_progress
 from bench.schedule import WORKLOADS, workload_prompt
 from bench.stats import summarize
 
-__all__ = ["format_levels", "main", "run_closed_loop", "summarize_level"]
+__all__ = ["format_levels", "main", "roofline_fraction", "run_closed_loop", "summarize_level"]
 
 
 class _Loop:
@@ -133,6 +136,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--workload", choices=WORKLOADS, default="random",
                    help="prompts: random words, tasks that repeat their input, or open chat")
+    p.add_argument("--roofline", choices=("fp32", "bf16", "bf16-packed"),
+                   help="also measure memory bandwidth here and quote the single-stream "
+                        "decode rate (c=1) as a fraction of the decode ceiling for the "
+                        "model's weights at this dtype (what the server reads per step)")
+    p.add_argument("--roofline-gguf", type=Path, default=None,
+                   help="model file for --roofline (default: the packaged SmolLM2)")
+    p.add_argument("--bandwidth-mib", type=int, default=512,
+                   help="size of the tensor --roofline copies to measure bandwidth")
     return p
 
 
@@ -190,6 +201,20 @@ def baseline_ratios(levels: list[dict[str, Any]], baseline: dict[str, Any]) -> l
     return ratios
 
 
+def roofline_fraction(levels: list[dict[str, Any]], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """The single-stream decode rate (per-stream p50 at concurrency 1: one token per
+    decode step, the rate the memory floor bounds) against a roofline result of
+    :func:`bench.roofline.run`."""
+    single = next((lv for lv in levels if lv["concurrency"] == 1), None)
+    rate = single["per_stream_tok_s"]["p50"] if single else None
+    out = dict(ceiling)
+    out["measured_tok_s"] = rate
+    out["achieved_fraction"] = rate / ceiling["ceiling_tok_s"] if rate else None
+    if not rate:
+        out["note"] = "no concurrency-1 level to compare"
+    return out
+
+
 def format_ratios(ratios: list[dict[str, Any]]) -> str:
     lines = [f"{'conc':>5} {'engine tok/s':>13} {'vs transformers 1-at-a-time':>28} "
              f"{'vs transformers batch=conc':>27}"]
@@ -231,6 +256,14 @@ def _main(args: argparse.Namespace) -> int:
         document["ratios"] = baseline_ratios(document["levels"], baseline)
         print(format_results(baseline))
         print(format_ratios(document["ratios"]))
+    if args.roofline:
+        from bench import roofline
+
+        measured = roofline.run(argparse.Namespace(
+            device="cpu", size_mib=args.bandwidth_mib, repeats=10, dtype=args.roofline,
+            gguf=args.roofline_gguf, weight_bytes=None, tok_s=None))
+        document["roofline"] = roofline_fraction(document["levels"], measured)
+        print(roofline.format_report(document["roofline"]))
     finish(args, "engine", document, _plot)
     return 0
 

@@ -33,6 +33,7 @@ __all__ = [
     "BYTES_PER_WEIGHT",
     "decode_floor",
     "default_gguf",
+    "format_report",
     "main",
     "measure_bandwidth",
     "weight_bytes",
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _report(r: dict[str, Any]) -> str:
+def format_report(r: dict[str, Any]) -> str:
     lines = [f"memory bandwidth  {r['bandwidth_gb_s']:8.2f} GB/s ({r['device']}; copy "
              f"{r['copy_gb_s']:.2f}, read {r['read_gb_s']:.2f})",
              f"weights per step  {r['weight_bytes'] / 1e6:8.1f} MB ({r['dtype']})",
@@ -182,12 +183,14 @@ def _report(r: dict[str, Any]) -> str:
     if r["achieved_fraction"] is not None:
         lines.append(f"measured          {r['measured_tok_s']:8.1f} tok/s = "
                      f"{100 * r['achieved_fraction']:.1f}% of the ceiling")
+    elif r.get("note"):
+        lines.append(f"measured          ({r['note']})")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    return report_tool("roofline", lambda: run(args), _report, args.json_path)
+    return report_tool("roofline", lambda: run(args), format_report, args.json_path)
 
 
 if __name__ == "__main__":

@@ -52,16 +52,23 @@ def test_engine_cli_against_a_streaming_server_writes_a_table_json_and_png(
     app = FakeOpenAI(ttft=0.02, gap=0.004)
     with serve_in_thread(app) as url:
         rc = main(["engine", "--target", url, "--concurrency", "1", "3", "--duration", "0.5",
-                   "--max-tokens", "8", "--results-dir", str(tmp_path)])
+                   "--max-tokens", "8", "--results-dir", str(tmp_path),
+                   "--roofline", "bf16-packed", "--bandwidth-mib", "16"])
     assert rc == 0
     (report,) = tmp_path.glob("engine-*.json")
     doc = json.loads(report.read_text())
+    roof = doc["roofline"]  # the c=1 per-stream decode rate over this box's ceiling
+    single = doc["levels"][0]["per_stream_tok_s"]["p50"]
+    assert roof["dtype"] == "bf16-packed" and roof["bandwidth_gb_s"] > 0
+    assert roof["measured_tok_s"] == single
+    assert roof["achieved_fraction"] == pytest.approx(single / roof["ceiling_tok_s"])
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 3]
     assert all(lv["ok"] == lv["requests"] > 0 for lv in doc["levels"])
     assert doc["levels"][1]["aggregate_tok_s"] > doc["levels"][0]["aggregate_tok_s"]
     assert all(b["ignore_eos"] is True and b["max_tokens"] == 8 for b in app.bodies)
     assert next(tmp_path.glob("engine-*.png")).read_bytes()[:4] == b"\x89PNG"
-    assert "agg tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "agg tok/s" in out and "% of the ceiling" in out
 
 
 def test_ratios_against_transformers_one_at_a_time_and_batched() -> None:
@@ -76,3 +83,18 @@ def test_ratios_against_transformers_one_at_a_time_and_batched() -> None:
     table = format_ratios(list(ratios.values()))
     assert "8.00x (20.0)" in table and "0.80x (200.0)" in table
     assert baseline_ratios(levels, {"results": []}) == []
+
+
+def test_roofline_fraction_needs_a_single_stream_level() -> None:
+    from bench.engine_bench import roofline_fraction
+    from bench.roofline import format_report
+
+    ceiling = {"device": "cpu", "copy_gb_s": 20.0, "read_gb_s": 18.0, "bandwidth_gb_s": 20.0,
+               "dtype": "bf16", "weights": None, "weight_bytes": 200_000_000,
+               "floor_ms_per_step": 10.0, "ceiling_tok_s": 100.0}
+    levels = [{"concurrency": c, "per_stream_tok_s": {"p50": r}} for c, r in ((1, 40.0), (4, 30.0))]
+    assert roofline_fraction(levels, ceiling)["achieved_fraction"] == pytest.approx(0.4)
+    assert "40.0% of the ceiling" in format_report(roofline_fraction(levels, ceiling))
+    alone = roofline_fraction(levels[1:], ceiling)
+    assert alone["achieved_fraction"] is None
+    assert "no concurrency-1 level" in format_report(alone)
