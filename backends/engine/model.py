@@ -44,6 +44,7 @@ __all__ = [
     "Transformer",
     "apply_rope",
     "permute_qk_from_hf",
+    "refine_top_logits",
     "rope_cache",
     "rope_tables",
 ]
@@ -498,4 +499,29 @@ class Transformer(nn.Module):
         group: LinearGroup | None = self.__dict__.get("_head")
         if group is None or group.linears[0] is not head:
             group = self.__dict__["_head"] = LinearGroup(head)
-        return group(hidden)[0].float()
+        logits = group(hidden)[0].float()
+        if hidden.dtype != torch.float32 and logits.shape[0]:
+            refine_top_logits(logits, hidden, head.weight)
+        return logits
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Recompute, in float32, every logit within one bfloat16 step of its row's maximum.
+
+    A bfloat16 head rounds its outputs to 8 bits of mantissa: around a logit of 25 the
+    step is 0.125, so tokens a few hundredths apart come out tied and greedy decoding
+    picks by token id. SmolLM2 in bfloat16 then answers "What is the capital of France?"
+    with "L'Étoile..." instead of "The capital of France is Paris": "The" and "L" are
+    25.31 and 25.30 accumulated in float32, both 25.25 rounded. Rounding moves a logit by
+    at most half a step, so the true maximum is always among the tokens within one step
+    of the rounded maximum; re-scoring those (usually a handful) from the same bfloat16
+    weights and hidden state, accumulated and kept in float32, ranks the top as a
+    float32-output head would, for a few dozen microseconds per row. Row by row, so a
+    row's result does not depend on the others. In place on ``logits`` [N, V] float32;
+    ``hidden`` [N, dim] and ``weight`` [V, dim] in the serving dtype."""
+    top = logits.amax(-1, keepdim=True)  # [N, 1]
+    # One step of bfloat16 at the maximum: 2 ** (e - 7) for |max| in [2 ** e, 2 ** (e + 1)).
+    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)
+    rows, cols = torch.nonzero(logits >= top - step, as_tuple=True)
+    exact = (weight[cols].float() * hidden[rows].float()).sum(-1)
+    logits[rows, cols] = exact

@@ -11,7 +11,7 @@ import trio
 from backends.base import ChatMessage, Event, GenerateRequest
 from backends.engine.backend import EngineBackend, build_engine, open_engine_backend
 from backends.engine.config import EngineConfig
-from backends.engine.loader import LoadedModel
+from backends.engine.loader import LoadedModel, load_model
 from backends.errors import BadRequest, ContextLengthExceeded, StreamBroken
 
 
@@ -158,6 +158,21 @@ async def test_default_model_knows_the_capital_of_france(smol: LoadedModel) -> N
     reply = "".join(e.text for e in events)
     assert "Paris" in reply
     assert events[-1].finish_reason == "stop"
+
+
+@pytest.mark.slow
+async def test_default_model_knows_it_in_bfloat16_too() -> None:
+    """bfloat16 with packed 4-bit weights (``headrace engine``'s default on AVX-512):
+    "The" and "L" open the reply 0.01 apart, one bfloat16 step is 0.125, so this needs
+    the head's near-ties ranked in float32 (model.refine_top_logits)."""
+    config = EngineConfig(num_kv_blocks=32, dtype="bfloat16")
+    engine, tok, name = build_engine(config, load_model(dtype=torch.bfloat16))
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+        messages = [ChatMessage(role="user", content="What is the capital of France?")]
+        events = await _collect(
+            backend, GenerateRequest(messages=messages, max_tokens=24, temperature=0.0)
+        )
+    assert "Paris" in "".join(e.text for e in events)
 
 
 async def test_seeded_sampling_is_reproducible_and_resumable(tiny_gguf: Path) -> None:
