@@ -17,6 +17,7 @@ in that layout; Hugging Face checkpoints are permuted once at load time
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -326,9 +327,9 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class _FastLayer:
     block: TransformerBlock
-    qkv: Kernel  # each: x -> cat(group(x), -1), one kernel call
+    qkv: Kernel  # x -> cat(q, k, v), one kernel call
     out: Kernel
-    gate_up: Kernel
+    gate_up: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # x -> (gate, up)
     down: Kernel
 
 
@@ -340,10 +341,10 @@ class FastDecode:
     weights; this runs the very same kernels in the same order, so the result is
     bit for bit the module path's, with the per-linear bookkeeping done once per step
     (:meth:`valid`) instead of once per call. Built for one choice of rows (``int4``:
-    every row runs through the 4-bit codes where a linear has them, else every row
-    through oneDNN's prepacked bfloat16 weights) and only where every linear has that
-    kernel, the layers are the plain modules and nothing hooks them (tensor
-    parallelism hooks its all-reduces onto attention and feed-forward)."""
+    every row runs through the 4-bit codes where a linear has them; else none does)
+    and only where the layers are the plain modules, Q/K/V run as one matmul and
+    nothing hooks them (tensor parallelism hooks its all-reduces onto attention and
+    feed-forward)."""
 
     def __init__(self, model: Transformer, int4: bool) -> None:
         self.int4 = int4
@@ -361,8 +362,15 @@ class FastDecode:
             if any(_has_hooks(m) for m in hooked):
                 raise _NoFastPath
             groups = (attn._qkv, attn._out, ffn._gate_up, ffn._down)
-            kernels = [_kernel(g, int4) for g in groups]
-            self.layers.append(_FastLayer(block, *kernels))
+            for g in groups:
+                g._refresh()
+            qkv = _fused_kernel(attn._qkv, int4)
+            if qkv is None:  # the module path would rotate q and k apart
+                raise _NoFastPath
+            self.layers.append(_FastLayer(
+                block, qkv, _single(attn._out, int4), _split(ffn._gate_up, int4),
+                _single(ffn._down, int4),
+            ))
             self.groups += groups
             self.hooked += hooked
         self.linears = [lin for g in self.groups for lin in g.linears]
@@ -400,8 +408,7 @@ class FastDecode:
             out = decode_attention(q, k_cache, v_cache, meta)
             x = x + layer.out(out.reshape(t, h * d))
             norm = block.ffn_norm
-            gate_up = layer.gate_up(F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
-            gate, up = torch.split_with_sizes(gate_up, block.feed_forward._gate_up._sizes, dim=-1)
+            gate, up = layer.gate_up(F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps))
             x = x + layer.down(F.silu(gate) * up)
         return x
 
@@ -410,19 +417,48 @@ class _NoFastPath(Exception):
     pass
 
 
-def _kernel(group: LinearGroup, int4: bool) -> Kernel:
-    group._refresh()
+def _fused_kernel(group: LinearGroup, int4: bool) -> Kernel | None:
+    """The one call that computes ``cat(group(x), -1)`` as :meth:`LinearGroup.fused`
+    does for a step whose rows are all packed (``int4``) or none are (at most 32 rows),
+    or None where the group runs its linears one by one."""
+    if group.linears[0].bias is not None:
+        return None
     if int4 and group._int4 is not None:
         return group._int4
-    packed = group._packed  # what LinearGroup.fused runs without codes too
+    dense, packed = group._dense, group._packed
+    if dense is not None:
+        return functools.partial(F.linear, weight=dense)
     if packed is None:
-        raise _NoFastPath
+        return None
 
-    def dense(x: torch.Tensor) -> torch.Tensor:
+    def onednn(x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return y
 
-    return dense
+    return onednn
+
+
+def _single(group: LinearGroup, int4: bool) -> Kernel:
+    """A one-linear group, as its ``group(x)[0]``."""
+    fused = _fused_kernel(group, int4)
+    if fused is not None:
+        return fused
+    (linear,) = group.linears
+    if linear.bias is not None:
+        raise _NoFastPath
+    return functools.partial(F.linear, weight=linear.weight)
+
+
+def _split(group: LinearGroup, int4: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """``group(x)``: one fused call then a split, or each linear on its own."""
+    fused = _fused_kernel(group, int4)
+    if fused is not None:
+        sizes = list(group._sizes)
+        return lambda x: torch.split_with_sizes(fused(x), sizes, dim=-1)
+    if any(linear.bias is not None for linear in group.linears):
+        raise _NoFastPath
+    weights = [linear.weight for linear in group.linears]
+    return lambda x: tuple(F.linear(x, w) for w in weights)
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -162,16 +162,22 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], tokens: int = 10) -> li
     return list(out.values())
 
 
-@needs_int4
-@pytest.mark.parametrize("packed", [True, False])
-def test_the_fast_decode_path_gives_the_module_paths_tokens(tiny_q4: Path, packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "packed"), [("bfloat16", True), ("bfloat16", False), ("float32", False)]
+)
+def test_the_fast_decode_path_gives_the_module_paths_tokens(
+    tiny_q4: Path, dtype: str, packed: bool
+) -> None:
     """Decode steps run as straight-line kernel calls (model.FastDecode): the same
-    tokens as the module path, packed 4-bit or prepacked bfloat16; a weight edited in
-    place and a hook on a layer (how tensor parallelism all-reduces) are seen."""
-    if not _can_pack(torch.empty(0, dtype=torch.bfloat16)):
+    tokens as the module path, packed 4-bit, prepacked bfloat16 or float32; a weight
+    edited in place and a hook on a layer (how tensor parallelism all-reduces) are
+    seen."""
+    if dtype == "bfloat16" and not _can_pack(torch.empty(0, dtype=torch.bfloat16)):
         pytest.skip("oneDNN has no bfloat16 kernels on this CPU")
+    if packed and not int4_supported(torch.empty(0, dtype=torch.bfloat16)):
+        pytest.skip("torch has no CPU int4 kernel here")
     prompts = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43], [12, 13]]
-    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", packed_weights=packed)
+    config = EngineConfig(model=str(tiny_q4), dtype=dtype, packed_weights=packed)
     fast_engine, _, _ = build_engine(config)
     slow_engine, _, _ = build_engine(config)
     fast, slow = fast_engine.runner.model, slow_engine.runner.model
@@ -179,7 +185,7 @@ def test_the_fast_decode_path_gives_the_module_paths_tokens(tiny_q4: Path, packe
     assert _decode(fast_engine, prompts) == _decode(slow_engine, prompts)
     plan = fast.__dict__["_fast"][True]  # 4 decoding sequences: packed rows
     assert isinstance(plan, FastDecode) and plan.valid()
-    assert isinstance(plan.layers[0].gate_up, Int4Linear) == packed  # else oneDNN's
+    assert isinstance(plan.layers[0].down, Int4Linear) == packed
     assert "_fast" not in slow.__dict__
 
     with torch.inference_mode():  # an in-place edit: the kernels are rebuilt, or dropped
