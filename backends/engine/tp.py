@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.engine.config import EngineConfig
-from backends.engine.model import ModelArgs, Transformer, TransformerBlock
+from backends.engine.model import ModelArgs, Transformer, TransformerBlock, refine_top_logits
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
 from backends.errors import BackendUnavailable, HeadraceError
 
@@ -308,10 +308,15 @@ class VocabParallelHead(nn.Module):
         self.widths, self.comm = tuple(widths), comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [N, V_local]
+        local = F.linear(hidden, self.weight).float()  # [N, V_local]
         if hidden.shape[0] == 0:  # every rank sees the same N: skip the collective together
             return local.new_empty(0, sum(self.widths))
-        return self.comm.gather_cols(local, self.widths)  # rank 0: [N, V]
+        if hidden.dtype != torch.float32:
+            # Near-ties ranked in float32 as on one device: the overall maximum is within
+            # one rounding step of its own shard's maximum, so refining each shard
+            # against its own maximum covers it.
+            refine_top_logits(local, hidden, self.weight)
+        return self.comm.gather_cols(local, self.widths)  # rank 0: [N, V] float32
 
 
 def _keep(linear: nn.Linear, rows: slice | None = None, cols: slice | None = None) -> None:

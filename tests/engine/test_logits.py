@@ -48,3 +48,24 @@ def test_refinement_is_row_by_row() -> None:
         assert torch.equal(alone[0], batch[i])
     exact = hidden.float() @ weight.float().T
     assert torch.equal(batch.argmax(-1), exact.argmax(-1))
+
+
+class _OneRank:
+    """The single-rank view of tp.Comm that VocabParallelHead needs."""
+
+    def gather_cols(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        assert list(widths) == [t.shape[1]]
+        return t
+
+
+def test_a_vocab_parallel_head_refines_its_shard() -> None:
+    from torch import nn
+
+    from backends.engine.tp import VocabParallelHead
+
+    hidden, weight = _near_tie()
+    swapped = weight[[0, 1, 5, 3, 4, 2, 6, 7]]
+    head = VocabParallelHead(nn.Parameter(swapped, requires_grad=False), [8], _OneRank())  # type: ignore[arg-type]
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    assert int(logits.argmax()) == 5 == int((hidden.float() @ swapped.float().T).argmax())
