@@ -204,7 +204,7 @@ def baseline_ratios(levels: list[dict[str, Any]], baseline: dict[str, Any]) -> l
 def roofline_fraction(levels: list[dict[str, Any]], ceiling: dict[str, Any]) -> dict[str, Any]:
     """The single-stream decode rate (per-stream p50 at concurrency 1: one token per
     decode step, the rate the memory floor bounds) against a roofline result of
-    :func:`bench.roofline.run`."""
+    :func:`bench.roofline.measure_ceiling`."""
     single = next((lv for lv in levels if lv["concurrency"] == 1), None)
     rate = single["per_stream_tok_s"]["p50"] if single else None
     out = dict(ceiling)
@@ -259,9 +259,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.roofline:
         from bench import roofline
 
-        measured = roofline.run(argparse.Namespace(
-            device="cpu", size_mib=args.bandwidth_mib, repeats=10, dtype=args.roofline,
-            gguf=args.roofline_gguf, weight_bytes=None, tok_s=None))
+        measured = roofline.measure_ceiling(args.roofline, gguf=args.roofline_gguf,
+                                            size_mib=args.bandwidth_mib)
         document["roofline"] = roofline_fraction(document["levels"], measured)
         print(roofline.format_report(document["roofline"]))
     finish(args, "engine", document, _plot)

@@ -36,6 +36,7 @@ __all__ = [
     "format_report",
     "main",
     "measure_bandwidth",
+    "measure_ceiling",
     "weight_bytes",
 ]
 
@@ -154,22 +155,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.size_mib < 1 or args.repeats < 1:
+    return measure_ceiling(args.dtype, gguf=args.gguf, device=args.device,
+                           size_mib=args.size_mib, repeats=args.repeats,
+                           weight_bytes_per_step=args.weight_bytes, tok_s=args.tok_s)
+
+
+def measure_ceiling(dtype: str, *, gguf: Path | None = None, device: str = "cpu",
+                    size_mib: int = 512, repeats: int = 10,
+                    weight_bytes_per_step: float | None = None,
+                    tok_s: float | None = None) -> dict[str, Any]:
+    """Measure the bandwidth on ``device`` and the single-stream decode ceiling for the
+    model's weights held at ``dtype`` (rating ``tok_s`` against it when given)."""
+    if size_mib < 1 or repeats < 1:
         raise ClientError("--size-mib and --repeats must be >= 1")
-    if args.weight_bytes is not None:
-        n_weights, size = None, int(args.weight_bytes)
+    if weight_bytes_per_step is not None:
+        n_weights, size = None, int(weight_bytes_per_step)
     else:
-        n_weights, size = weight_bytes(args.gguf or default_gguf(), args.dtype)
-    print(f"roofline: copying {args.size_mib} MiB x {args.repeats} on {args.device} ...",
-          file=sys.stderr)
-    copy, read = measure_bandwidth(args.device, args.size_mib << 20, args.repeats)
+        n_weights, size = weight_bytes(gguf or default_gguf(), dtype)
+    print(f"roofline: copying {size_mib} MiB x {repeats} on {device} ...", file=sys.stderr)
+    copy, read = measure_bandwidth(device, size_mib << 20, repeats)
     floor, ceiling = decode_floor(size, max(copy, read))
     result: dict[str, Any] = {
-        "device": args.device, "copy_gb_s": copy / 1e9, "read_gb_s": read / 1e9,
-        "bandwidth_gb_s": max(copy, read) / 1e9, "dtype": args.dtype,
+        "device": device, "copy_gb_s": copy / 1e9, "read_gb_s": read / 1e9,
+        "bandwidth_gb_s": max(copy, read) / 1e9, "dtype": dtype,
         "weights": n_weights, "weight_bytes": size, "floor_ms_per_step": floor * 1e3,
-        "ceiling_tok_s": ceiling, "measured_tok_s": args.tok_s,
-        "achieved_fraction": args.tok_s / ceiling if args.tok_s else None,
+        "ceiling_tok_s": ceiling, "measured_tok_s": tok_s,
+        "achieved_fraction": tok_s / ceiling if tok_s else None,
     }
     return result
 

@@ -347,10 +347,9 @@ class FastDecode:
     feed-forward)."""
 
     def __init__(self, model: Transformer, int4: bool) -> None:
-        self.int4 = int4
         self.epoch = attach_epoch()
         self.layers: list[_FastLayer] = []
-        self.groups: list[LinearGroup] = []
+        self.linears: list[nn.Linear] = []
         self.hooked: list[nn.Module] = []
         for block in model.layers:
             if type(block) is not TransformerBlock:
@@ -371,9 +370,8 @@ class FastDecode:
                 block, qkv, _single(attn._out, int4), _split(ffn._gate_up, int4),
                 _single(ffn._down, int4),
             ))
-            self.groups += groups
+            self.linears += [lin for g in groups for lin in g.linears]
             self.hooked += hooked
-        self.linears = [lin for g in self.groups for lin in g.linears]
         self.seen = [(lin.weight, lin.weight.data_ptr(), _version(lin.weight)) for lin in self.linears]
 
     def valid(self) -> bool:
@@ -420,9 +418,8 @@ class _NoFastPath(Exception):
 def _fused_kernel(group: LinearGroup, int4: bool) -> Kernel | None:
     """The one call that computes ``cat(group(x), -1)`` as :meth:`LinearGroup.fused`
     does for a step whose rows are all packed (``int4``) or none are (at most 32 rows),
-    or None where the group runs its linears one by one."""
-    if group.linears[0].bias is not None:
-        return None
+    or None where the group runs its linears one by one (LinearGroup only fuses
+    bias-free linears)."""
     if int4 and group._int4 is not None:
         return group._int4
     dense, packed = group._dense, group._packed
