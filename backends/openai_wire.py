@@ -272,7 +272,7 @@ def _common_fields(w: WireRequest) -> dict[str, Any]:
         if isinstance(w, CompletionRequest) and max_tokens is None:
             max_tokens = 16  # OpenAI's default for completions
     fields: dict[str, Any] = {
-        "model": w.model,
+        "model": w.model or None,  # "" is no model, as the front end reads it: any backend
         "max_tokens": max_tokens,
         "min_tokens": w.min_tokens,
         "stop": _stops(w.stop),

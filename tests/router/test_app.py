@@ -61,6 +61,14 @@ async def test_unknown_model_is_404_and_model_of_one_backend_routes_there(mocks:
     assert stats == {"mock-0": 0, "mock-1": 3}
 
 
+async def test_an_empty_model_name_is_no_model(mocks: tuple[Router, httpx.AsyncClient]) -> None:
+    """Found by the body fuzzer: ``"model": ""`` was answered as "model" but routed as a
+    model no backend serves (503)."""
+    _, client = mocks
+    r = await client.post("/v1/completions", json={"model": "", "prompt": "", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 async def test_no_backend_up_is_503_with_retry_after_and_not_ready(nursery: trio.Nursery) -> None:
     down = FakeBackend("down")
     down.healthy = False
