@@ -31,11 +31,14 @@ from backends.engine.attention import (
     paged_attention,
     write_kv,
 )
+from backends.engine.native import NativeDecode, NotApplicable, split_decodes
 from backends.engine.quant import (
     Int4Linear,
+    ParamWatch,
     attach_epoch,
     int4_supported,
     packed_row_count,
+    packed_rows,
     q4_of,
 )
 
@@ -347,7 +350,6 @@ class FastDecode:
     feed-forward)."""
 
     def __init__(self, model: Transformer, int4: bool) -> None:
-        self.epoch = attach_epoch()
         self.layers: list[_FastLayer] = []
         self.linears: list[nn.Linear] = []
         self.hooked: list[nn.Module] = []
@@ -372,17 +374,11 @@ class FastDecode:
             ))
             self.linears += [lin for g in groups for lin in g.linears]
             self.hooked += hooked
-        self.seen = [(lin.weight, lin.weight.data_ptr(), _version(lin.weight)) for lin in self.linears]
+        self.watch = ParamWatch(self.linears, self.hooked)
 
     def valid(self) -> bool:
         """Every weight still the one the kernels were built from, nothing hooked."""
-        if self.epoch != attach_epoch():
-            return False
-        for lin, (weight, ptr, version) in zip(self.linears, self.seen, strict=True):
-            w = lin.weight
-            if w is not weight or w.data_ptr() != ptr or _version(w) != version:
-                return False
-        return not any(_has_hooks(m) for m in self.hooked)
+        return self.watch.unchanged()
 
     def __call__(
         self,
@@ -488,6 +484,18 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
+        n = meta.num_decodes
+        if meta.prefills and n and packed_row_count(int(input_ids.shape[0])) == n:
+            if self._native_plan() is not None:
+                # The decode rows go through the native kernels, the prefill rows
+                # through torch, as two passes: a decode token is then computed the
+                # same way whether or not the step also prefills.
+                decode, prefill = split_decodes(meta)
+                with packed_rows(n):
+                    head = self(input_ids[:n], positions[:n], kv_caches, decode)
+                with packed_rows(0):
+                    tail = self(input_ids[n:], positions[n:], kv_caches, prefill)
+                return torch.cat([head, tail])
         x = self.tok_embeddings(input_ids)  # [T, dim]
         rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
         fast = self._fast_decode(x.shape[0], meta)
@@ -501,8 +509,28 @@ class Transformer(nn.Module):
 
     # Decode steps take :class:`FastDecode` where it applies (off: the module path).
     fast_decode = True
+    # Packed decode steps take :class:`backends.engine.native.NativeDecode` where it
+    # applies (off: FastDecode's torch kernels).
+    native_decode = True
 
-    def _fast_decode(self, rows: int, meta: AttentionMetadata) -> FastDecode | None:
+    def _native_plan(self) -> NativeDecode | None:
+        """The native decode layers, where this model and machine can take them."""
+        if not (self.fast_decode and self.native_decode):
+            return None
+        cache: dict[object, object] = self.__dict__.setdefault("_fast", {})
+        plan = cache.get("native")
+        if isinstance(plan, NativeDecode) and plan.valid():
+            return plan
+        if plan is False and cache.get("native_epoch") == attach_epoch():
+            return None  # known not to apply, and no codes attached since
+        try:
+            plan = cache["native"] = NativeDecode(self)
+        except NotApplicable:
+            cache["native"], cache["native_epoch"] = False, attach_epoch()
+            return None
+        return plan
+
+    def _fast_decode(self, rows: int, meta: AttentionMetadata) -> FastDecode | NativeDecode | None:
         """The straight-line layers for this step, when it is decode-only and every
         row takes one kernel kind that every linear has."""
         if not self.fast_decode or meta.prefills or meta.num_decodes != rows:
@@ -510,11 +538,14 @@ class Transformer(nn.Module):
         packed = packed_row_count(rows)
         if packed == rows:
             int4 = True
+            native = self._native_plan()
+            if native is not None:
+                return native
         elif packed == 0 and rows <= _PACKED_MAX_ROWS:
             int4 = False
         else:
             return None
-        cache: dict[bool, FastDecode] = self.__dict__.setdefault("_fast", {})
+        cache: dict[object, FastDecode] = self.__dict__.setdefault("_fast", {})
         plan = cache.get(int4)
         if plan is None or not plan.valid():
             try:  # cheap when it does not apply: the first layer tells

@@ -42,6 +42,7 @@ __all__ = [
     "INT4_MAX_ROWS",
     "INT4_MAX_SEQS",
     "Int4Linear",
+    "ParamWatch",
     "Q4Weight",
     "attach_epoch",
     "attach_q4",
@@ -192,6 +193,39 @@ def q4_of(linear: nn.Linear) -> Q4Weight | None:
 
 def _version(t: torch.Tensor) -> int:
     return 0 if t.is_inference() else t._version
+
+
+class ParamWatch:
+    """Whether any of some modules' ``weight`` parameters was replaced, moved or
+    updated in place, a forward hook was added to some modules, or 4-bit codes were
+    attached, since the watch began: what a plan built from those weights checks once
+    per step. A few list comprehensions over C getters (~0.1 ms for 300 weights), not
+    a Python loop of attribute lookups."""
+
+    def __init__(self, owners: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> None:
+        self.owners = list(owners)
+        self.hooked = list(hooked)
+        self.epoch = attach_epoch()
+        self.weights = self._weights()  # kept, so their ids cannot be reused
+        self.state = self._state(self.weights)
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [m._parameters["weight"] for m in self.owners]  # type: ignore[misc]
+
+    @staticmethod
+    def _state(weights: list[torch.Tensor]) -> tuple[list[int], list[int], list[int]]:
+        return (
+            list(map(id, weights)),
+            [w.data_ptr() for w in weights],
+            [0 if w.is_inference() else w._version for w in weights],
+        )
+
+    def unchanged(self) -> bool:
+        return (
+            self.epoch == attach_epoch()
+            and self._state(self._weights()) == self.state
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked)
+        )
 
 
 @contextmanager

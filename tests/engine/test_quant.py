@@ -182,6 +182,7 @@ def test_the_fast_decode_path_gives_the_module_paths_tokens(
     slow_engine, _, _ = build_engine(config)
     fast, slow = fast_engine.runner.model, slow_engine.runner.model
     slow.fast_decode = False
+    fast.native_decode = False  # this is about the torch kernels: tests/engine/test_native.py
     assert _decode(fast_engine, prompts) == _decode(slow_engine, prompts)
     plan = fast.__dict__["_fast"][True]  # 4 decoding sequences: packed rows
     assert isinstance(plan, FastDecode) and plan.valid()

@@ -1,0 +1,303 @@
+"""Decode steps over 4-bit weights in one native call (native_decode.c).
+
+A single-stream decode step of SmolLM2-135M in bfloat16 spends ~19 ms in torch: the
+int4 kernel streams the 4-bit weights at half the memory bandwidth, and ~250 small
+tensor ops cost microseconds of dispatch each. :class:`NativeDecode` runs the whole
+stack of layers (norms, Q/K/V, RoPE, the KV-cache write, paged attention, SwiGLU,
+residuals) as one C function over the GGUF blocks, threads from torch's own OpenMP
+pool, and returns the last layer's output; the final norm and the LM head stay in
+torch. It takes the steps that the packed 4-bit path takes (quant.py: decode rows of
+steps with at most ``INT4_MAX_SEQS`` decoding sequences), so which tokens it computes
+is decided exactly as before; the runner's mixed steps run their decode rows through
+it apart from the prefill rows (:func:`split_decodes`), so a decode token is computed
+the same way whatever else the step holds.
+
+Numerics: float32 activations and residual stream (the torch path rounds them to
+bfloat16 at every op), float32 accumulation, K/V stored in bfloat16 as the torch path
+stores them; each row's result is independent of the other rows and of the thread
+count. So tokens are within bfloat16 rounding of the torch path's, not bit for bit.
+
+The C source is compiled at first use with the system C compiler (``cc -O3
+-march=native -fopenmp``) into a per-user cache and loaded with ctypes (which drops the
+GIL for the call). No compiler, a failed build, or ``HEADRACE_NATIVE=0``: the torch
+path serves, unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from backends.engine.attention import AttentionMetadata, PrefillSpan
+from backends.engine.quant import GROUP, ParamWatch, Q4Weight, q4_of
+
+if TYPE_CHECKING:
+    from backends.engine.model import Transformer
+
+__all__ = ["NativeDecode", "NotApplicable", "library", "q4_blocks", "split_decodes"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_decode.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+          "-fPIC", "-shared"]
+_lock = threading.Lock()
+_lib: list[ctypes.CDLL | None] = []  # [] until the first library() call
+
+
+class NotApplicable(Exception):
+    """The model (or this build) cannot take the native decode path."""
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+        ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", ctypes.c_int), ("dim", ctypes.c_int), ("n_heads", ctypes.c_int),
+        ("n_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("hidden", ctypes.c_int),
+        ("block_size", ctypes.c_int), ("eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "headrace"
+
+
+def _cpu_key() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"native_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(out, target)  # atomic: concurrent builders each land a whole file
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be."""
+    with _lock:
+        if _lib:
+            return _lib[0]
+        lib: ctypes.CDLL | None = None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if os.environ.get("HEADRACE_NATIVE", "1") == "0":
+            log.info("native decode kernels disabled (HEADRACE_NATIVE=0)")
+        elif cc is None:
+            log.warning("no C compiler found: decode steps run through torch only")
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(cc)))
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                log.warning("native decode kernels unavailable (%s) %s", exc,
+                            detail.decode(errors="replace")[-2000:])
+                lib = None
+        if lib is not None:
+            lib.hr_decode.restype = ctypes.c_int
+            lib.hr_decode.argtypes = [
+                ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ]
+            lib.hr_work_floats.restype = ctypes.c_long
+            lib.hr_work_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int]
+        _lib.append(lib)
+        return lib
+
+
+TILE = 4  # output rows per tile (NT in native_decode.c)
+
+
+def q4_blocks(weights: Sequence[Q4Weight]) -> torch.Tensor:
+    """The weights stacked along N in the kernel's layout (see native_decode.c),
+    [ceil(N / 4), K / 32, 80] uint8: per tile of 4 rows and block column, the rows'
+    float16 d, their float16 m, then their codes, so that ``w = d * q + m`` (a Q4_0
+    block has ``m = -8 d``). Padding rows are zeros."""
+    q = torch.cat([w.q() for w in weights]).to(torch.uint8)  # [N, K] codes 0..15
+    scale = torch.cat([w.scale for w in weights])  # [N, K / 32] float32
+    offset = torch.cat([w.zero for w in weights]) - 8 * scale  # the file's m, exactly
+    n, k = q.shape
+    nb, pad = k // GROUP, -n % TILE
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, TILE, nb, GROUP)
+    d = torch.nn.functional.pad(scale.to(torch.float16), (0, 0, 0, pad)).view(-1, TILE, nb)
+    m = torch.nn.functional.pad(offset.to(torch.float16), (0, 0, 0, pad)).view(-1, TILE, nb)
+    codes = q[..., :16] | (q[..., 16:] << 4)  # [tiles, 4, nb, 16]
+    out = torch.empty(q.shape[0], nb, 5 * 16, dtype=torch.uint8)
+    out[..., 0:8] = d.transpose(1, 2).contiguous().view(torch.uint8)
+    out[..., 8:16] = m.transpose(1, 2).contiguous().view(torch.uint8)
+    out[..., 16:] = codes.transpose(1, 2).reshape(q.shape[0], nb, 64)
+    return out
+
+
+class NativeDecode:
+    """The decoder layers of a decode-only step as one native call: what
+    ``for layer in model.layers: x = layer(x, rope, kv, meta)`` computes, within
+    bfloat16 rounding. Built where every layer is the plain module with 4-bit codes on
+    all seven linears, nothing hooks it and the weights are bfloat16 on the CPU;
+    :meth:`valid` tells when the weights changed since."""
+
+    def __init__(self, model: Transformer) -> None:
+        from backends.engine.model import Attention, FeedForward, TransformerBlock
+
+        lib = library()
+        if lib is None:
+            raise NotApplicable("no native kernels")
+        a = model.args
+        weight = model.tok_embeddings.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            raise NotApplicable("serves bfloat16 on the CPU only")
+        if (a.dim % GROUP or a.hidden_dim % GROUP or (a.n_heads * a.head_dim) % GROUP
+                or a.head_dim % 16 or a.head_dim > 256 or a.n_heads % a.n_kv_heads
+                or a.attention_bias):
+            raise NotApplicable("shapes")
+        self.lib, self.args = lib, a
+        owners: list[nn.Module] = []
+        keep: list[torch.Tensor] = []  # what the C structs point into
+        layers = (_Layer * a.n_layers)()
+        self.modules: list[nn.Module] = [model]
+        for i, block in enumerate(model.layers):
+            if type(block) is not TransformerBlock:
+                raise NotApplicable("layer type")
+            attn, ffn = block.attention, block.feed_forward
+            if type(attn) is not Attention or type(ffn) is not FeedForward:
+                raise NotApplicable("layer type")
+            parts = [block, block.attention_norm, attn, block.ffn_norm, ffn]
+            self.modules += parts
+            linears = [attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w3, ffn.w2]
+            codes = [q4_of(lin) for lin in linears]
+            if any(c is None for c in codes) or block.attention_norm.weight.device.type != "cpu":
+                raise NotApplicable("no 4-bit codes")
+            q4 = [c for c in codes if c is not None]
+            blocks = [q4_blocks(q4[0:3]), q4_blocks(q4[3:4]), q4_blocks(q4[4:6]),
+                      q4_blocks(q4[6:7])]
+            norms = [block.attention_norm.weight.detach().float().contiguous(),
+                     block.ffn_norm.weight.detach().float().contiguous()]
+            keep += blocks + norms
+            owners += [*linears, block.attention_norm, block.ffn_norm]
+            layers[i] = _Layer(*(t.data_ptr() for t in blocks + norms), None, None)
+        self.watch = ParamWatch(owners, self.modules)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules):
+            raise NotApplicable("hooked")
+        self.keep, self.layers = keep, layers
+        self.model = _Model(a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim,
+                            a.hidden_dim, 0, model.layers[0].attention_norm.eps,
+                            ctypes.cast(layers, ctypes.POINTER(_Layer)))
+        self.kv_seen: tuple[Any, ...] = ()
+        self.work: torch.Tensor | None = None
+
+    def valid(self) -> bool:
+        """Every weight still the one the kernels were built from, nothing hooked."""
+        return self.watch.unchanged()
+
+    def _bind_kv(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        seen = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        if seen == self.kv_seen:
+            return
+        a = self.args
+        for i, (k, v) in enumerate(kv_caches):
+            for t in (k, v):
+                if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.dim() != 4
+                        or tuple(t.shape[2:]) != (a.n_kv_heads, a.head_dim)):
+                    raise NotApplicable("KV cache layout")
+            self.layers[i].k_cache, self.layers[i].v_cache = seen[i]
+        self.model.block_size = int(kv_caches[0][0].shape[1])
+        self.kv_seen = seen
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: [B, dim] embeddings of B decode rows -> the last layer's output, in
+        x's dtype."""
+        self._bind_kv(kv_caches)
+        rows = int(x.shape[0])
+        hidden = x.float().contiguous()
+        cos = rope[0].reshape(rows, -1).contiguous()
+        sin = rope[1].reshape(rows, -1).contiguous()
+        tables = meta.decode_block_tables.contiguous()
+        width = int(tables.shape[1])
+        max_context = max(width * self.model.block_size, 1)
+        threads = torch.get_num_threads()
+        need = int(self.lib.hr_work_floats(ctypes.byref(self.model), rows, max_context, threads))
+        if self.work is None or self.work.numel() < need:
+            self.work = torch.empty(need, dtype=torch.float32)
+        slots = meta.slot_mapping.contiguous()
+        context = meta.decode_context_lens.contiguous()
+        rc = self.lib.hr_decode(
+            ctypes.byref(self.model), rows, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), width, context.data_ptr(), max_context,
+            self.work.data_ptr(), threads,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native decode failed ({rc})")
+        return hidden.to(x.dtype)
+
+
+def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's metadata as (its decode rows alone, its prefill rows alone), rows
+    renumbered from 0 in each (the decode rows are the leading ones)."""
+    n = meta.num_decodes
+    decode = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:n],
+        decode_rows=meta.decode_rows,
+        decode_block_tables=meta.decode_block_tables,
+        decode_context_lens=meta.decode_context_lens,
+        decode_mask=meta.decode_mask,
+        prefills=(),
+        num_decode_seqs=meta.num_decode_seqs,
+    )
+    empty = meta.decode_rows[:0]
+    prefill = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[n:],
+        decode_rows=empty,
+        decode_block_tables=meta.decode_block_tables[:0],
+        decode_context_lens=empty,
+        decode_mask=meta.decode_mask[:0],
+        prefills=tuple(
+            PrefillSpan(s.start - n, s.end - n, s.context_len, s.block_table)
+            for s in meta.prefills
+        ),
+        num_decode_seqs=0,
+    )
+    return decode, prefill

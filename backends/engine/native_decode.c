@@ -1,0 +1,346 @@
+/* headrace: a decode step of a Llama-family decoder over 4-bit (GGUF Q4_0 / Q4_1)
+ * weights, every layer in one call (see native.py, which compiles and drives this).
+ *
+ * Why: a decode step of a small model on a CPU is a few dozen megabytes of weights
+ * and ~250 tiny tensor operations. torch's int4 kernel moves about half the memory
+ * bandwidth, and each small op costs microseconds of dispatch; here the weights are
+ * streamed once per step at close to the bandwidth, and the rest (norms, RoPE, the
+ * KV-cache write, paged attention, SwiGLU, residuals) is a few loops over registers.
+ *
+ * Layout and numerics
+ * - Weights: GGUF 4-bit blocks of 32, w = d * q + m (Q4_0 is d * (q - 8): m = -8 d),
+ *   in tiles of 4 output rows so that a thread streams one sequential run of memory:
+ *   for each tile, for each block column, 80 bytes: the 4 rows' float16 d, their 4
+ *   float16 m, then each row's 16 bytes of codes (element j in the low nibble of byte
+ *   j, element j + 16 in the high one). Rows past N (padding) are zeros.
+ * - Activations are float32 throughout, the residual stream included; the KV cache is
+ *   bfloat16 (the engine's cache, shared with the torch path that prefills).
+ * - A row's result does not depend on the other rows nor on the thread count: each
+ *   output element is one fixed sequence of fused multiply-adds, whatever the tiling.
+ *   So a token is computed the same way decoded alone or batched.
+ * Built with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+#define BLOCK 32
+#define NT 4 /* output rows per tile */
+#define TILE_BYTES (NT * 20) /* one block of each of a tile's rows */
+#define MT 4 /* activation rows per tile */
+
+/* a * b + c, rounded once where the CPU has FMA (the same everywhere on one machine) */
+static inline v16f vfma(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 a0, a1, b0, b1, c0, c1;
+    memcpy(&a0, &a, 32); memcpy(&a1, (char *)&a + 32, 32);
+    memcpy(&b0, &b, 32); memcpy(&b1, (char *)&b + 32, 32);
+    memcpy(&c0, &c, 32); memcpy(&c1, (char *)&c + 32, 32);
+    __m256 r0 = _mm256_fmadd_ps(a0, b0, c0), r1 = _mm256_fmadd_ps(a1, b1, c1);
+    v16f r;
+    memcpy(&r, &r0, 32); memcpy((char *)&r + 32, &r1, 32);
+    return r;
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float hsum(v16f v) {
+    /* a fixed tree: the same order for every element */
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* 16 codes (0..15) as floats: widen to int32 first (one vpmovzxbd), then convert */
+static inline v16f codes(v16u8 q) {
+    return __builtin_convertvector(__builtin_convertvector(q, v16i32), v16f);
+}
+
+static inline v16f splat(float f) { return (v16f){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+static inline void store16(float *p, v16f v) { memcpy(p, &v, 64); }
+
+static inline v16f load_bf16(const uint16_t *p) {
+    v16u16 h;
+    memcpy(&h, p, 32);
+    v16u32 u = __builtin_convertvector(h, v16u32) << 16;
+    v16f f;
+    memcpy(&f, &u, 64);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__FLT16_MAX__)
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { float f = ldexpf((float)man, -24); memcpy(&u, &f, 4); u |= sign; }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* One tile: outputs n0 .. n0 + NT - 1 (those below n_out are written) for activation
+ * rows r0 .. r0 + mt - 1. Inlined with a constant mt, so the accumulators live in
+ * registers. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint8_t *tile, int nb, int n0, int n_out, const float *x, int ldx, int r0, float *y,
+    int ldy, int accumulate, const int mt) {
+    v16f acc[NT][MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++)
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) acc[j][r] = splat(0.0f);
+    const v16u8 low = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + (size_t)b * TILE_BYTES;
+        __builtin_prefetch(blk + 8 * TILE_BYTES);
+        __builtin_prefetch(blk + 8 * TILE_BYTES + 64);
+#if defined(__FLT16_MAX__)
+        typedef _Float16 v8h __attribute__((vector_size(16)));
+        v8h halves;
+        memcpy(&halves, blk, 16);
+        const v8f dm = __builtin_convertvector(halves, v8f); /* d0..d3, m0..m3 */
+#else
+        float dm[2 * NT];
+        for (int j = 0; j < 2 * NT; j++) dm[j] = f16(blk + 2 * j);
+#endif
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++) {
+            v16f d = splat(dm[j]), m = splat(dm[NT + j]);
+            v16u8 q;
+            memcpy(&q, blk + 4 * NT + 16 * j, 16);
+            v16f lo = vfma(codes(q & low), d, m);
+            v16f hi = vfma(codes(q >> 4), d, m);
+#pragma GCC unroll 4
+            for (int r = 0; r < mt; r++) {
+                const float *xr = x + (size_t)(r0 + r) * ldx + (size_t)b * BLOCK;
+                acc[j][r] = vfma(lo, load16(xr), acc[j][r]);
+                acc[j][r] = vfma(hi, load16(xr + 16), acc[j][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++) {
+        if (n0 + j >= n_out) break;
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) {
+            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
+            float s = hsum(acc[j][r]);
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+
+/* y[r, n] (+)= sum_k w[n, k] x[r, k] for the output tiles this thread gets. */
+static void q4_matmul(const uint8_t *w, int n_out, int k, const float *x, int ldx, int rows,
+                      float *y, int ldy, int accumulate) {
+    const int nb = k / BLOCK, tiles = (n_out + NT - 1) / NT;
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
+        for (int r0 = 0; r0 < rows; r0 += MT) {
+            switch (rows - r0 < MT ? rows - r0 : MT) {
+            case 4: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 4); break;
+            case 3: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 3); break;
+            case 2: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 2); break;
+            default: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 1); break;
+            }
+        }
+    }
+}
+
+static void rms_norm(const float *x, const float *weight, float eps, int dim, float *out) {
+    v16f acc = splat(0.0f);
+    for (int i = 0; i < dim; i += 16) {
+        v16f v = load16(x + i);
+        acc = vfma(v, v, acc);
+    }
+    float inv = 1.0f / sqrtf(hsum(acc) / (float)dim + eps);
+    v16f s = splat(inv);
+    for (int i = 0; i < dim; i += 16) store16(out + i, load16(x + i) * s * load16(weight + i));
+}
+
+/* out = sum_i p_i v_i, with nv (= head_dim / 16) a constant once inlined. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const uint16_t *vc, const int64_t *table, int n, int bs, int stride, int offset,
+    const float *p, float *out, const int nv) {
+    v16f acc[16];
+    for (int c = 0; c < nv; c++) acc[c] = splat(0.0f);
+    for (int i0 = 0, blk = 0; i0 < n; i0 += bs, blk++) {
+        const uint16_t *base = vc + (size_t)table[blk] * bs * stride + offset;
+        const int count = n - i0 < bs ? n - i0 : bs;
+        for (int i = 0; i < count; i++) {
+            const v16f w = splat(p[i0 + i]);
+            for (int c = 0; c < nv; c++)
+                acc[c] = vfma(w, load_bf16(base + (size_t)i * stride + 16 * c), acc[c]);
+        }
+    }
+    for (int c = 0; c < nv; c++) store16(out + 16 * c, acc[c]);
+}
+
+/* One query head over n cached keys: softmax(q k / sqrt(d)) v, in float32.
+ * stride: elements between consecutive slots; offset: this KV head's first element. */
+static void attend(const float *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
+                   int n, int bs, int stride, int offset, int d, float scale, float *scores,
+                   float *out) {
+    float top = -INFINITY;
+    for (int i0 = 0, blk = 0; i0 < n; i0 += bs, blk++) {
+        const uint16_t *base = kc + (size_t)table[blk] * bs * stride + offset;
+        const int count = n - i0 < bs ? n - i0 : bs;
+        for (int i = 0; i < count; i++) {
+            const uint16_t *key = base + (size_t)i * stride;
+            v16f acc = splat(0.0f);
+            for (int e = 0; e < d; e += 16) acc = vfma(load16(q + e), load_bf16(key + e), acc);
+            const float sc = hsum(acc) * scale;
+            scores[i0 + i] = sc;
+            top = sc > top ? sc : top;
+        }
+    }
+    float total = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float p = expf(scores[i] - top);
+        scores[i] = p;
+        total += p;
+    }
+    const float inv = 1.0f / total;
+    for (int i = 0; i < n; i++) scores[i] *= inv;
+    switch (d) {
+    case 64: weigh_values(vc, table, n, bs, stride, offset, scores, out, 4); break;
+    case 128: weigh_values(vc, table, n, bs, stride, offset, scores, out, 8); break;
+    default: weigh_values(vc, table, n, bs, stride, offset, scores, out, d / 16); break;
+    }
+}
+
+typedef struct {
+    const uint8_t *qkv, *out, *gate_up, *down; /* 4-bit blocks, see the top */
+    const float *attn_norm, *ffn_norm;         /* float32 [dim] */
+    uint16_t *k_cache, *v_cache;               /* bfloat16 [slots, n_kv, head_dim] */
+} hr_layer;
+
+typedef struct {
+    int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, block_size;
+    float eps;
+    const hr_layer *layers;
+} hr_model;
+
+/* Floats of work space hr_decode needs. */
+long hr_work_floats(const hr_model *m, int rows, int max_context, int threads) {
+    long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    return (long)rows * (m->dim + qkv + (long)m->n_heads * m->head_dim + 3L * m->hidden) +
+           (long)threads * max_context;
+}
+
+/* One decode step through every layer.
+ * x: float32 [rows, dim], the embeddings in and the last layer's output out;
+ * rope_cos / rope_sin: float32 [rows, head_dim] as (c, c) and (-s, s) pairs;
+ * slots: [rows] cache slot of each row's new token; tables: [rows, width] block ids;
+ * context: [rows] tokens each row attends to (its own included), at most max_context. */
+int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
+              const float *rope_sin, const int64_t *slots, const int64_t *tables, int width,
+              const int64_t *context, int max_context, float *work, int threads) {
+    const int dim = m->dim, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim;
+    const int hidden = m->hidden, group = h / hkv, qkv_n = (h + 2 * hkv) * d;
+    if (dim % BLOCK || hidden % BLOCK || (h * d) % BLOCK || d % 16 || d > 256 || h % hkv)
+        return -1;
+    float *xn = work;
+    float *qkv = xn + (size_t)rows * dim;
+    float *att = qkv + (size_t)rows * qkv_n;
+    float *gu = att + (size_t)rows * h * d;
+    float *act = gu + (size_t)rows * 2 * hidden;
+    float *scores = act + (size_t)rows * hidden;
+    const float scale = 1.0f / sqrtf((float)d);
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(_OPENMP)
+        extern int omp_get_thread_num(void);
+        float *my_scores = scores + (size_t)omp_get_thread_num() * max_context;
+#else
+        float *my_scores = scores;
+#endif
+        for (int l = 0; l < m->n_layers; l++) {
+            const hr_layer *L = &m->layers[l];
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++)
+                rms_norm(x + (size_t)r * dim, L->attn_norm, m->eps, dim, xn + (size_t)r * dim);
+            q4_matmul(L->qkv, qkv_n, dim, xn, dim, rows, qkv, qkv_n, 0);
+            /* RoPE on q and k (adjacent pairs), then k and v into the cache */
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++) {
+                float *row = qkv + (size_t)r * qkv_n;
+                const float *c = rope_cos + (size_t)r * d, *s = rope_sin + (size_t)r * d;
+                for (int head = 0; head < h + hkv; head++) {
+                    float *p = row + (size_t)head * d;
+                    for (int i = 0; i < d; i += 2) {
+                        float x0 = p[i], x1 = p[i + 1];
+                        /* x * (c, c) + (x1, x0) * (-s, s), as the torch path */
+                        p[i] = x0 * c[i] + x1 * s[i];
+                        p[i + 1] = x1 * c[i + 1] + x0 * s[i + 1];
+                    }
+                }
+                uint16_t *kc = L->k_cache + (size_t)slots[r] * hkv * d;
+                uint16_t *vc = L->v_cache + (size_t)slots[r] * hkv * d;
+                const float *k = row + (size_t)h * d, *v = k + (size_t)hkv * d;
+                for (int i = 0; i < hkv * d; i++) {
+                    kc[i] = to_bf16(k[i]);
+                    vc[i] = to_bf16(v[i]);
+                }
+            }
+            /* attention: one (row, query head) per iteration, over the row's context */
+#pragma omp for schedule(static)
+            for (int item = 0; item < rows * h; item++) {
+                const int r = item / h, head = item % h;
+                attend(qkv + (size_t)r * qkv_n + (size_t)head * d, L->k_cache, L->v_cache,
+                       tables + (size_t)r * width, (int)context[r], m->block_size, hkv * d,
+                       (head / group) * d, d, scale, my_scores,
+                       att + (size_t)r * h * d + (size_t)head * d);
+            }
+            q4_matmul(L->out, dim, h * d, att, h * d, rows, x, dim, 1);
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++)
+                rms_norm(x + (size_t)r * dim, L->ffn_norm, m->eps, dim, xn + (size_t)r * dim);
+            q4_matmul(L->gate_up, 2 * hidden, dim, xn, dim, rows, gu, 2 * hidden, 0);
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++) {
+                const float *gate = gu + (size_t)r * 2 * hidden, *up = gate + hidden;
+                float *a = act + (size_t)r * hidden;
+                for (int i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            }
+            q4_matmul(L->down, dim, hidden, act, hidden, rows, x, dim, 1);
+        }
+    }
+    return 0;
+}
