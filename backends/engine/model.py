@@ -485,17 +485,21 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
         n = meta.num_decodes
-        if meta.prefills and n and packed_row_count(int(input_ids.shape[0])) == n:
-            if self._native_plan() is not None:
-                # The decode rows go through the native kernels, the prefill rows
-                # through torch, as two passes: a decode token is then computed the
-                # same way whether or not the step also prefills.
-                decode, prefill = split_decodes(meta)
-                with packed_rows(n):
-                    head = self(input_ids[:n], positions[:n], kv_caches, decode)
-                with packed_rows(0):
-                    tail = self(input_ids[n:], positions[n:], kv_caches, prefill)
-                return torch.cat([head, tail])
+        if (
+            meta.prefills
+            and n
+            and packed_row_count(int(input_ids.shape[0])) == n
+            and self._native_plan() is not None
+        ):
+            # The decode rows go through the native kernels, the prefill rows through
+            # torch, as two passes: a decode token is then computed the same way
+            # whether or not the step also prefills.
+            decode, prefill = split_decodes(meta)
+            with packed_rows(n):
+                head = self(input_ids[:n], positions[:n], kv_caches, decode)
+            with packed_rows(0):
+                tail = self(input_ids[n:], positions[n:], kv_caches, prefill)
+            return torch.cat([head, tail])
         x = self.tok_embeddings(input_ids)  # [T, dim]
         rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
         fast = self._fast_decode(x.shape[0], meta)

@@ -218,7 +218,7 @@ class NativeDecode:
             raise NotApplicable("hooked")
         self.keep, self.layers = keep, layers
         self.model = _Model(a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim,
-                            a.hidden_dim, 0, model.layers[0].attention_norm.eps,
+                            a.hidden_dim, 0, a.norm_eps,
                             ctypes.cast(layers, ctypes.POINTER(_Layer)))
         self.kv_seen: tuple[Any, ...] = ()
         self.work: torch.Tensor | None = None

@@ -21,6 +21,10 @@ sequences decode. A decode token is then computed the same way alone, batched wi
 up to that many others, or inside a speculative span; prefill chunks always run dense.
 Each row's result does not depend on the other rows.
 
+Where a C compiler is at hand, those same packed decode rows run through native decode
+layers instead (native.py: the whole stack in one call, ~1.6x faster per step);
+torch's kernel is the fallback.
+
 The codes are attached to the model's Linear modules by :func:`attach_q4` after the
 model reached its device and dtype; a Linear whose weight was replaced since (tensor
 parallel sharding, a reload) is simply run dense.

@@ -9,8 +9,8 @@ of 32 decoding sequences costs one pass over the weights, not 32.
 
 Rows are laid out decode-like sequences first (decode tokens, short speculative
 spans), prefill chunks after. With at most ``INT4_MAX_SEQS`` sequences decoding, the
-decode rows run through the packed 4-bit weights when the model has them (quant.py)
-and everything else through the dense ones; the choice depends on how many
+decode rows run through the packed 4-bit weights when the model has them (quant.py;
+native.py runs them all in one native call) and everything else through the dense ones; the choice depends on how many
 sequences decode, not on how many rows they add, so a token is computed the same way
 decoded alone, batched with a few others, or verified in a speculative span.
 
