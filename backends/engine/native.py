@@ -13,9 +13,13 @@ it apart from the prefill rows (:func:`split_decodes`), so a decode token is com
 the same way whatever else the step holds.
 
 Numerics: float32 activations and residual stream (the torch path rounds them to
-bfloat16 at every op), float32 accumulation, K/V stored in bfloat16 as the torch path
-stores them; each row's result is independent of the other rows and of the thread
-count. So tokens are within bfloat16 rounding of the torch path's, not bit for bit.
+bfloat16 at every op), K/V stored in bfloat16 as the torch path stores them. On CPUs
+with VNNI the 4-bit matmuls take their input as two int8 layers per block of 32 (about
+16 bits of it, finer than bfloat16; llama.cpp's Q8 takes one, 8 bits) and multiply
+with integer dot products; elsewhere in float32. Each row's result is independent of
+the other rows and of the thread count. Tokens are within bfloat16 rounding of the
+torch path's, not bit for bit: logits measured against the float32 model are at least
+as close as the torch path's (tests/engine/test_native.py).
 
 The C source is compiled at first use with the system C compiler (``cc -O3
 -march=native -fopenmp``) into a per-user cache and loaded with ctypes (which drops the

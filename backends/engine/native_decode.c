@@ -15,6 +15,11 @@
  *   j, element j + 16 in the high one). Rows past N (padding) are zeros.
  * - Activations are float32 throughout, the residual stream included; the KV cache is
  *   bfloat16 (the engine's cache, shared with the torch path that prefills).
+ * - The 4-bit matmuls: on CPUs with VNNI (AVX512-VNNI or AVX-VNNI), the input of each
+ *   matmul is split per block of 32 into two int8 layers (x ~ dx (qx1 + qx2 / 256), about
+ *   16 bits, finer than bfloat16) and q . x takes two vpdpbusd per 32 weights; elsewhere
+ *   the codes are converted to float and multiplied in float32. Either way d and m are
+ *   applied per block in float32 (y = sum_b d_b (q_b . x_b) + m_b sum(x_b)).
  * - A row's result does not depend on the other rows nor on the thread count: each
  *   output element is one fixed sequence of fused multiply-adds, whatever the tiling.
  *   So a token is computed the same way decoded alone or batched.
@@ -127,8 +132,10 @@ static inline __attribute__((always_inline)) void q4_tile(
     const v16u8 low = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = tile + (size_t)b * TILE_BYTES;
-        __builtin_prefetch(blk + 8 * TILE_BYTES);
-        __builtin_prefetch(blk + 8 * TILE_BYTES + 64);
+        __builtin_prefetch(blk + 128 * TILE_BYTES);
+        __builtin_prefetch(blk + 128 * TILE_BYTES + 64);
+        __builtin_prefetch(blk + 96 * TILE_BYTES, 0, 2);
+        __builtin_prefetch(blk + 96 * TILE_BYTES + 64, 0, 2);
 #if defined(__FLT16_MAX__)
         typedef _Float16 v8h __attribute__((vector_size(16)));
         v8h halves;
@@ -165,20 +172,172 @@ static inline __attribute__((always_inline)) void q4_tile(
     }
 }
 
-/* y[r, n] (+)= sum_k w[n, k] x[r, k] for the output tiles this thread gets. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HR_INT8 1
+static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+    return _mm256_dpbusd_epi32(acc, u8, s8);
+}
+#elif defined(__AVXVNNI__)
+#define HR_INT8 1
+static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+}
+#endif
+
+#if defined(HR_INT8)
+/* Activations in two int8 layers per block of 32, so that q . x takes two vpdpbusd per
+ * 32 weights and keeps ~16 bits: x ~ dx * (qx1 + qx2 / 256) with dx = max |x| / 127, qx1
+ * = round(x / dx) and qx2 the rounded remainder (|error| <= dx / 256, against dx / 2 for
+ * llama.cpp's one-layer Q8, ~1e-5 of the block's largest value: finer than bfloat16);
+ * plus each block's exact float sum S for the m term. */
+typedef struct {
+    int8_t *q1, *q2; /* [rows, k] each */
+    float *scale;    /* [rows, nb] */
+    float *sum;      /* [rows, nb] */
+} q8_rows;
+
+/* 32 rounded floats (each within int8) as 32 int8, in order (llama.cpp's AVX2 packing) */
+static inline __m256i pack32(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static void quantize_rows(const float *x, int ldx, int rows, int k, q8_rows out) {
+    const int nb = k / BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f), limit = _mm256_set1_ps(127.0f);
+    const __m256 step = _mm256_set1_ps(256.0f);
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * ldx + (size_t)b * BLOCK;
+            __m256 v[4], hi[4], lo[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+            __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                                      _mm256_andnot_ps(sign, v[1])),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                                      _mm256_andnot_ps(sign, v[3])));
+            __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+            top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+            const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+            const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            for (int i = 0; i < 4; i++) {
+                const __m256 scaled = _mm256_mul_ps(v[i], inv);
+                hi[i] = _mm256_round_ps(scaled, nearest);
+                lo[i] = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, hi[i]), step), nearest);
+                lo[i] = _mm256_max_ps(_mm256_min_ps(lo[i], limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
+            }
+            const size_t at = (size_t)r * k + (size_t)b * BLOCK;
+            _mm256_storeu_si256((__m256i *)(out.q1 + at), pack32(hi[0], hi[1], hi[2], hi[3]));
+            _mm256_storeu_si256((__m256i *)(out.q2 + at), pack32(lo[0], lo[1], lo[2], lo[3]));
+            out.scale[(size_t)r * nb + b] = top / (127.0f * 256.0f);
+            out.sum[(size_t)r * nb + b] = hsum(load16(xb) + load16(xb + 16));
+        }
+}
+
+/* A tile as in q4_tile, from the two-layer int8 activations:
+ * y = sum_b d_b dx_b (256 q_b . qx1_b + q_b . qx2_b) + m_b S_b. */
+static inline __attribute__((always_inline)) void q4_tile_int8(
+    const uint8_t *tile, int nb, int n0, int n_out, q8_rows x, int k, int r0, float *y,
+    int ldy, int accumulate, const int mt) {
+    __m256 acc[NT][MT];
+    __m128 offsets[MT]; /* the m terms of the tile's NT outputs */
+#pragma GCC unroll 4
+    for (int r = 0; r < mt; r++) {
+        offsets[r] = _mm_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++) acc[j][r] = _mm256_setzero_ps();
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i shifts = _mm256_set_epi64x(4, 4, 0, 0); /* high lane: the high nibbles */
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + (size_t)b * TILE_BYTES;
+        __builtin_prefetch(blk + 128 * TILE_BYTES);
+        __builtin_prefetch(blk + 128 * TILE_BYTES + 64);
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m128 d4 = _mm256_castps256_ps128(dm), m4 = _mm256_extractf128_ps(dm, 1);
+        __m256 dx[MT];
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) {
+            const size_t row = (size_t)(r0 + r);
+            dx[r] = _mm256_set1_ps(x.scale[row * nb + b]);
+            offsets[r] = _mm_fmadd_ps(m4, _mm_set1_ps(x.sum[row * nb + b]), offsets[r]);
+        }
+        float ds[4];
+        _mm_storeu_ps(ds, d4);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++) {
+            /* codes 0..15 of the block as 32 bytes: the 16 bytes in both lanes, the high
+             * lane shifted by 4, both masked */
+            const __m256i both = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)(blk + 4 * NT + 16 * j)));
+            const __m256i codes32 = _mm256_and_si256(_mm256_srlv_epi64(both, shifts), low);
+            const __m256 d = _mm256_set1_ps(ds[j]);
+#pragma GCC unroll 4
+            for (int r = 0; r < mt; r++) {
+                const size_t at = (size_t)(r0 + r) * k + (size_t)b * BLOCK;
+                const __m256i hi = dpbusd(_mm256_setzero_si256(), codes32,
+                                          _mm256_loadu_si256((const __m256i *)(x.q1 + at)));
+                /* 256 q.qx1 + q.qx2: below 2^24 in magnitude, so exact as a float */
+                const __m256i dot = dpbusd(_mm256_slli_epi32(hi, 8), codes32,
+                                           _mm256_loadu_si256((const __m256i *)(x.q2 + at)));
+                acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dx[r]), d,
+                                            acc[j][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < mt; r++) {
+        float off[4];
+        _mm_storeu_ps(off, offsets[r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++) {
+            if (n0 + j >= n_out) break;
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]),
+                                        _mm256_extractf128_ps(acc[j][r], 1));
+            const float s = ((h[0] + h[2]) + (h[1] + h[3])) + off[j];
+            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+#endif
+
+/* Floats of per-thread scratch q4_matmul needs for rows of k inputs. */
+static size_t matmul_scratch(int rows, int k) {
+    return (size_t)rows * ((size_t)k / 2 + 2 * (size_t)k / BLOCK) + 16;
+}
+
+/* y[r, n] (+)= sum_k w[n, k] x[r, k] for the output tiles this thread gets; scratch:
+ * this thread's own matmul_scratch(rows, k) floats. */
 static void q4_matmul(const uint8_t *w, int n_out, int k, const float *x, int ldx, int rows,
-                      float *y, int ldy, int accumulate) {
+                      float *y, int ldy, int accumulate, float *scratch) {
     const int nb = k / BLOCK, tiles = (n_out + NT - 1) / NT;
+#if defined(HR_INT8)
+    /* every thread quantises the rows itself: the same codes, no barrier */
+    q8_rows q8 = {(int8_t *)scratch, (int8_t *)scratch + (size_t)rows * k,
+                  scratch + (size_t)rows * k / 2, scratch + (size_t)rows * k / 2 + (size_t)rows * nb};
+    quantize_rows(x, ldx, rows, k, q8);
+#else
+    (void)scratch;
+#endif
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
         for (int r0 = 0; r0 < rows; r0 += MT) {
+#if defined(HR_INT8)
+#define TILE(mt) q4_tile_int8(tile, nb, t * NT, n_out, q8, k, r0, y, ldy, accumulate, mt)
+#else
+#define TILE(mt) q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, mt)
+#endif
             switch (rows - r0 < MT ? rows - r0 : MT) {
-            case 4: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 4); break;
-            case 3: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 3); break;
-            case 2: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 2); break;
-            default: q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, 1); break;
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
             }
+#undef TILE
         }
     }
 }
@@ -260,8 +419,10 @@ typedef struct {
 /* Floats of work space hr_decode needs. */
 long hr_work_floats(const hr_model *m, int rows, int max_context, int threads) {
     long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    int widest = m->hidden > m->dim ? m->hidden : m->dim;
+    widest = m->n_heads * m->head_dim > widest ? m->n_heads * m->head_dim : widest;
     return (long)rows * (m->dim + qkv + (long)m->n_heads * m->head_dim + 3L * m->hidden) +
-           (long)threads * max_context;
+           (long)threads * (max_context + (long)matmul_scratch(rows, widest));
 }
 
 /* One decode step through every layer.
@@ -287,16 +448,21 @@ int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
     {
 #if defined(_OPENMP)
         extern int omp_get_thread_num(void);
-        float *my_scores = scores + (size_t)omp_get_thread_num() * max_context;
+        const int me = omp_get_thread_num();
 #else
-        float *my_scores = scores;
+        const int me = 0;
 #endif
+        int widest = hidden > dim ? hidden : dim;
+        widest = h * d > widest ? h * d : widest;
+        const size_t per_thread = (size_t)max_context + matmul_scratch(rows, widest);
+        float *my_scores = scores + (size_t)me * per_thread;
+        float *my_scratch = my_scores + max_context;
         for (int l = 0; l < m->n_layers; l++) {
             const hr_layer *L = &m->layers[l];
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++)
                 rms_norm(x + (size_t)r * dim, L->attn_norm, m->eps, dim, xn + (size_t)r * dim);
-            q4_matmul(L->qkv, qkv_n, dim, xn, dim, rows, qkv, qkv_n, 0);
+            q4_matmul(L->qkv, qkv_n, dim, xn, dim, rows, qkv, qkv_n, 0, my_scratch);
             /* RoPE on q and k (adjacent pairs), then k and v into the cache */
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) {
@@ -328,18 +494,18 @@ int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
                        (head / group) * d, d, scale, my_scores,
                        att + (size_t)r * h * d + (size_t)head * d);
             }
-            q4_matmul(L->out, dim, h * d, att, h * d, rows, x, dim, 1);
+            q4_matmul(L->out, dim, h * d, att, h * d, rows, x, dim, 1, my_scratch);
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++)
                 rms_norm(x + (size_t)r * dim, L->ffn_norm, m->eps, dim, xn + (size_t)r * dim);
-            q4_matmul(L->gate_up, 2 * hidden, dim, xn, dim, rows, gu, 2 * hidden, 0);
+            q4_matmul(L->gate_up, 2 * hidden, dim, xn, dim, rows, gu, 2 * hidden, 0, my_scratch);
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) {
                 const float *gate = gu + (size_t)r * 2 * hidden, *up = gate + hidden;
                 float *a = act + (size_t)r * hidden;
                 for (int i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
             }
-            q4_matmul(L->down, dim, hidden, act, hidden, rows, x, dim, 1);
+            q4_matmul(L->down, dim, hidden, act, hidden, rows, x, dim, 1, my_scratch);
         }
     }
     return 0;
