@@ -99,16 +99,23 @@ def _cpu_key() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _flags() -> list[str]:
+    """The compiler flags, plus any in ``HEADRACE_NATIVE_CFLAGS`` (e.g. ``-mno-avx512vnni
+    -mno-avxvnni`` builds the float32 matmuls on a VNNI CPU)."""
+    return [*_FLAGS, *os.environ.get("HEADRACE_NATIVE_CFLAGS", "").split()]
+
+
 def _build(cc: str) -> Path:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"native_decode-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([cc, *_FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True,
+        subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders each land a whole file
     return target
@@ -120,6 +127,8 @@ def library() -> ctypes.CDLL | None:
         if _lib:
             return _lib[0]
         lib: ctypes.CDLL | None = None
+        # Several builds may be loaded side by side (tests load a float32 one): each
+        # build's file is its own, so each load is its own library.
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if os.environ.get("HEADRACE_NATIVE", "1") == "0":
             log.info("native decode kernels disabled (HEADRACE_NATIVE=0)")

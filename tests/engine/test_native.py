@@ -87,8 +87,23 @@ def _decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int = 3
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43, 44, 45, 46], [12, 13]]
 
 
-@needs_native
-def test_a_native_step_is_as_close_to_float32_as_the_torch_packed_path(tiny_q4: Path) -> None:
+# The matmuls as this CPU builds them (integer dot products where it has VNNI), and
+# built without VNNI: the float32 variant that CPUs without it run.
+VARIANTS = ["", "-mno-avx512vnni -mno-avxvnni"]
+
+
+@pytest.fixture(params=VARIANTS, ids=["native", "float-matmuls"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(native, "_lib", [])
+    monkeypatch.setenv("HEADRACE_NATIVE_CFLAGS", request.param)
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    return str(request.param)
+
+
+def test_a_native_step_is_as_close_to_float32_as_the_torch_packed_path(
+    tiny_q4: Path, variant: str
+) -> None:
     reference = _runner(tiny_q4, torch.float32, packed=False)  # the file's weights, exactly
     fast = _runner(tiny_q4, torch.bfloat16, packed=True)
     torch_path = _runner(tiny_q4, torch.bfloat16, packed=True)
@@ -107,8 +122,7 @@ def test_a_native_step_is_as_close_to_float32_as_the_torch_packed_path(tiny_q4: 
         assert native_err <= 1.25 * torch_err + 1e-3, (native_err, torch_err)
 
 
-@needs_native
-def test_a_rows_result_depends_on_the_row_only(tiny_q4: Path) -> None:
+def test_a_rows_result_depends_on_the_row_only(tiny_q4: Path, variant: str) -> None:
     """Alone, batched with others, or on one thread: the same bits."""
     together = _decode_logits(_runner(tiny_q4, torch.bfloat16, packed=True), PROMPTS)
     threads = torch.get_num_threads()
