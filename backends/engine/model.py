@@ -31,8 +31,9 @@ from backends.engine.attention import (
     paged_attention,
     write_kv,
 )
-from backends.engine.native import NativeDecode, NotApplicable, split_decodes
+from backends.engine.native import AMX_FEW_SEQS, NativeDecode, NotApplicable, split_decodes
 from backends.engine.quant import (
+    INT4_MAX_SEQS,
     Int4Linear,
     ParamWatch,
     attach_epoch,
@@ -407,6 +408,13 @@ class FastDecode:
         return x
 
 
+_Layers = Callable[
+    [torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]],
+     AttentionMetadata],
+    torch.Tensor,
+]
+
+
 class _NoFastPath(Exception):
     pass
 
@@ -485,17 +493,13 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
         n = meta.num_decodes
-        if (
-            meta.prefills
-            and n
-            and packed_row_count(int(input_ids.shape[0])) == n
-            and self._native_plan() is not None
-        ):
+        if meta.prefills and n and self._native_plan() is not None:
             # The decode rows go through the native kernels, the prefill rows through
             # torch, as two passes: a decode token is then computed the same way
             # whether or not the step also prefills.
+            packed = n if packed_row_count(int(input_ids.shape[0])) == n else 0
             decode, prefill = split_decodes(meta)
-            with packed_rows(n):
+            with packed_rows(packed):
                 head = self(input_ids[:n], positions[:n], kv_caches, decode)
             with packed_rows(0):
                 tail = self(input_ids[n:], positions[n:], kv_caches, prefill)
@@ -534,17 +538,27 @@ class Transformer(nn.Module):
             return None
         return plan
 
-    def _fast_decode(self, rows: int, meta: AttentionMetadata) -> FastDecode | NativeDecode | None:
+    def packed_seq_limit(self) -> int:
+        """Steps with at most this many decoding sequences run their decode rows
+        "packed" (the runner's choice, quant.packed_rows): through the few-row kernels,
+        native or torch's int4 one. With AMX the native batched kernel is faster from 3
+        sequences on; else the few-row kernels are, up to INT4_MAX_SEQS."""
+        plan = self.__dict__.get("_fast", {}).get("native")  # as last built; steps check it
+        if plan is None:  # not built yet: build it now, so that the first step chooses too
+            plan = self._native_plan()
+        return AMX_FEW_SEQS if isinstance(plan, NativeDecode) and plan.amx else INT4_MAX_SEQS
+
+    def _fast_decode(self, rows: int, meta: AttentionMetadata) -> _Layers | None:
         """The straight-line layers for this step, when it is decode-only and every
         row takes one kernel kind that every linear has."""
         if not self.fast_decode or meta.prefills or meta.num_decodes != rows:
             return None
         packed = packed_row_count(rows)
+        native = self._native_plan()
+        if native is not None:  # the runner's packed rows are "a few sequences"
+            return native.few if packed == rows else native.many if packed == 0 else None
         if packed == rows:
             int4 = True
-            native = self._native_plan()
-            if native is not None:
-                return native
         elif packed == 0 and rows <= _PACKED_MAX_ROWS:
             int4 = False
         else:

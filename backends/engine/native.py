@@ -1,30 +1,36 @@
 """Decode steps over 4-bit weights in one native call (native_decode.c).
 
-A single-stream decode step of SmolLM2-135M in bfloat16 spends ~19 ms in torch: the
+A single-stream decode step of SmolLM2-135M in bfloat16 spends ~15-19 ms in torch: the
 int4 kernel streams the 4-bit weights at half the memory bandwidth, and ~250 small
 tensor ops cost microseconds of dispatch each. :class:`NativeDecode` runs the whole
 stack of layers (norms, Q/K/V, RoPE, the KV-cache write, paged attention, SwiGLU,
 residuals) as one C function over the GGUF blocks, threads from torch's own OpenMP
 pool, and returns the last layer's output; the final norm and the LM head stay in
-torch. It takes the steps that the packed 4-bit path takes (quant.py: decode rows of
-steps with at most ``INT4_MAX_SEQS`` decoding sequences), so which tokens it computes
-is decided exactly as before; the runner's mixed steps run their decode rows through
-it apart from the prefill rows (:func:`split_decodes`), so a decode token is computed
-the same way whatever else the step holds.
+torch. It serves every decode row of a step, with one of two matmul kernels:
+
+- few sequences (:meth:`NativeDecode.few`, the runner's "packed" rows: at most
+  ``Transformer.packed_seq_limit()`` decoding sequences): the weights streamed once,
+  each row's input split per block of 32 into two int8 layers (about 16 bits) and
+  multiplied by integer dot products (AVX512-VNNI / AVX-VNNI), else in float32;
+- many sequences (:meth:`NativeDecode.many`): each tile of weights dequantised once to
+  bfloat16 and multiplied into up to 32 rows at once by AMX tiles, else by AVX512-BF16
+  dot products, else in float32. Its cost hardly grows with the rows.
+
+Mixed steps run their decode rows through it apart from the prefill rows
+(:func:`split_decodes`), so a decode token is computed the same way whatever else the
+step holds.
 
 Numerics: float32 activations and residual stream (the torch path rounds them to
-bfloat16 at every op), K/V stored in bfloat16 as the torch path stores them. On CPUs
-with VNNI the 4-bit matmuls take their input as two int8 layers per block of 32 (about
-16 bits of it, finer than bfloat16; llama.cpp's Q8 takes one, 8 bits) and multiply
-with integer dot products; elsewhere in float32. Each row's result is independent of
-the other rows and of the thread count. Tokens are within bfloat16 rounding of the
-torch path's, not bit for bit: logits measured against the float32 model are at least
-as close as the torch path's (tests/engine/test_native.py).
+bfloat16 at every op), K/V stored in bfloat16 as the torch path stores them. Each
+row's result is independent of the other rows and of the thread count, within each
+kernel. Tokens are within bfloat16 rounding of the torch path's, not bit for bit:
+logits measured against the float32 model are at least as close as the torch path's
+(tests/engine/test_native.py).
 
 The C source is compiled at first use with the system C compiler (``cc -O3
 -march=native -fopenmp``) into a per-user cache and loaded with ctypes (which drops the
 GIL for the call). No compiler, a failed build, or ``HEADRACE_NATIVE=0``: the torch
-path serves, unchanged.
+path serves, unchanged. ``HEADRACE_NATIVE_AMX=0`` keeps the AMX kernel off.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from backends.engine.quant import GROUP, ParamWatch, Q4Weight, q4_of
 if TYPE_CHECKING:
     from backends.engine.model import Transformer
 
-__all__ = ["NativeDecode", "NotApplicable", "library", "q4_blocks", "split_decodes"]
+__all__ = ["AMX_FEW_SEQS", "NativeDecode", "NotApplicable", "library", "q4_blocks", "split_decodes"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class _Layer(ctypes.Structure):
         ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
         ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("amx_codes", ctypes.c_void_p * 4), ("amx_scales", ctypes.c_void_p * 4),
     ]
 
 
@@ -147,8 +154,10 @@ def library() -> ctypes.CDLL | None:
             lib.hr_decode.argtypes = [
                 ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
             ]
+            lib.hr_amx.restype = ctypes.c_int
+            lib.hr_amx.argtypes = []
             lib.hr_work_floats.restype = ctypes.c_long
             lib.hr_work_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_int,
                                            ctypes.c_int]
@@ -157,6 +166,10 @@ def library() -> ctypes.CDLL | None:
 
 
 TILE = 4  # output rows per tile (NT in native_decode.c)
+# With AMX, steps of more decoding sequences than this take the batched kernel: its
+# cost hardly grows with the rows (measured in-process, SmolLM2 bfloat16, per step: 1
+# sequence 7.2 ms integer / 8.5 ms AMX, 2: 8.6 / 8.9, 4: 12.7 / 10.1, 8: 21.3 / 11.6).
+AMX_FEW_SEQS = 2
 
 
 def q4_blocks(weights: Sequence[Q4Weight]) -> torch.Tensor:
@@ -178,6 +191,31 @@ def q4_blocks(weights: Sequence[Q4Weight]) -> torch.Tensor:
     out[..., 8:16] = m.transpose(1, 2).contiguous().view(torch.uint8)
     out[..., 16:] = codes.transpose(1, 2).reshape(q.shape[0], nb, 64)
     return out
+
+
+def amx_blocks(weights: Sequence[Q4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights stacked along N in the AMX kernel's layout (native_decode.c):
+    codes [ceil(N / 16), K / 32, 256] uint8, two per byte (element e of a block's
+    16 x 32 pair layout, e = 32 kp + 2 n + j for input 2 kp + j of output n, low nibble
+    of byte e for e < 256, high nibble of byte e - 256 above), and float16 scales
+    [ceil(N / 16), K / 32, 32] (the 16 outputs' d, then their m)."""
+    q = torch.cat([w.q() for w in weights]).to(torch.uint8)  # [N, K]
+    scale = torch.cat([w.scale for w in weights])
+    offset = torch.cat([w.zero for w in weights]) - 8 * scale
+    n, k = q.shape
+    nb, pad = k // GROUP, -n % 16
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    tiles = q.shape[0] // 16
+    # [tiles, n 16, nb, kp 16, j 2] -> [tiles, nb, kp, n, j]
+    e = q.view(tiles, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
+    codes = (e[..., :256] | (e[..., 256:] << 4)).contiguous()
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:
+        v = torch.nn.functional.pad(v.to(torch.float16), (0, 0, 0, pad))
+        return v.view(tiles, 16, nb).transpose(1, 2)  # [tiles, nb, 16]
+
+    scales = torch.cat([per_tile(scale), per_tile(offset)], dim=-1).contiguous()
+    return codes, scales.view(torch.uint16) if hasattr(torch, "uint16") else scales
 
 
 class NativeDecode:
@@ -202,6 +240,7 @@ class NativeDecode:
                 or a.attention_bias):
             raise NotApplicable("shapes")
         self.lib, self.args = lib, a
+        self.amx = bool(lib.hr_amx()) and os.environ.get("HEADRACE_NATIVE_AMX", "1") != "0"
         owners: list[nn.Module] = []
         keep: list[torch.Tensor] = []  # what the C structs point into
         layers = (_Layer * a.n_layers)()
@@ -224,8 +263,15 @@ class NativeDecode:
             norms = [block.attention_norm.weight.detach().float().contiguous(),
                      block.ffn_norm.weight.detach().float().contiguous()]
             keep += blocks + norms
+            amx: list[int] = [0] * 8
+            if self.amx:
+                for part, group in enumerate((q4[0:3], q4[3:4], q4[4:6], q4[6:7])):
+                    codes_, scales_ = amx_blocks(group)
+                    keep += [codes_, scales_]
+                    amx[part], amx[4 + part] = codes_.data_ptr(), scales_.data_ptr()
             owners += [*linears, block.attention_norm, block.ffn_norm]
-            layers[i] = _Layer(*(t.data_ptr() for t in blocks + norms), None, None)
+            layers[i] = _Layer(*(t.data_ptr() for t in blocks + norms), None, None,
+                               (ctypes.c_void_p * 4)(*amx[:4]), (ctypes.c_void_p * 4)(*amx[4:]))
         self.watch = ParamWatch(owners, self.modules)
         if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules):
             raise NotApplicable("hooked")
@@ -254,12 +300,37 @@ class NativeDecode:
         self.model.block_size = int(kv_caches[0][0].shape[1])
         self.kv_seen = seen
 
+    def few(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step of a few decoding sequences (the runner's packed rows): matmuls by
+        integer dot products on CPUs with VNNI, streaming the 4-bit weights."""
+        return self(x, rope, kv_caches, meta, batched=False)
+
+    def many(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step of many decoding sequences: each tile of weights dequantised once
+        and multiplied into every row by bfloat16 dot products (AVX512-BF16), as dense
+        bfloat16 weights would be, but reading 4-bit ones."""
+        return self(x, rope, kv_caches, meta, batched=True)
+
     def __call__(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        *,
+        batched: bool = False,
     ) -> torch.Tensor:
         """x: [B, dim] embeddings of B decode rows -> the last layer's output, in
         x's dtype."""
@@ -280,7 +351,7 @@ class NativeDecode:
         rc = self.lib.hr_decode(
             ctypes.byref(self.model), rows, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), tables.data_ptr(), width, context.data_ptr(), max_context,
-            self.work.data_ptr(), threads,
+            self.work.data_ptr(), threads, int(batched),
         )
         if rc != 0:
             raise RuntimeError(f"native decode failed ({rc})")

@@ -304,33 +304,272 @@ static inline __attribute__((always_inline)) void q4_tile_int8(
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HR_BF16 1
+/* The batched matmul (many rows): each tile of 4 outputs is dequantised once, to
+ * bfloat16 in an L1 buffer, then every row takes one vdpbf16ps per 32 weights (the
+ * inputs rounded to bfloat16, as torch's bfloat16 path rounds them). */
+static inline __attribute__((always_inline)) void bf16_rows(
+    const uint16_t *w, int k, int n0, int n_out, const uint16_t *x, int r0, float *y, int ldy,
+    int accumulate, const int mt) {
+    __m512 acc[NT][MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++)
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int e = 0; e < k; e += BLOCK) {
+        __m512bh xs[MT];
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++)
+            xs[r] = (__m512bh)_mm512_loadu_si512(x + (size_t)(r0 + r) * k + e);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++) {
+            const __m512bh wj = (__m512bh)_mm512_loadu_si512(w + (size_t)j * k + e);
+#pragma GCC unroll 4
+            for (int r = 0; r < mt; r++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wj, xs[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++) {
+        if (n0 + j >= n_out) break;
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) {
+            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
+            const float s = hsum((v16f)acc[j][r]);
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+
+static void q4_tile_bf16(const uint8_t *tile, int nb, int n0, int n_out, const uint16_t *x,
+                         int k, int rows, float *y, int ldy, int accumulate, uint16_t *w) {
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + (size_t)b * TILE_BYTES;
+        __builtin_prefetch(blk + 128 * TILE_BYTES);
+        __builtin_prefetch(blk + 128 * TILE_BYTES + 64);
+        float dm[2 * NT];
+        _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+        for (int j = 0; j < NT; j++) {
+            const __m512i q = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 4 * NT + 16 * j)));
+            const __m512 d = _mm512_set1_ps(dm[j]), m = _mm512_set1_ps(dm[NT + j]);
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+            _mm512_storeu_si512(w + (size_t)j * k + (size_t)b * BLOCK,
+                                (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    for (int r0 = 0; r0 < rows; r0 += MT) {
+        switch (rows - r0 < MT ? rows - r0 : MT) {
+        case 4: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 4); break;
+        case 3: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 3); break;
+        case 2: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 2); break;
+        default: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 1); break;
+        }
+    }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* The batched matmul on CPUs with AMX: per tile of 16 outputs and block of 32 inputs,
+ * the 512 weights are dequantised to bfloat16 in AMX's pair layout and multiplied into
+ * up to 32 rows by two TDPBF16PS, accumulating in the tile registers over the whole
+ * row: the per-block work does not grow with the rows.
+ * Weights: codes [tiles][nb][256] (element e of the block's 16 x 32 pair layout, e =
+ * 32 kp + 2 n + j for input 2 kp + j of output n, in the low nibble of byte e, e + 256
+ * in the high one of byte e - 256) and float16 scales [tiles][nb][32] (d of the 16
+ * outputs, then their m). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    /* tmm0, tmm1: C of rows 0-15 and 16-31; tmm2, tmm3: their A; tmm4: B */
+    for (int i = 0; i < 5; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static void amx_tile(const uint8_t *codes, const uint16_t *scales, int nb, int n0, int n_out,
+                     const uint16_t *x, int k, int g0, int groups, int rows, float *y, int ldy,
+                     int accumulate, uint16_t *b_tile, float *c_tile) {
+    const __m512i low = _mm512_set1_epi8(15);
+    /* lane l of a 16-lane run of the pair layout is output (l / 2) of its half */
+    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *src = codes + (size_t)b * 256;
+        const uint16_t *sc = scales + (size_t)b * 32;
+        __builtin_prefetch(src + 8 * 256);
+        __builtin_prefetch(src + 8 * 256 + 64);
+        __builtin_prefetch(src + 8 * 256 + 128);
+        __builtin_prefetch(src + 8 * 256 + 192);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
+        const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+        const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
+        for (int i = 0; i < 4; i++) {
+            const __m512i v = _mm512_loadu_si512(src + 64 * i);
+            const __m512i half[2] = {_mm512_and_si512(v, low),
+                                     _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+            for (int h = 0; h < 2; h++) {
+                uint16_t *out = b_tile + 256 * h + 64 * i; /* elements e .. e + 63 */
+                for (int q = 0; q < 4; q += 2) {
+                    /* 32 elements: one row of 32 (a whole kp row), outputs 0-7 then 8-15 */
+                    const __m512 a = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(half[h], q))), d0, m0);
+                    const __m512 c = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(half[h], q + 1))), d1, m1);
+                    _mm512_storeu_si512(out + 16 * q, (__m512i)_mm512_cvtne2ps_pbh(c, a));
+                }
+            }
+        }
+        _tile_loadd(4, b_tile, 64);
+        _tile_loadd(2, x + (size_t)g0 * 16 * k + (size_t)b * BLOCK, 2 * k);
+        _tile_dpbf16ps(0, 2, 4);
+        if (groups > 1) {
+            _tile_loadd(3, x + (size_t)(g0 + 1) * 16 * k + (size_t)b * BLOCK, 2 * k);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        if (g == 0) _tile_stored(0, c_tile, 64);
+        else _tile_stored(1, c_tile, 64);
+        for (int r = 0; r < 16; r++) {
+            const int row = (g0 + g) * 16 + r;
+            if (row >= rows) break;
+            for (int j = 0; j < 16 && n0 + j < n_out; j++) {
+                float *o = y + (size_t)row * ldy + n0 + j;
+                *o = accumulate ? *o + c_tile[r * 16 + j] : c_tile[r * 16 + j];
+            }
+        }
+    }
+}
+
+/* All output tiles this thread gets, for every row (x: bfloat16 rows padded with zero
+ * rows to a multiple of 16). */
+static void amx_matmul(const uint8_t *codes, const uint16_t *scales, int n_out, int k,
+                       const uint16_t *x, int rows, float *y, int ldy, int accumulate,
+                       uint16_t *b_tile, float *c_tile) {
+    const int nb = k / BLOCK, tiles = (n_out + 15) / 16, groups = (rows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++)
+        for (int g0 = 0; g0 < groups; g0 += 2)
+            amx_tile(codes + (size_t)t * nb * 256, scales + (size_t)t * nb * 32, nb, t * 16,
+                     n_out, x, k, g0, groups - g0 < 2 ? groups - g0 : 2, rows, y, ldy,
+                     accumulate, b_tile, c_tile);
+}
+#endif
+
+/* 1 where the AMX kernels can run here (asks Linux for the tile state once). */
+int hr_amx(void) {
+#if defined(HR_AMX)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* Floats of per-thread scratch q4_matmul needs for rows of k inputs. */
 static size_t matmul_scratch(int rows, int k) {
-    return (size_t)rows * ((size_t)k / 2 + 2 * (size_t)k / BLOCK) + 16;
+    const size_t padded = (size_t)(rows + 15) / 16 * 16;
+    const size_t few = (size_t)rows * ((size_t)k / 2 + 2 * (size_t)k / BLOCK) + 2 * (size_t)k;
+    const size_t amx = padded * (size_t)k / 2 + 256 + 256; /* x in bfloat16, B, C */
+    return (few > amx ? few : amx) + 64;
 }
 
 /* y[r, n] (+)= sum_k w[n, k] x[r, k] for the output tiles this thread gets; scratch:
- * this thread's own matmul_scratch(rows, k) floats. */
-static void q4_matmul(const uint8_t *w, int n_out, int k, const float *x, int ldx, int rows,
-                      float *y, int ldy, int accumulate, float *scratch) {
+ * this thread's own matmul_scratch(rows, k) floats. ``batched``: the kernel for many
+ * rows (dequantise once, bfloat16 dot products) instead of the one for a few (integer
+ * dot products); each gives every row a result independent of the other rows. */
+static void q4_matmul(const uint8_t *w, const uint8_t *amx_codes, const uint16_t *amx_scales,
+                      int n_out, int k, const float *x, int ldx, int rows, float *y, int ldy,
+                      int accumulate, float *scratch, int batched) {
     const int nb = k / BLOCK, tiles = (n_out + NT - 1) / NT;
-#if defined(HR_INT8)
-    /* every thread quantises the rows itself: the same codes, no barrier */
-    q8_rows q8 = {(int8_t *)scratch, (int8_t *)scratch + (size_t)rows * k,
-                  scratch + (size_t)rows * k / 2, scratch + (size_t)rows * k / 2 + (size_t)rows * nb};
-    quantize_rows(x, ldx, rows, k, q8);
+#if defined(HR_AMX)
+    if (batched && amx_codes != NULL) {
+        const int padded = (rows + 15) / 16 * 16;
+        uint16_t *xb = (uint16_t *)scratch;
+        float *c_tile = scratch + (size_t)padded * k / 2;
+        uint16_t *b_tile = (uint16_t *)(c_tile + 256);
+        for (int r = 0; r < padded; r++)
+            for (int e = 0; e < k; e += BLOCK) {
+                __m512i v = _mm512_setzero_si512();
+                if (r < rows) {
+                    const float *xr = x + (size_t)r * ldx + e;
+                    v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr));
+                }
+                _mm512_storeu_si512(xb + (size_t)r * k + e, v);
+            }
+        amx_matmul(amx_codes, amx_scales, n_out, k, xb, rows, y, ldy, accumulate, b_tile, c_tile);
+        return;
+    }
 #else
-    (void)scratch;
+    (void)amx_codes;
+    (void)amx_scales;
 #endif
+#if defined(HR_BF16)
+    if (batched) {
+        uint16_t *xb = (uint16_t *)scratch, *wbuf = xb + (size_t)rows * k + 32;
+        for (int r = 0; r < rows; r++)
+            for (int e = 0; e < k; e += BLOCK) {
+                const float *xr = x + (size_t)r * ldx + e;
+                _mm512_storeu_si512(xb + (size_t)r * k + e,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16),
+                                                                 _mm512_loadu_ps(xr)));
+            }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++)
+            q4_tile_bf16(w + (size_t)t * nb * TILE_BYTES, nb, t * NT, n_out, xb, k, rows, y, ldy,
+                         accumulate, wbuf);
+        return;
+    }
+#endif
+#if defined(HR_INT8)
+    if (!batched) {
+        /* every thread quantises the rows itself: the same codes, no barrier */
+        q8_rows q8 = {(int8_t *)scratch, (int8_t *)scratch + (size_t)rows * k,
+                      scratch + (size_t)rows * k / 2,
+                      scratch + (size_t)rows * k / 2 + (size_t)rows * nb};
+        quantize_rows(x, ldx, rows, k, q8);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
+            for (int r0 = 0; r0 < rows; r0 += MT) {
+#define TILE(mt) q4_tile_int8(tile, nb, t * NT, n_out, q8, k, r0, y, ldy, accumulate, mt)
+                switch (rows - r0 < MT ? rows - r0 : MT) {
+                case 4: TILE(4); break;
+                case 3: TILE(3); break;
+                case 2: TILE(2); break;
+                default: TILE(1); break;
+                }
+#undef TILE
+            }
+        }
+        return;
+    }
+#endif
+    (void)scratch;
+    (void)batched;
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
         for (int r0 = 0; r0 < rows; r0 += MT) {
-#if defined(HR_INT8)
-#define TILE(mt) q4_tile_int8(tile, nb, t * NT, n_out, q8, k, r0, y, ldy, accumulate, mt)
-#else
 #define TILE(mt) q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, mt)
-#endif
             switch (rows - r0 < MT ? rows - r0 : MT) {
             case 4: TILE(4); break;
             case 3: TILE(3); break;
@@ -408,6 +647,9 @@ typedef struct {
     const uint8_t *qkv, *out, *gate_up, *down; /* 4-bit blocks, see the top */
     const float *attn_norm, *ffn_norm;         /* float32 [dim] */
     uint16_t *k_cache, *v_cache;               /* bfloat16 [slots, n_kv, head_dim] */
+    /* the same four matrices for the AMX kernels (NULL: none), codes and scales */
+    const uint8_t *amx_codes[4];
+    const uint16_t *amx_scales[4];
 } hr_layer;
 
 typedef struct {
@@ -432,7 +674,7 @@ long hr_work_floats(const hr_model *m, int rows, int max_context, int threads) {
  * context: [rows] tokens each row attends to (its own included), at most max_context. */
 int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
               const float *rope_sin, const int64_t *slots, const int64_t *tables, int width,
-              const int64_t *context, int max_context, float *work, int threads) {
+              const int64_t *context, int max_context, float *work, int threads, int batched) {
     const int dim = m->dim, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim;
     const int hidden = m->hidden, group = h / hkv, qkv_n = (h + 2 * hkv) * d;
     if (dim % BLOCK || hidden % BLOCK || (h * d) % BLOCK || d % 16 || d > 256 || h % hkv)
@@ -457,12 +699,16 @@ int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
         const size_t per_thread = (size_t)max_context + matmul_scratch(rows, widest);
         float *my_scores = scores + (size_t)me * per_thread;
         float *my_scratch = my_scores + max_context;
+#if defined(HR_AMX)
+        const int amx = batched && m->layers[0].amx_codes[0] != NULL;
+        if (amx) amx_configure();
+#endif
         for (int l = 0; l < m->n_layers; l++) {
             const hr_layer *L = &m->layers[l];
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++)
                 rms_norm(x + (size_t)r * dim, L->attn_norm, m->eps, dim, xn + (size_t)r * dim);
-            q4_matmul(L->qkv, qkv_n, dim, xn, dim, rows, qkv, qkv_n, 0, my_scratch);
+            q4_matmul(L->qkv, L->amx_codes[0], L->amx_scales[0], qkv_n, dim, xn, dim, rows, qkv, qkv_n, 0, my_scratch, batched);
             /* RoPE on q and k (adjacent pairs), then k and v into the cache */
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) {
@@ -494,19 +740,22 @@ int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
                        (head / group) * d, d, scale, my_scores,
                        att + (size_t)r * h * d + (size_t)head * d);
             }
-            q4_matmul(L->out, dim, h * d, att, h * d, rows, x, dim, 1, my_scratch);
+            q4_matmul(L->out, L->amx_codes[1], L->amx_scales[1], dim, h * d, att, h * d, rows, x, dim, 1, my_scratch, batched);
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++)
                 rms_norm(x + (size_t)r * dim, L->ffn_norm, m->eps, dim, xn + (size_t)r * dim);
-            q4_matmul(L->gate_up, 2 * hidden, dim, xn, dim, rows, gu, 2 * hidden, 0, my_scratch);
+            q4_matmul(L->gate_up, L->amx_codes[2], L->amx_scales[2], 2 * hidden, dim, xn, dim, rows, gu, 2 * hidden, 0, my_scratch, batched);
 #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) {
                 const float *gate = gu + (size_t)r * 2 * hidden, *up = gate + hidden;
                 float *a = act + (size_t)r * hidden;
                 for (int i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
             }
-            q4_matmul(L->down, dim, hidden, act, hidden, rows, x, dim, 1, my_scratch);
+            q4_matmul(L->down, L->amx_codes[3], L->amx_scales[3], dim, hidden, act, hidden, rows, x, dim, 1, my_scratch, batched);
         }
+#if defined(HR_AMX)
+        if (amx) _tile_release();
+#endif
     }
     return 0;
 }

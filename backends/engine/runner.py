@@ -8,9 +8,11 @@ sequences of a step share one batched attention call (see attention.py), so a st
 of 32 decoding sequences costs one pass over the weights, not 32.
 
 Rows are laid out decode-like sequences first (decode tokens, short speculative
-spans), prefill chunks after. With at most ``INT4_MAX_SEQS`` sequences decoding, the
+spans), prefill chunks after. With at most ``model.packed_seq_limit()`` sequences
+decoding (``INT4_MAX_SEQS``, or fewer where native AMX kernels batch better), the
 decode rows run through the packed 4-bit weights when the model has them (quant.py;
-native.py runs them all in one native call) and everything else through the dense ones; the choice depends on how many
+native.py runs all decode rows natively, with a kernel for few sequences and one for
+many) and everything else through the dense ones; the choice depends on how many
 sequences decode, not on how many rows they add, so a token is computed the same way
 decoded alone, batched with a few others, or verified in a speculative span.
 
@@ -26,7 +28,7 @@ import torch
 
 from backends.engine.attention import AttentionMetadata, PrefillSpan
 from backends.engine.model import ModelArgs, Transformer
-from backends.engine.quant import INT4_MAX_SEQS, packed_rows
+from backends.engine.quant import packed_rows
 from backends.engine.scheduler import ScheduledSeq
 
 __all__ = ["ModelRunner", "kv_bytes_per_block", "resolve_device"]
@@ -116,7 +118,8 @@ class ModelRunner:
         # run through packed 4-bit weights where the model has them (quant.py). The
         # choice depends on how many sequences decode, never on how many rows each
         # adds, so a speculative step picks the same kernels as a plain one.
-        packed = meta.num_decodes if meta.num_decode_seqs <= INT4_MAX_SEQS else 0
+        limit = self.model.packed_seq_limit()
+        packed = meta.num_decodes if meta.num_decode_seqs <= limit else 0
         with packed_rows(packed):
             hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
         with packed_rows(0):  # which rows are sampled depends on the batch: dense head

@@ -59,40 +59,50 @@ def test_the_kernel_layout_holds_the_files_weights(rows: tuple[int, int]) -> Non
 
 def _runner(path: Path, dtype: torch.dtype, packed: bool) -> ModelRunner:
     loaded = load_model(str(path), dtype=dtype)
-    runner = ModelRunner(loaded.model, num_kv_blocks=64, block_size=4, dtype=dtype)
+    runner = ModelRunner(loaded.model, num_kv_blocks=256, block_size=4, dtype=dtype)
     if packed:
         attach_q4(runner.model, loaded.q4)
     return runner
 
 
-def _decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> list[torch.Tensor]:
-    """Prefill every prompt in one step, then decode ``steps`` greedy steps together;
-    the logits of each decode step, [len(prompts), V] float32."""
+def _decode_logits(
+    runner: ModelRunner, prompts: list[list[int]], steps: int = 3,
+    forced: list[list[int]] | None = None,
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill every prompt in one step, then decode ``steps`` steps together, each
+    sequence taking its greedy token (or the next of ``forced[i]``: teacher forcing).
+    Returns the logits of each decode step ([len(prompts), V] float32) and the tokens
+    each sequence took."""
     seqs = []
     for i, prompt in enumerate(prompts):
         seq = Sequence(f"s{i}", list(prompt), SamplingParams())
         seq.block_table = list(range(10 * i, 10 * i + 10))
         seqs.append(seq)
     logits = runner.execute([ScheduledSeq(s, len(s.token_ids)) for s in seqs])
-    out = []
-    for _ in range(steps):
-        for seq, row in zip(seqs, logits, strict=True):
+    out, taken = [], [[] for _ in prompts]
+    for step in range(steps):
+        for i, (seq, row) in enumerate(zip(seqs, logits, strict=True)):
             seq.num_computed_tokens = len(seq.token_ids)
-            seq.token_ids.append(int(row.argmax()))
+            token = forced[i][step] if forced else int(row.argmax())
+            seq.token_ids.append(token)
+            taken[i].append(token)
         logits = runner.execute([ScheduledSeq(s, 1) for s in seqs])
         out.append(logits)
-    return out
+    return out, taken
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43, 44, 45, 46], [12, 13]]
+# More sequences than INT4_MAX_SEQS: the batched kernels (AMX, or bfloat16 dot products).
+MANY = [[7 + i, 50 + 3 * i, 9, 100 + i][: 2 + i % 3] for i in range(12)]
+
+# The kernels as this CPU builds them (integer dot products where it has VNNI, AMX for
+# many rows where it has AMX), without VNNI and AMX (float32 for a few rows, bfloat16
+# dot products for many), and plain AVX-512 (float32 for both): what other CPUs run.
+NO_VNNI_AMX = "-mno-avx512vnni -mno-avxvnni -mno-amx-tile -mno-amx-bf16 -mno-amx-int8"
+VARIANTS = {"native": "", "no-vnni-amx": NO_VNNI_AMX, "plain": NO_VNNI_AMX + " -mno-avx512bf16"}
 
 
-# The matmuls as this CPU builds them (integer dot products where it has VNNI), and
-# built without VNNI: the float32 variant that CPUs without it run.
-VARIANTS = ["", "-mno-avx512vnni -mno-avxvnni"]
-
-
-@pytest.fixture(params=VARIANTS, ids=["native", "float-matmuls"])
+@pytest.fixture(params=list(VARIANTS.values()), ids=list(VARIANTS))
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(native, "_lib", [])
     monkeypatch.setenv("HEADRACE_NATIVE_CFLAGS", request.param)
@@ -101,18 +111,19 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return str(request.param)
 
 
-def test_a_native_step_is_as_close_to_float32_as_the_torch_packed_path(
-    tiny_q4: Path, variant: str
+@pytest.mark.parametrize("prompts", [PROMPTS, MANY], ids=["few", "many"])
+def test_a_native_step_is_as_close_to_float32_as_the_torch_path(
+    tiny_q4: Path, variant: str, prompts: list[list[int]]
 ) -> None:
     reference = _runner(tiny_q4, torch.float32, packed=False)  # the file's weights, exactly
     fast = _runner(tiny_q4, torch.bfloat16, packed=True)
     torch_path = _runner(tiny_q4, torch.bfloat16, packed=True)
     torch_path.model.native_decode = False
     # Teacher-forced: every runner decodes the reference's tokens.
-    ref = _decode_logits(reference, PROMPTS)
-    nat = _decode_logits(fast, PROMPTS)
+    ref, forced = _decode_logits(reference, prompts)
+    nat, _ = _decode_logits(fast, prompts, forced=forced)
     assert isinstance(fast.model.__dict__["_fast"]["native"], NativeDecode)
-    tor = _decode_logits(torch_path, PROMPTS)
+    tor, _ = _decode_logits(torch_path, prompts, forced=forced)
     assert "native" not in torch_path.model.__dict__.get("_fast", {})
     for r, n, t in zip(ref, nat, tor, strict=True):
         scale = r.abs().max()
@@ -122,28 +133,47 @@ def test_a_native_step_is_as_close_to_float32_as_the_torch_packed_path(
         assert native_err <= 1.25 * torch_err + 1e-3, (native_err, torch_err)
 
 
-def test_a_rows_result_depends_on_the_row_only(tiny_q4: Path, variant: str) -> None:
-    """Alone, batched with others, or on one thread: the same bits."""
-    together = _decode_logits(_runner(tiny_q4, torch.bfloat16, packed=True), PROMPTS)
-    threads = torch.get_num_threads()
+def _logits(path: Path, prompts: list[list[int]], threads: int | None = None) -> list[torch.Tensor]:
+    before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        single = _decode_logits(_runner(tiny_q4, torch.bfloat16, packed=True), PROMPTS)
+        torch.set_num_threads(threads or before)
+        return _decode_logits(_runner(path, torch.bfloat16, packed=True), prompts)[0]
     finally:
-        torch.set_num_threads(threads)
-    for i, prompt in enumerate(PROMPTS):
-        alone = _decode_logits(_runner(tiny_q4, torch.bfloat16, packed=True), [prompt])
+        torch.set_num_threads(before)
+
+
+def test_a_rows_result_depends_on_the_row_only(tiny_q4: Path, variant: str) -> None:
+    """Within each kernel: alone or batched with a few others; batched with 2, 8 or 11
+    others; on two threads or one: the same bits."""
+    limit = _runner(tiny_q4, torch.bfloat16, packed=True).model.packed_seq_limit()
+    few = PROMPTS[:limit]
+    together = _logits(tiny_q4, few)
+    single = _logits(tiny_q4, few, threads=1)
+    for i, prompt in enumerate(few):
+        alone = _logits(tiny_q4, [prompt])
         for step in range(len(alone)):
             assert torch.equal(alone[step][0], together[step][i])
             assert torch.equal(single[step][i], together[step][i])
+    many = _logits(tiny_q4, MANY)
+    many_single = _logits(tiny_q4, MANY, threads=1)
+    for n in sorted({limit + 1, 9}):
+        fewer = _logits(tiny_q4, MANY[:n])
+        for step in range(len(many)):
+            assert torch.equal(fewer[step], many[step][:n])
+    for step in range(len(many)):
+        assert torch.equal(many_single[step], many[step])
 
 
-def _serve(engine: LLMEngine, prompts: list[list[int]], arrivals: list[int]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+def _serve(
+    engine: LLMEngine, prompts: list[list[int]], arrivals: list[int],
+    max_tokens: list[int] | None = None,
+) -> list[list[int]]:
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     step = 0
-    while step <= arrivals[-1] or engine.scheduler.has_unfinished():
+    while step <= max(arrivals) or engine.scheduler.has_unfinished():
         for i in (i for i, at in enumerate(arrivals) if at == step):
+            n = max_tokens[i] if max_tokens else 12
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
             engine.add_request(f"r{i}", prompts[i], params)
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
@@ -154,14 +184,30 @@ def _serve(engine: LLMEngine, prompts: list[list[int]], arrivals: list[int]) -> 
 @needs_native
 def test_tokens_alone_equal_tokens_batched_with_prefills_in_the_step(tiny_q4: Path) -> None:
     """Requests arrive while others decode, so steps mix prefill and decode rows: the
-    decode rows still run natively, and each request gets the tokens it gets alone."""
+    decode rows still run natively, and each request gets the tokens it gets alone, as
+    long as the steps stay on the few-sequence kernel."""
     config = EngineConfig(model=str(tiny_q4), dtype="bfloat16")
     engine, _, _ = build_engine(config)
-    together = _serve(engine, PROMPTS, [0, 0, 2, 4])
+    few = PROMPTS[: engine.runner.model.packed_seq_limit()]
+    together = _serve(engine, few, [0, 2, 3, 5][: len(few)])
     assert isinstance(engine.runner.model.__dict__["_fast"]["native"], NativeDecode)
-    for prompt, tokens in zip(PROMPTS, together, strict=True):
+    for prompt, tokens in zip(few, together, strict=True):
         alone, _, _ = build_engine(config)
         assert _serve(alone, [prompt], [0]) == [tokens]
+
+
+@needs_native
+def test_many_sequences_get_the_same_tokens_however_they_arrive(tiny_q4: Path) -> None:
+    """On the many-sequence kernel too: twelve requests at once, or ten and then two
+    more that meet them mid-decode (mixed steps) and end with them (so no step falls
+    back to a few sequences), give every request the same tokens."""
+    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16")
+    lengths = [12] * 10 + [10, 10]
+    at_once, _, _ = build_engine(config)
+    staggered, _, _ = build_engine(config)
+    assert at_once.runner.model.packed_seq_limit() < 10
+    expected = _serve(at_once, MANY, [0] * 12, lengths)
+    assert _serve(staggered, MANY, [0] * 10 + [2, 2], lengths) == expected
 
 
 @needs_native

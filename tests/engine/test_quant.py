@@ -126,6 +126,7 @@ def test_engine_serves_q4_packed_and_stays_batch_invariant(tiny_q4: Path) -> Non
     def run(packed: bool, batch: list[list[int]]) -> list[list[int]]:
         config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", packed_weights=packed)
         engine, _, _ = build_engine(config)
+        engine.runner.model.native_decode = False  # torch's kernel: test_native.py has the rest
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
         arrivals = [0, 0, 2, 4][: len(batch)]  # prefills together, then meeting decodes
