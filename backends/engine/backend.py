@@ -74,6 +74,7 @@ def build_engine(
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device=device, dtype=dtype)
     if config.packed_weights and loaded.q4:
         attach_q4(runner.model, loaded.q4)
+        runner.model.native_plan()  # compile and lay out the native kernels now, not mid-request
     engine = make_engine(config, runner, loaded.tokenizer, spec)
     return engine, loaded.tokenizer, loaded.name
 

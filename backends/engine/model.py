@@ -493,7 +493,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
         n = meta.num_decodes
-        if meta.prefills and n and self._native_plan() is not None:
+        if meta.prefills and n and self.native_plan() is not None:
             # The decode rows go through the native kernels, the prefill rows through
             # torch, as two passes: a decode token is then computed the same way
             # whether or not the step also prefills.
@@ -521,7 +521,7 @@ class Transformer(nn.Module):
     # applies (off: FastDecode's torch kernels).
     native_decode = True
 
-    def _native_plan(self) -> NativeDecode | None:
+    def native_plan(self) -> NativeDecode | None:
         """The native decode layers, where this model and machine can take them."""
         if not (self.fast_decode and self.native_decode):
             return None
@@ -543,10 +543,8 @@ class Transformer(nn.Module):
         "packed" (the runner's choice, quant.packed_rows): through the few-row kernels,
         native or torch's int4 one. With AMX the native batched kernel is faster from 3
         sequences on; else the few-row kernels are, up to INT4_MAX_SEQS."""
-        plan = self.__dict__.get("_fast", {}).get("native")  # as last built; steps check it
-        if plan is None:  # not built yet: build it now, so that the first step chooses too
-            plan = self._native_plan()
-        return AMX_FEW_SEQS if isinstance(plan, NativeDecode) and plan.amx else INT4_MAX_SEQS
+        plan = self.native_plan()
+        return AMX_FEW_SEQS if plan is not None and plan.amx else INT4_MAX_SEQS
 
     def _fast_decode(self, rows: int, meta: AttentionMetadata) -> _Layers | None:
         """The straight-line layers for this step, when it is decode-only and every
@@ -554,7 +552,7 @@ class Transformer(nn.Module):
         if not self.fast_decode or meta.prefills or meta.num_decodes != rows:
             return None
         packed = packed_row_count(rows)
-        native = self._native_plan()
+        native = self.native_plan()
         if native is not None:  # the runner's packed rows are "a few sequences"
             return native.few if packed == rows else native.many if packed == 0 else None
         if packed == rows:

@@ -32,6 +32,7 @@ parallel sharding, a reload) is simply run dense.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -203,33 +204,42 @@ class ParamWatch:
     """Whether any of some modules' ``weight`` parameters was replaced, moved or
     updated in place, a forward hook was added to some modules, or 4-bit codes were
     attached, since the watch began: what a plan built from those weights checks once
-    per step. A few list comprehensions over C getters (~0.1 ms for 300 weights), not
-    a Python loop of attribute lookups."""
+    per step. ``map`` over C getters, no Python-level loop: ~0.1 ms for 300 weights."""
 
     def __init__(self, owners: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> None:
         self.owners = list(owners)
         self.hooked = list(hooked)
         self.epoch = attach_epoch()
         self.weights = self._weights()  # kept, so their ids cannot be reused
+        # inference tensors have no version counter (and cannot be edited in place
+        # outside inference mode anyway)
+        self.versioned = not any(w.is_inference() for w in self.weights)
         self.state = self._state(self.weights)
 
     def _weights(self) -> list[torch.Tensor]:
-        return [m._parameters["weight"] for m in self.owners]  # type: ignore[misc]
+        return list(map(_WEIGHT, map(_PARAMETERS, self.owners)))
 
-    @staticmethod
-    def _state(weights: list[torch.Tensor]) -> tuple[list[int], list[int], list[int]]:
-        return (
-            list(map(id, weights)),
-            [w.data_ptr() for w in weights],
-            [0 if w.is_inference() else w._version for w in weights],
-        )
+    def _state(self, weights: list[torch.Tensor]) -> tuple[list[int], ...]:
+        ids = list(map(id, weights))
+        ptrs = list(map(torch.Tensor.data_ptr, weights))
+        if not self.versioned:
+            return ids, ptrs
+        return ids, ptrs, list(map(_VERSION, weights))
 
     def unchanged(self) -> bool:
         return (
             self.epoch == attach_epoch()
             and self._state(self._weights()) == self.state
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked)
+            and not any(map(_HOOKS, self.hooked))
+            and not any(map(_PRE_HOOKS, self.hooked))
         )
+
+
+_PARAMETERS = operator.attrgetter("_parameters")
+_WEIGHT = operator.itemgetter("weight")
+_VERSION = operator.attrgetter("_version")
+_HOOKS = operator.attrgetter("_forward_hooks")
+_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 @contextmanager

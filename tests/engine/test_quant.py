@@ -188,7 +188,7 @@ def test_the_fast_decode_path_gives_the_module_paths_tokens(
     plan = fast.__dict__["_fast"][True]  # 4 decoding sequences: packed rows
     assert isinstance(plan, FastDecode) and plan.valid()
     assert isinstance(plan.layers[0].down, Int4Linear) == packed
-    assert "_fast" not in slow.__dict__
+    assert not any(isinstance(p, FastDecode) for p in slow.__dict__.get("_fast", {}).values())
 
     with torch.inference_mode():  # an in-place edit: the kernels are rebuilt, or dropped
         for model in (fast, slow):
