@@ -571,11 +571,28 @@ class Transformer(nn.Module):
                 return None
         return plan
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, dim] -> float32 logits [N, V]."""
+    def compute_logits(
+        self, hidden: torch.Tensor, native: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden: [N, dim] -> float32 logits [N, V]. ``native``: boolean [N], the rows
+        of a few-sequence native step, whose logits the native head computes (float32
+        sums, no bfloat16 rounding), the same way whatever else the step holds."""
         head = self.output
         if type(head) is not nn.Linear:  # tensor parallel: a vocab-parallel head
             return head(hidden).float()  # type: ignore[no-any-return]
+        plan = self.native_plan() if native is not None else None
+        if plan is not None and native is not None and bool(native.any()):
+            if bool(native.all()):
+                out = plan.head(hidden, head.weight)
+                if out is not None:
+                    return out
+            else:
+                fast = plan.head(hidden[native], head.weight)
+                if fast is not None:
+                    logits = torch.empty(hidden.shape[0], fast.shape[1], dtype=torch.float32)
+                    logits[native] = fast
+                    logits[~native] = self.compute_logits(hidden[~native])
+                    return logits
         group: LinearGroup | None = self.__dict__.get("_head")
         if group is None or group.linears[0] is not head:
             group = self.__dict__["_head"] = LinearGroup(head)

@@ -156,6 +156,9 @@ def library() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
             ]
+            lib.hr_head.restype = ctypes.c_int
+            lib.hr_head.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
             lib.hr_amx.restype = ctypes.c_int
             lib.hr_amx.argtypes = []
             lib.hr_work_floats.restype = ctypes.c_long
@@ -285,6 +288,22 @@ class NativeDecode:
     def valid(self) -> bool:
         """Every weight still the one the kernels were built from, nothing hooked."""
         return self.watch.unchanged()
+
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, V] of bfloat16 ``hidden`` [N, dim] through the head
+        ``weight`` [V, dim] (bfloat16, on the CPU): float32 sums of the products, never
+        rounded to bfloat16. None where the shapes or dtypes do not fit."""
+        v, dim = weight.shape
+        if (weight.dtype != torch.bfloat16 or hidden.dtype != torch.bfloat16
+                or weight.device.type != "cpu" or dim % GROUP or not weight.is_contiguous()):
+            return None
+        x = hidden.contiguous()
+        out = torch.empty(x.shape[0], v, dtype=torch.float32)
+        rc = self.lib.hr_head(weight.data_ptr(), v, dim, x.data_ptr(), x.shape[0],
+                              out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native head failed ({rc})")
+        return out
 
     def _bind_kv(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         seen = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)

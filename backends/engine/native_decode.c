@@ -759,3 +759,70 @@ int hr_decode(const hr_model *m, int rows, float *x, const float *rope_cos,
     }
     return 0;
 }
+
+/* The LM head for a few rows: logits[r, v] = sum_k w[v, k] x[r, k] in float32, with w and
+ * x in bfloat16 (the model's head and final hidden states), w [vocab, dim] streamed
+ * once for all rows. Unlike a bfloat16 matmul its outputs are not rounded to bfloat16,
+ * so near-ties keep their order. Each row's result is independent of the others. */
+static inline __attribute__((always_inline)) void head_tile(
+    const uint16_t *w, int dim, int v0, int vocab, const uint16_t *x, int r0, float *out,
+    const int nt, const int mt) {
+    v16f acc[NT][MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) acc[j][r] = splat(0.0f);
+    for (int e = 0; e < dim; e += BLOCK) {
+#pragma GCC unroll 4
+        for (int j = 0; j < nt; j++) {
+            const uint16_t *wj = w + (size_t)(v0 + j) * dim + e;
+            __builtin_prefetch(wj + 8 * (size_t)dim);
+#if defined(__AVX512BF16__)
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wj);
+#pragma GCC unroll 4
+            for (int r = 0; r < mt; r++)
+                acc[j][r] = (v16f)_mm512_dpbf16_ps(
+                    (__m512)acc[j][r], wv,
+                    (__m512bh)_mm512_loadu_si512(x + (size_t)(r0 + r) * dim + e));
+#else
+            const v16f lo = load_bf16(wj), hi = load_bf16(wj + 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < mt; r++) {
+                const uint16_t *xr = x + (size_t)(r0 + r) * dim + e;
+                acc[j][r] = vfma(lo, load_bf16(xr), acc[j][r]);
+                acc[j][r] = vfma(hi, load_bf16(xr + 16), acc[j][r]);
+            }
+#endif
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < nt; j++)
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) out[(size_t)(r0 + r) * vocab + v0 + j] = hsum(acc[j][r]);
+}
+
+#define HEAD_ROWS(nt)                                                                  \
+    for (int r0 = 0; r0 < rows; r0 += MT) {                                            \
+        switch (rows - r0 < MT ? rows - r0 : MT) {                                     \
+        case 4: head_tile(w, dim, v0, vocab, x, r0, out, nt, 4); break;                \
+        case 3: head_tile(w, dim, v0, vocab, x, r0, out, nt, 3); break;                \
+        case 2: head_tile(w, dim, v0, vocab, x, r0, out, nt, 2); break;                \
+        default: head_tile(w, dim, v0, vocab, x, r0, out, nt, 1); break;               \
+        }                                                                              \
+    }
+
+int hr_head(const uint16_t *w, int vocab, int dim, const uint16_t *x, int rows, float *out,
+            int threads) {
+    if (dim % BLOCK) return -1;
+    const int tiles = (vocab + NT - 1) / NT;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < tiles; t++) {
+        if ((t + 1) * NT <= vocab) {
+            const int v0 = t * NT;
+            HEAD_ROWS(NT)
+        } else {
+            for (int v0 = t * NT; v0 < vocab; v0++) HEAD_ROWS(1)
+        }
+    }
+    return 0;
+}

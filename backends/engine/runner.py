@@ -122,8 +122,11 @@ class ModelRunner:
         packed = meta.num_decodes if meta.num_decode_seqs <= limit else 0
         with packed_rows(packed):
             hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
-        with packed_rows(0):  # which rows are sampled depends on the batch: dense head
-            return self.model.compute_logits(hidden[rows])  # [N, V]
+        # Which rows are sampled depends on the batch: the dense head, except for the
+        # decode rows of a few-sequence native step (the native head, row by row).
+        native = rows < meta.num_decodes if packed and self.model.native_plan() else None
+        with packed_rows(0):
+            return self.model.compute_logits(hidden[rows], native)  # [N, V]
 
     def _prepare(
         self, scheduled: Sequence[ScheduledSeq], counts: Sequence[int]
