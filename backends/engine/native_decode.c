@@ -1,5 +1,6 @@
 /* headrace: a decode step of a Llama-family decoder over 4-bit (GGUF Q4_0 / Q4_1)
- * weights, every layer in one call (see native.py, which compiles and drives this).
+ * weights, every layer in one call, and the LM head (see native.py, which compiles and
+ * drives this).
  *
  * Why: a decode step of a small model on a CPU is a few dozen megabytes of weights
  * and ~250 tiny tensor operations. torch's int4 kernel moves about half the memory
@@ -7,22 +8,25 @@
  * streamed once per step at close to the bandwidth, and the rest (norms, RoPE, the
  * KV-cache write, paged attention, SwiGLU, residuals) is a few loops over registers.
  *
- * Layout and numerics
- * - Weights: GGUF 4-bit blocks of 32, w = d * q + m (Q4_0 is d * (q - 8): m = -8 d),
- *   in tiles of 4 output rows so that a thread streams one sequential run of memory:
- *   for each tile, for each block column, 80 bytes: the 4 rows' float16 d, their 4
- *   float16 m, then each row's 16 bytes of codes (element j in the low nibble of byte
- *   j, element j + 16 in the high one). Rows past N (padding) are zeros.
- * - Activations are float32 throughout, the residual stream included; the KV cache is
- *   bfloat16 (the engine's cache, shared with the torch path that prefills).
- * - The 4-bit matmuls: on CPUs with VNNI (AVX512-VNNI or AVX-VNNI), the input of each
- *   matmul is split per block of 32 into two int8 layers (x ~ dx (qx1 + qx2 / 256), about
- *   16 bits, finer than bfloat16) and q . x takes two vpdpbusd per 32 weights; elsewhere
- *   the codes are converted to float and multiplied in float32. Either way d and m are
- *   applied per block in float32 (y = sum_b d_b (q_b . x_b) + m_b sum(x_b)).
- * - A row's result does not depend on the other rows nor on the thread count: each
- *   output element is one fixed sequence of fused multiply-adds, whatever the tiling.
- *   So a token is computed the same way decoded alone or batched.
+ * Weights: GGUF 4-bit blocks of 32, w = d * q + m (Q4_0 is d * (q - 8): m = -8 d), in
+ * two layouts. For the few-row kernel, tiles of 4 output rows, so that a thread streams
+ * one sequential run of memory: per tile and block column, 80 bytes: the 4 rows'
+ * float16 d, their 4 float16 m, then each row's 16 bytes of codes (element j in the
+ * low nibble of byte j, element j + 16 in the high one); padding rows are zeros. For
+ * the AMX kernel, see amx_tile.
+ *
+ * Matmul kernels (q4_matmul), each giving every row a result that depends on nothing
+ * but the row (not the other rows, the row count, the tiling or the thread count), so a
+ * token is computed the same way decoded alone or batched, within one kernel:
+ * - few rows, VNNI (AVX512-VNNI / AVX-VNNI): the input split per block of 32 into two
+ *   int8 layers (x ~ dx (qx1 + qx2 / 256), about 16 bits, finer than bfloat16); q . x
+ *   by two vpdpbusd per 32 weights; y = sum_b d_b dx_b (q . qx)_b + m_b sum(x_b);
+ * - many rows, AMX: each tile of weights dequantised once to bfloat16, all rows (in
+ *   bfloat16) multiplied by TDPBF16PS, float32 accumulation in the tile registers;
+ *   without AMX, the same with AVX512-BF16 dot products;
+ * - elsewhere: w dequantised to float32, fused multiply-adds with the float32 input.
+ * Activations are float32 between the matmuls, the residual stream included; the KV
+ * cache is bfloat16 (the engine's cache, shared with the torch path that prefills).
  * Built with -ffp-contract=off: the only fused multiply-adds are the explicit ones.
  */
 #include <math.h>
