@@ -554,7 +554,9 @@ class Transformer(nn.Module):
         packed = packed_row_count(rows)
         native = self.native_plan()
         if native is not None:  # the runner's packed rows are "a few sequences"
-            return native.few if packed == rows else native.many if packed == 0 else None
+            if packed not in (rows, 0):
+                return None
+            return functools.partial(native, batched=packed == 0)
         if packed == rows:
             int4 = True
         elif packed == 0 and rows <= _PACKED_MAX_ROWS:

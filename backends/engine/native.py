@@ -8,11 +8,11 @@ residuals) as one C function over the GGUF blocks, threads from torch's own Open
 pool, and returns the last layer's output; the final norm and the LM head stay in
 torch. It serves every decode row of a step, with one of two matmul kernels:
 
-- few sequences (:meth:`NativeDecode.few`, the runner's "packed" rows: at most
+- few sequences (the runner's "packed" rows: at most
   ``Transformer.packed_seq_limit()`` decoding sequences): the weights streamed once,
   each row's input split per block of 32 into two int8 layers (about 16 bits) and
   multiplied by integer dot products (AVX512-VNNI / AVX-VNNI), else in float32;
-- many sequences (:meth:`NativeDecode.many`): each tile of weights dequantised once to
+- many sequences (``batched=True``): each tile of weights dequantised once to
   bfloat16 and multiplied into up to 32 rows at once by AMX tiles, else by AVX512-BF16
   dot products, else in float32. Its cost hardly grows with the rows.
 
@@ -319,29 +319,6 @@ class NativeDecode:
         self.model.block_size = int(kv_caches[0][0].shape[1])
         self.kv_seen = seen
 
-    def few(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The step of a few decoding sequences (the runner's packed rows): matmuls by
-        integer dot products on CPUs with VNNI, streaming the 4-bit weights."""
-        return self(x, rope, kv_caches, meta, batched=False)
-
-    def many(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The step of many decoding sequences: each tile of weights dequantised once
-        and multiplied into every row by bfloat16 dot products (AVX512-BF16), as dense
-        bfloat16 weights would be, but reading 4-bit ones."""
-        return self(x, rope, kv_caches, meta, batched=True)
-
     def __call__(
         self,
         x: torch.Tensor,
@@ -352,7 +329,9 @@ class NativeDecode:
         batched: bool = False,
     ) -> torch.Tensor:
         """x: [B, dim] embeddings of B decode rows -> the last layer's output, in
-        x's dtype."""
+        x's dtype. ``batched``: the many-sequence matmul kernel (each tile of weights
+        dequantised once, AMX / bfloat16 dot products), else the few-sequence one
+        (integer dot products, streaming the 4-bit weights)."""
         self._bind_kv(kv_caches)
         rows = int(x.shape[0])
         hidden = x.float().contiguous()

@@ -122,6 +122,36 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
+/* For each tile of up to MT activation rows from 0 to rows: TILE(mt) with r0 the tile's
+ * first row and mt its row count as a constant (so the kernels keep their accumulators
+ * in registers). */
+#define FOR_ROW_TILES(rows, TILE)                                                      \
+    for (int r0 = 0; r0 < (rows); r0 += MT) {                                          \
+        switch ((rows) - r0 < MT ? (rows) - r0 : MT) {                                 \
+        case 4: TILE(4); break;                                                        \
+        case 3: TILE(3); break;                                                        \
+        case 2: TILE(2); break;                                                        \
+        default: TILE(1); break;                                                       \
+        }                                                                              \
+    }
+
+/* A tile's sums into y[r0 .., n0 ..] (added to what is there with ``accumulate``),
+ * outputs past n_out (padding) dropped. */
+static inline __attribute__((always_inline)) void tile_out(
+    v16f acc[NT][MT], int n0, int n_out, int r0, const int mt, float *y, int ldy,
+    int accumulate) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++) {
+        if (n0 + j >= n_out) break;
+#pragma GCC unroll 4
+        for (int r = 0; r < mt; r++) {
+            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
+            const float s = hsum(acc[j][r]);
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+
 /* One tile: outputs n0 .. n0 + NT - 1 (those below n_out are written) for activation
  * rows r0 .. r0 + mt - 1. Inlined with a constant mt, so the accumulators live in
  * registers. */
@@ -164,16 +194,7 @@ static inline __attribute__((always_inline)) void q4_tile(
             }
         }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NT; j++) {
-        if (n0 + j >= n_out) break;
-#pragma GCC unroll 4
-        for (int r = 0; r < mt; r++) {
-            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
-            float s = hsum(acc[j][r]);
-            *out = accumulate ? *out + s : s;
-        }
-    }
+    tile_out(acc, n0, n_out, r0, mt, y, ldy, accumulate);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -333,16 +354,7 @@ static inline __attribute__((always_inline)) void bf16_rows(
             for (int r = 0; r < mt; r++) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wj, xs[r]);
         }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NT; j++) {
-        if (n0 + j >= n_out) break;
-#pragma GCC unroll 4
-        for (int r = 0; r < mt; r++) {
-            float *out = y + (size_t)(r0 + r) * ldy + n0 + j;
-            const float s = hsum((v16f)acc[j][r]);
-            *out = accumulate ? *out + s : s;
-        }
-    }
+    tile_out((v16f(*)[MT])acc, n0, n_out, r0, mt, y, ldy, accumulate);
 }
 
 static void q4_tile_bf16(const uint8_t *tile, int nb, int n0, int n_out, const uint16_t *x,
@@ -364,14 +376,9 @@ static void q4_tile_bf16(const uint8_t *tile, int nb, int n0, int n_out, const u
                                 (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
-    for (int r0 = 0; r0 < rows; r0 += MT) {
-        switch (rows - r0 < MT ? rows - r0 : MT) {
-        case 4: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 4); break;
-        case 3: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 3); break;
-        case 2: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 2); break;
-        default: bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, 1); break;
-        }
-    }
+#define TILE(mt) bf16_rows(w, k, n0, n_out, x, r0, y, ldy, accumulate, mt)
+    FOR_ROW_TILES(rows, TILE)
+#undef TILE
 }
 #endif
 
@@ -553,16 +560,9 @@ static void q4_matmul(const uint8_t *w, const uint8_t *amx_codes, const uint16_t
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
             const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
-            for (int r0 = 0; r0 < rows; r0 += MT) {
 #define TILE(mt) q4_tile_int8(tile, nb, t * NT, n_out, q8, k, r0, y, ldy, accumulate, mt)
-                switch (rows - r0 < MT ? rows - r0 : MT) {
-                case 4: TILE(4); break;
-                case 3: TILE(3); break;
-                case 2: TILE(2); break;
-                default: TILE(1); break;
-                }
+            FOR_ROW_TILES(rows, TILE)
 #undef TILE
-            }
         }
         return;
     }
@@ -572,16 +572,9 @@ static void q4_matmul(const uint8_t *w, const uint8_t *amx_codes, const uint16_t
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const uint8_t *tile = w + (size_t)t * nb * TILE_BYTES;
-        for (int r0 = 0; r0 < rows; r0 += MT) {
 #define TILE(mt) q4_tile(tile, nb, t * NT, n_out, x, ldx, r0, y, ldy, accumulate, mt)
-            switch (rows - r0 < MT ? rows - r0 : MT) {
-            case 4: TILE(4); break;
-            case 3: TILE(3); break;
-            case 2: TILE(2); break;
-            default: TILE(1); break;
-            }
+        FOR_ROW_TILES(rows, TILE)
 #undef TILE
-        }
     }
 }
 
@@ -805,16 +798,6 @@ static inline __attribute__((always_inline)) void head_tile(
         for (int r = 0; r < mt; r++) out[(size_t)(r0 + r) * vocab + v0 + j] = hsum(acc[j][r]);
 }
 
-#define HEAD_ROWS(nt)                                                                  \
-    for (int r0 = 0; r0 < rows; r0 += MT) {                                            \
-        switch (rows - r0 < MT ? rows - r0 : MT) {                                     \
-        case 4: head_tile(w, dim, v0, vocab, x, r0, out, nt, 4); break;                \
-        case 3: head_tile(w, dim, v0, vocab, x, r0, out, nt, 3); break;                \
-        case 2: head_tile(w, dim, v0, vocab, x, r0, out, nt, 2); break;                \
-        default: head_tile(w, dim, v0, vocab, x, r0, out, nt, 1); break;               \
-        }                                                                              \
-    }
-
 int hr_head(const uint16_t *w, int vocab, int dim, const uint16_t *x, int rows, float *out,
             int threads) {
     if (dim % BLOCK) return -1;
@@ -823,9 +806,15 @@ int hr_head(const uint16_t *w, int vocab, int dim, const uint16_t *x, int rows, 
     for (int t = 0; t < tiles; t++) {
         if ((t + 1) * NT <= vocab) {
             const int v0 = t * NT;
-            HEAD_ROWS(NT)
+#define TILE(mt) head_tile(w, dim, v0, vocab, x, r0, out, NT, mt)
+            FOR_ROW_TILES(rows, TILE)
+#undef TILE
         } else {
-            for (int v0 = t * NT; v0 < vocab; v0++) HEAD_ROWS(1)
+            for (int v0 = t * NT; v0 < vocab; v0++) {
+#define TILE(mt) head_tile(w, dim, v0, vocab, x, r0, out, 1, mt)
+                FOR_ROW_TILES(rows, TILE)
+#undef TILE
+            }
         }
     }
     return 0;
