@@ -36,6 +36,7 @@ from backends.engine.quant import (
     INT4_MAX_SEQS,
     Int4Linear,
     ParamWatch,
+    Q4Weight,
     attach_epoch,
     int4_supported,
     packed_row_count,
@@ -162,7 +163,8 @@ class LinearGroup:
         self._share = share_storage and len(linears) > 1
         self._seen: list[tuple[torch.Tensor, int, int]] = []  # (weight, data_ptr, version)
         self._packed: torch.Tensor | None = None
-        self._int4: Int4Linear | None = None  # 4-bit codes attached by quant.attach_q4
+        self._q4: list[Q4Weight] | None = None  # 4-bit codes attached by quant.attach_q4
+        self._int4: Int4Linear | None = None  # their kernel, packed at first use
         self._epoch = -1
         self._dense: torch.Tensor | None = None  # the shared buffer, rows of every weight
         self._sizes: list[int] = []
@@ -179,7 +181,7 @@ class LinearGroup:
         weights = [lin.weight for lin in self.linears]
         if not self._stale(weights):
             return
-        self._packed = self._dense = self._int4 = None
+        self._packed = self._dense = self._int4 = self._q4 = None
         plain = all(lin.bias is None for lin in self.linears)
         q4s = [q for q in (q4_of(lin) for lin in self.linears) if q is not None]
         if (
@@ -188,7 +190,9 @@ class LinearGroup:
             and int4_supported(weights[0])
             and Int4Linear.fits(q4s)
         ):
-            self._int4 = Int4Linear(q4s, weights[0].dtype)
+            # packed when a step first asks for it: where the native kernels serve the
+            # decode rows, never (saves a copy of the 4-bit weights)
+            self._q4 = q4s
         if plain and _can_pack(weights[0]):
             fused = torch.cat([w.detach() for w in weights])
             self._packed = torch.ops.mkldnn._reorder_linear_weight(fused, 1)
@@ -209,18 +213,26 @@ class LinearGroup:
                 start += w.shape[0]
         return fused
 
+    def int4(self) -> Int4Linear | None:
+        """The packed 4-bit kernel of the group (after :meth:`_refresh`), where every
+        linear has codes that fit it."""
+        if self._int4 is None and self._q4 is not None:
+            self._int4 = Int4Linear(self._q4, self.linears[0].weight.dtype)
+        return self._int4
+
     def fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """``cat(group(x), -1)`` when it is computed as one matmul, else None."""
         self._refresh()
-        if self._int4 is not None and x.dim() == 2:
+        if self._q4 is not None and x.dim() == 2:
             n = packed_row_count(x.shape[0])
-            if n == x.shape[0]:
-                return self._int4(x)
-            if n:  # packed decode rows, then dense prefill rows
+            int4 = self.int4() if n else None
+            if int4 is not None and n == x.shape[0]:
+                return int4(x)
+            if int4 is not None:  # packed decode rows, then dense prefill rows
                 rest = self._dense_fused(x[n:])
                 if rest is None:
                     rest = torch.cat([F.linear(x[n:], lin.weight) for lin in self.linears], -1)
-                return torch.cat([self._int4(x[:n]), rest])
+                return torch.cat([int4(x[:n]), rest])
         return self._dense_fused(x)
 
     def _dense_fused(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -424,8 +436,9 @@ def _fused_kernel(group: LinearGroup, int4: bool) -> Kernel | None:
     does for a step whose rows are all packed (``int4``) or none are (at most 32 rows),
     or None where the group runs its linears one by one (LinearGroup only fuses
     bias-free linears)."""
-    if int4 and group._int4 is not None:
-        return group._int4
+    kernel = group.int4() if int4 else None
+    if kernel is not None:
+        return kernel
     dense, packed = group._dense, group._packed
     if dense is not None:
         return functools.partial(F.linear, weight=dense)
