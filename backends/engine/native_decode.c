@@ -87,6 +87,10 @@ static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v;
 static inline void store16(float *p, v16f v) { memcpy(p, &v, 64); }
 
 static inline v16f load_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#endif
     v16u16 h;
     memcpy(&h, p, 32);
     v16u32 u = __builtin_convertvector(h, v16u32) << 16;
@@ -609,30 +613,88 @@ static inline __attribute__((always_inline)) void weigh_values(
 
 /* One query head over n cached keys: softmax(q k / sqrt(d)) v, in float32.
  * stride: elements between consecutive slots; offset: this KV head's first element. */
+/* exp(x) for x <= 0 (a softmax's shifted scores), 16 at a time: 2^n * p(r) with
+ * x = n ln 2 + r, |r| <= ln 2 / 2, p a degree-6 polynomial (~2 ulp); 0 below -87. */
+static inline v16f vexp(v16f x) {
+    const v16f big = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16i32 under = x < splat(-87.0f); /* all ones where exp(x) is taken as 0 */
+    v16i32 bits;
+    memcpy(&bits, &x, 64);
+    const v16f floor_ = splat(-87.0f);
+    v16i32 floor_bits;
+    memcpy(&floor_bits, &floor_, 64);
+    bits = (bits & ~under) | (floor_bits & under);
+    memcpy(&x, &bits, 64);
+    v16f n = (x * splat(1.44269504f) + big) - big;
+    v16f r = vfma(n, splat(-0.693359375f), x);
+    r = vfma(n, splat(2.12194440e-4f), r);
+    v16f p = splat(1.0f / 720.0f);
+    p = vfma(p, r, splat(1.0f / 120.0f));
+    p = vfma(p, r, splat(1.0f / 24.0f));
+    p = vfma(p, r, splat(1.0f / 6.0f));
+    p = vfma(p, r, splat(0.5f));
+    p = vfma(p, r, splat(1.0f));
+    p = vfma(p, r, splat(1.0f));
+    const v16i32 e = (__builtin_convertvector(n, v16i32) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &e, 64);
+    v16f y = p * scale;
+    memcpy(&bits, &y, 64);
+    bits &= ~under;
+    memcpy(&y, &bits, 64);
+    return y;
+}
+
 static void attend(const float *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
                    int n, int bs, int stride, int offset, int d, float scale, float *scores,
                    float *out) {
     float top = -INFINITY;
+#if defined(__AVX512BF16__)
+    /* q . k by bfloat16 dot products: q rounded to bfloat16 once (as the torch path
+     * keeps it), the keys read as stored; float32 sums */
+    __m512bh qb[8];
+    const int pairs = d % 32 == 0 && d <= 256 ? d / 32 : 0;
+    for (int c = 0; c < pairs; c++)
+        qb[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+#else
+    const int pairs = 0;
+#endif
     for (int i0 = 0, blk = 0; i0 < n; i0 += bs, blk++) {
         const uint16_t *base = kc + (size_t)table[blk] * bs * stride + offset;
         const int count = n - i0 < bs ? n - i0 : bs;
         for (int i = 0; i < count; i++) {
             const uint16_t *key = base + (size_t)i * stride;
             v16f acc = splat(0.0f);
-            for (int e = 0; e < d; e += 16) acc = vfma(load16(q + e), load_bf16(key + e), acc);
+#if defined(__AVX512BF16__)
+            for (int c = 0; c < pairs; c++)
+                acc = (v16f)_mm512_dpbf16_ps((__m512)acc, qb[c],
+                                             (__m512bh)_mm512_loadu_si512(key + 32 * c));
+#endif
+            if (!pairs)
+                for (int e = 0; e < d; e += 16) acc = vfma(load16(q + e), load_bf16(key + e), acc);
             const float sc = hsum(acc) * scale;
             scores[i0 + i] = sc;
             top = sc > top ? sc : top;
         }
     }
-    float total = 0.0f;
-    for (int i = 0; i < n; i++) {
-        const float p = expf(scores[i] - top);
-        scores[i] = p;
-        total += p;
+    /* softmax, 16 scores at a time (the last ones padded with -inf: exp gives 0) */
+    v16f sum = splat(0.0f);
+    for (int i = 0; i < n; i += 16) {
+        v16f v = splat(-INFINITY);
+        const int left = n - i < 16 ? n - i : 16;
+        memcpy(&v, scores + i, (size_t)left * 4);
+        const v16f e = vexp(v - splat(top));
+        memcpy(scores + i, &e, (size_t)left * 4);
+        sum += e;
     }
-    const float inv = 1.0f / total;
-    for (int i = 0; i < n; i++) scores[i] *= inv;
+    const v16f inv = splat(1.0f / hsum(sum));
+    for (int i = 0; i < n; i += 16) {
+        const int left = n - i < 16 ? n - i : 16;
+        v16f v;
+        memcpy(&v, scores + i, (size_t)left * 4);
+        v *= inv;
+        memcpy(scores + i, &v, (size_t)left * 4);
+    }
     switch (d) {
     case 64: weigh_values(vc, table, n, bs, stride, offset, scores, out, 4); break;
     case 128: weigh_values(vc, table, n, bs, stride, offset, scores, out, 8); break;

@@ -26,10 +26,17 @@ from tests.engine import tiny
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
 
 
-@pytest.fixture(scope="module")
-def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("native") / "tiny-q4_1.gguf"
-    return tiny.write_gguf(tiny.hf_model(), path, qtype=gguf.GGMLQuantizationType.Q4_1)
+# (hidden size, query heads, KV heads): head_dim 16, and head_dim 64 as the default
+# model has (the kernels' bfloat16 dot-product attention takes head_dim % 32 == 0)
+SHAPES = {"head16": (64, 4, 2), "head64": (128, 2, 1)}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES.values()), ids=list(SHAPES))
+def tiny_q4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hidden, heads, kv_heads = request.param
+    path = tmp_path_factory.mktemp("native") / f"tiny-{hidden}-q4_1.gguf"
+    model = tiny.hf_model(hidden=hidden, heads=heads, kv_heads=kv_heads)
+    return tiny.write_gguf(model, path, qtype=gguf.GGMLQuantizationType.Q4_1)
 
 
 def _q4(rows: int, cols: int, qtype: str, seed: int) -> Q4Weight:

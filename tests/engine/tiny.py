@@ -55,16 +55,17 @@ def vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def hf_model(
-    *, tie: bool = False, seed: int = 0, layers: int = 2, intermediate: int = 128
+    *, tie: bool = False, seed: int = 0, layers: int = 2, intermediate: int = 128,
+    hidden: int = 64, heads: int = 4, kv_heads: int = 2,
 ) -> LlamaForCausalLM:
     tokens, _, _ = vocab()
     config = LlamaConfig(
         vocab_size=len(tokens),
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
