@@ -3,7 +3,9 @@
 Text arrives in pieces (one detokenized delta per step) and a stop string may
 straddle pieces, so the matcher holds back the longest tail that could still be
 the start of a stop string and releases it once it cannot. The stop string
-itself is never emitted (OpenAI semantics). Pure and synchronous::
+itself is never emitted (OpenAI semantics). Of several stop strings, the one that
+completes first ends the stream, so the result does not depend on how the text was
+cut into pieces. Pure and synchronous::
 
     m = StopMatcher(["\\n\\n", "END"])
     m.feed("Hello EN")   -> ("Hello ", False)   # "EN" held back
@@ -52,12 +54,18 @@ class StopMatcher:
 
 
 def _first_match(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
-    best, which = len(text) + 1, None
+    """The stop string that completes first in ``text`` (the smallest end; of those
+    ending together, the longest): ``(where it starts, it)``, else ``(len + 1, None)``.
+    First completion, not first start: generation stops as soon as a stop string is
+    complete, so a longer stop that starts earlier but would complete later never gets
+    the chance, however the text was cut into pieces."""
+    best: tuple[int, int] | None = None
+    which = None
     for s in stops:
         i = text.find(s)
-        if i != -1 and i < best:
-            best, which = i, s
-    return best, which
+        if i != -1 and (best is None or (i + len(s), i) < best):
+            best, which = (i + len(s), i), s
+    return (best[1], which) if best is not None else (len(text) + 1, None)
 
 
 def _partial_tail(text: str, stops: tuple[str, ...]) -> int:

@@ -37,8 +37,14 @@ def test_a_false_start_is_released() -> None:
     assert m.flush() == "EN"
 
 
-def test_the_earliest_of_several_stops_wins() -> None:
+def test_the_stop_completed_first_wins() -> None:
+    """"bc" is complete one character before "abcd" is, so generation would already
+    have stopped there, whether "xxabcd" arrives in one piece or token by token."""
     m = StopMatcher(["bc", "abcd"])
+    assert m.feed("xxabcd") == ("xxa", True) and m.matched == "bc"
+    m = StopMatcher(["bc", "abcd"])
+    assert feed_all(m, ["xxab", "c", "d"]) == ("xxa", True) and m.matched == "bc"
+    m = StopMatcher(["bcd", "abcd"])  # completing together: the longer one, started first
     assert m.feed("xxabcd") == ("xx", True) and m.matched == "abcd"
 
 
@@ -57,6 +63,7 @@ def test_no_stops_passes_text_through_and_empty_stop_is_rejected() -> None:
 def test_streaming_equals_matching_the_whole_text(text, stops, cuts) -> None:
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    hits = [(text.find(s), s) for s in stops if s in text]
-    expected = (text[: min(hits)[0]], True) if hits else (text, False)
+    # the stop that completes first (smallest end, then earliest start)
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = (text[: min(hits)[1]], True) if hits else (text, False)
     assert feed_all(StopMatcher(stops), pieces) == expected
