@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "PrefillSpan", "decode_attention", "paged_attention", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "PrefillSpan",
+    "decode_attention",
+    "paged_attention",
+    "split_decodes",
+    "write_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,35 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.shape[0])
+
+
+def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's metadata as (its decode rows alone, its prefill rows alone), rows
+    renumbered from 0 in each (the decode rows are the leading ones)."""
+    n = meta.num_decodes
+    decode = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:n],
+        decode_rows=meta.decode_rows,
+        decode_block_tables=meta.decode_block_tables,
+        decode_context_lens=meta.decode_context_lens,
+        decode_mask=meta.decode_mask,
+        prefills=(),
+        num_decode_seqs=meta.num_decode_seqs,
+    )
+    empty = meta.decode_rows[:0]
+    prefill = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[n:],
+        decode_rows=empty,
+        decode_block_tables=meta.decode_block_tables[:0],
+        decode_context_lens=empty,
+        decode_mask=meta.decode_mask[:0],
+        prefills=tuple(
+            PrefillSpan(s.start - n, s.end - n, s.context_len, s.block_table)
+            for s in meta.prefills
+        ),
+        num_decode_seqs=0,
+    )
+    return decode, prefill
 
 
 def write_kv(

@@ -29,9 +29,10 @@ from backends.engine.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
+    split_decodes,
     write_kv,
 )
-from backends.engine.native import AMX_FEW_SEQS, NativeDecode, NotApplicable, split_decodes
+from backends.engine.native import AMX_FEW_SEQS, NativeDecode, NotApplicable
 from backends.engine.quant import (
     INT4_MAX_SEQS,
     Int4Linear,
@@ -551,13 +552,14 @@ class Transformer(nn.Module):
             return None
         return plan
 
-    def packed_seq_limit(self) -> int:
+    def packed_seq_limit(self, plan: NativeDecode | bool | None = True) -> int:
         """Steps with at most this many decoding sequences run their decode rows
         "packed" (the runner's choice, quant.packed_rows): through the few-row kernels,
         native or torch's int4 one. With AMX the native batched kernel is faster from 3
-        sequences on; else the few-row kernels are, up to INT4_MAX_SEQS."""
-        plan = self.native_plan()
-        return AMX_FEW_SEQS if plan is not None and plan.amx else INT4_MAX_SEQS
+        sequences on; else the few-row kernels are, up to INT4_MAX_SEQS. ``plan``: the
+        step's :meth:`native_plan` where the caller has it (``True``: look it up)."""
+        native = self.native_plan() if plan is True else plan
+        return AMX_FEW_SEQS if isinstance(native, NativeDecode) and native.amx else INT4_MAX_SEQS
 
     def _fast_decode(self, rows: int, meta: AttentionMetadata) -> _Layers | None:
         """The straight-line layers for this step, when it is decode-only and every
@@ -587,26 +589,27 @@ class Transformer(nn.Module):
         return plan
 
     def compute_logits(
-        self, hidden: torch.Tensor, native: torch.Tensor | None = None
+        self, hidden: torch.Tensor, native: tuple[NativeDecode, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """hidden: [N, dim] -> float32 logits [N, V]. ``native``: boolean [N], the rows
-        of a few-sequence native step, whose logits the native head computes (float32
-        sums, no bfloat16 rounding), the same way whatever else the step holds."""
+        """hidden: [N, dim] -> float32 logits [N, V]. ``native``: the plan of a
+        few-sequence native step and a boolean [N] of its rows, whose logits the native
+        head computes (float32 sums, no bfloat16 rounding), the same way whatever else
+        the step holds."""
         head = self.output
         if type(head) is not nn.Linear:  # tensor parallel: a vocab-parallel head
             return head(hidden).float()  # type: ignore[no-any-return]
-        plan = self.native_plan() if native is not None else None
-        if plan is not None and native is not None and bool(native.any()):
-            if bool(native.all()):
+        if native is not None and bool(native[1].any()):
+            plan, native_rows = native
+            if bool(native_rows.all()):
                 out = plan.head(hidden, head.weight)
                 if out is not None:
                     return out
             else:
-                fast = plan.head(hidden[native], head.weight)
+                fast = plan.head(hidden[native_rows], head.weight)
                 if fast is not None:
                     logits = torch.empty(hidden.shape[0], fast.shape[1], dtype=torch.float32)
-                    logits[native] = fast
-                    logits[~native] = self.compute_logits(hidden[~native])
+                    logits[native_rows] = fast
+                    logits[~native_rows] = self.compute_logits(hidden[~native_rows])
                     return logits
         group: LinearGroup | None = self.__dict__.get("_head")
         if group is None or group.linears[0] is not head:

@@ -17,8 +17,8 @@ torch. It serves every decode row of a step, with one of two matmul kernels:
   dot products, else in float32. Its cost hardly grows with the rows.
 
 Mixed steps run their decode rows through it apart from the prefill rows
-(:func:`split_decodes`), so a decode token is computed the same way whatever else the
-step holds.
+(:func:`backends.engine.attention.split_decodes`), so a decode token is computed the
+same way whatever else the step holds.
 
 Numerics: float32 activations and residual stream (the torch path rounds them to
 bfloat16 at every op), K/V stored in bfloat16 as the torch path stores them. Each
@@ -51,13 +51,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backends.engine.attention import AttentionMetadata, PrefillSpan
+from backends.engine.attention import AttentionMetadata
 from backends.engine.quant import GROUP, ParamWatch, Q4Weight, q4_of
 
 if TYPE_CHECKING:
     from backends.engine.model import Transformer
 
-__all__ = ["AMX_FEW_SEQS", "NativeDecode", "NotApplicable", "library", "q4_blocks", "split_decodes"]
+__all__ = ["AMX_FEW_SEQS", "NativeDecode", "NotApplicable", "amx_blocks", "library", "q4_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -175,23 +175,33 @@ TILE = 4  # output rows per tile (NT in native_decode.c)
 AMX_FEW_SEQS = 2
 
 
+def _stacked(
+    weights: Sequence[Q4Weight], multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights stacked along N, padded with zero rows to a multiple of ``multiple``:
+    codes [N', K] uint8 (0..15), d and m [N', K / 32] float16 (``w = d * q + m``; a
+    Q4_0 block has ``m = -8 d``)."""
+    q = torch.cat([w.q() for w in weights]).to(torch.uint8)
+    scale = torch.cat([w.scale for w in weights])  # float32
+    offset = torch.cat([w.zero for w in weights]) - 8 * scale  # the file's m, exactly
+    pad = -q.shape[0] % multiple
+    return tuple(  # type: ignore[return-value]
+        torch.nn.functional.pad(t, (0, 0, 0, pad))
+        for t in (q, scale.to(torch.float16), offset.to(torch.float16))
+    )
+
+
 def q4_blocks(weights: Sequence[Q4Weight]) -> torch.Tensor:
     """The weights stacked along N in the kernel's layout (see native_decode.c),
     [ceil(N / 4), K / 32, 80] uint8: per tile of 4 rows and block column, the rows'
-    float16 d, their float16 m, then their codes, so that ``w = d * q + m`` (a Q4_0
-    block has ``m = -8 d``). Padding rows are zeros."""
-    q = torch.cat([w.q() for w in weights]).to(torch.uint8)  # [N, K] codes 0..15
-    scale = torch.cat([w.scale for w in weights])  # [N, K / 32] float32
-    offset = torch.cat([w.zero for w in weights]) - 8 * scale  # the file's m, exactly
-    n, k = q.shape
-    nb, pad = k // GROUP, -n % TILE
-    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, TILE, nb, GROUP)
-    d = torch.nn.functional.pad(scale.to(torch.float16), (0, 0, 0, pad)).view(-1, TILE, nb)
-    m = torch.nn.functional.pad(offset.to(torch.float16), (0, 0, 0, pad)).view(-1, TILE, nb)
+    float16 d, their float16 m, then their codes. Padding rows are zeros."""
+    q, d, m = _stacked(weights, TILE)
+    nb = q.shape[1] // GROUP
+    q = q.view(-1, TILE, nb, GROUP)
     codes = q[..., :16] | (q[..., 16:] << 4)  # [tiles, 4, nb, 16]
     out = torch.empty(q.shape[0], nb, 5 * 16, dtype=torch.uint8)
-    out[..., 0:8] = d.transpose(1, 2).contiguous().view(torch.uint8)
-    out[..., 8:16] = m.transpose(1, 2).contiguous().view(torch.uint8)
+    out[..., 0:8] = d.view(-1, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    out[..., 8:16] = m.view(-1, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)
     out[..., 16:] = codes.transpose(1, 2).reshape(q.shape[0], nb, 64)
     return out
 
@@ -202,23 +212,13 @@ def amx_blocks(weights: Sequence[Q4Weight]) -> tuple[torch.Tensor, torch.Tensor]
     16 x 32 pair layout, e = 32 kp + 2 n + j for input 2 kp + j of output n, low nibble
     of byte e for e < 256, high nibble of byte e - 256 above), and float16 scales
     [ceil(N / 16), K / 32, 32] (the 16 outputs' d, then their m)."""
-    q = torch.cat([w.q() for w in weights]).to(torch.uint8)  # [N, K]
-    scale = torch.cat([w.scale for w in weights])
-    offset = torch.cat([w.zero for w in weights]) - 8 * scale
-    n, k = q.shape
-    nb, pad = k // GROUP, -n % 16
-    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-    tiles = q.shape[0] // 16
+    q, d, m = _stacked(weights, 16)
+    nb, tiles = q.shape[1] // GROUP, q.shape[0] // 16
     # [tiles, n 16, nb, kp 16, j 2] -> [tiles, nb, kp, n, j]
     e = q.view(tiles, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
     codes = (e[..., :256] | (e[..., 256:] << 4)).contiguous()
-
-    def per_tile(v: torch.Tensor) -> torch.Tensor:
-        v = torch.nn.functional.pad(v.to(torch.float16), (0, 0, 0, pad))
-        return v.view(tiles, 16, nb).transpose(1, 2)  # [tiles, nb, 16]
-
-    scales = torch.cat([per_tile(scale), per_tile(offset)], dim=-1).contiguous()
-    return codes, scales.view(torch.uint16) if hasattr(torch, "uint16") else scales
+    scales = torch.cat([t.view(tiles, 16, nb).transpose(1, 2) for t in (d, m)], dim=-1)
+    return codes, scales.contiguous()
 
 
 class NativeDecode:
@@ -276,7 +276,7 @@ class NativeDecode:
             layers[i] = _Layer(*(t.data_ptr() for t in blocks + norms), None, None,
                                (ctypes.c_void_p * 4)(*amx[:4]), (ctypes.c_void_p * 4)(*amx[4:]))
         self.watch = ParamWatch(owners, self.modules)
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules):
+        if self.watch.hooked():
             raise NotApplicable("hooked")
         self.keep, self.layers = keep, layers
         self.model = _Model(a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim,
@@ -314,7 +314,10 @@ class NativeDecode:
             for t in (k, v):
                 if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.dim() != 4
                         or tuple(t.shape[2:]) != (a.n_kv_heads, a.head_dim)):
-                    raise NotApplicable("KV cache layout")
+                    raise ValueError(
+                        f"native decode needs bfloat16 contiguous KV caches [blocks, block "
+                        f"size, {a.n_kv_heads}, {a.head_dim}], got {t.dtype} {tuple(t.shape)}"
+                    )
             self.layers[i].k_cache, self.layers[i].v_cache = seen[i]
         self.model.block_size = int(kv_caches[0][0].shape[1])
         self.kv_seen = seen
@@ -354,32 +357,3 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode failed ({rc})")
         return hidden.to(x.dtype)
-
-
-def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
-    """A mixed step's metadata as (its decode rows alone, its prefill rows alone), rows
-    renumbered from 0 in each (the decode rows are the leading ones)."""
-    n = meta.num_decodes
-    decode = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[:n],
-        decode_rows=meta.decode_rows,
-        decode_block_tables=meta.decode_block_tables,
-        decode_context_lens=meta.decode_context_lens,
-        decode_mask=meta.decode_mask,
-        prefills=(),
-        num_decode_seqs=meta.num_decode_seqs,
-    )
-    empty = meta.decode_rows[:0]
-    prefill = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[n:],
-        decode_rows=empty,
-        decode_block_tables=meta.decode_block_tables[:0],
-        decode_context_lens=empty,
-        decode_mask=meta.decode_mask[:0],
-        prefills=tuple(
-            PrefillSpan(s.start - n, s.end - n, s.context_len, s.block_table)
-            for s in meta.prefills
-        ),
-        num_decode_seqs=0,
-    )
-    return decode, prefill

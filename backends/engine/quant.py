@@ -208,7 +208,7 @@ class ParamWatch:
 
     def __init__(self, owners: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> None:
         self.owners = list(owners)
-        self.hooked = list(hooked)
+        self.hooked_modules = list(hooked)
         self.epoch = attach_epoch()
         self.weights = self._weights()  # kept, so their ids cannot be reused
         # inference tensors have no version counter (and cannot be edited in place
@@ -226,12 +226,15 @@ class ParamWatch:
             return ids, ptrs
         return ids, ptrs, list(map(_VERSION, weights))
 
+    def hooked(self) -> bool:
+        """Whether a forward (pre-)hook sits on any of the watched modules."""
+        return any(map(_HOOKS, self.hooked_modules)) or any(map(_PRE_HOOKS, self.hooked_modules))
+
     def unchanged(self) -> bool:
         return (
             self.epoch == attach_epoch()
             and self._state(self._weights()) == self.state
-            and not any(map(_HOOKS, self.hooked))
-            and not any(map(_PRE_HOOKS, self.hooked))
+            and not self.hooked()
         )
 
 

@@ -118,13 +118,14 @@ class ModelRunner:
         # run through packed 4-bit weights where the model has them (quant.py). The
         # choice depends on how many sequences decode, never on how many rows each
         # adds, so a speculative step picks the same kernels as a plain one.
-        limit = self.model.packed_seq_limit()
+        plan = self.model.native_plan()  # checked once here for the step's choices
+        limit = self.model.packed_seq_limit(plan)
         packed = meta.num_decodes if meta.num_decode_seqs <= limit else 0
         with packed_rows(packed):
             hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
         # Which rows are sampled depends on the batch: the dense head, except for the
         # decode rows of a few-sequence native step (the native head, row by row).
-        native = rows < meta.num_decodes if packed and self.model.native_plan() else None
+        native = (plan, rows < meta.num_decodes) if packed and plan is not None else None
         with packed_rows(0):
             return self.model.compute_logits(hidden[rows], native)  # [N, V]
 
