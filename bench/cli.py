@@ -18,13 +18,13 @@ from typing import Any
 import trio
 
 from backends.errors import ClientError, HeadraceError
-from bench.client import RequestSpec
+from bench.client import RequestResult, RequestSpec
 from bench.connect import FALLBACK_MODEL, HttpVersion, Target, discover
-from bench.loadgen import LoadConfig, run_rate
+from bench.loadgen import LoadConfig, RunResult, run_rate
 from bench.report import compare, default_path, format_compare, format_table, summarize_run
 from bench.report import write_json as write_report
 
-__all__ = ["add_common_arguments", "main", "pick_model", "run_load"]
+__all__ = ["Partial", "add_common_arguments", "is_interrupt", "main", "pick_model", "run_load"]
 
 RESULTS_DIR = "bench/results"
 
@@ -95,36 +95,76 @@ def _spec(args: argparse.Namespace, model: str) -> RequestSpec:
                        ignore_eos=args.ignore_eos, timeout=args.timeout)
 
 
-async def run_load(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate at the target (and at ``--compare-direct``); the JSON document."""
+class Partial:
+    """A load report as it grows, so that ``headrace bench`` writes what it has
+    even when the run ends early (Ctrl-C, a crash in the middle of a rate)."""
+
+    def __init__(self) -> None:
+        self.document: dict[str, Any] = {}
+        self._current: tuple[str, LoadConfig, list[RequestResult], float] | None = None
+
+    def begin(self, label: str, config: LoadConfig) -> list[RequestResult]:
+        """A rate starts: the list its results will be appended to."""
+        results: list[RequestResult] = []
+        self._current = (label, config, results, time.monotonic())
+        return results
+
+    def end(self, run: RunResult, label: str) -> dict[str, Any]:
+        self._current = None
+        summary = summarize_run(run, label=label)
+        self.document["runs"].append(summary)
+        return summary
+
+    def salvage(self, exc: BaseException) -> dict[str, Any] | None:
+        """The report of an interrupted run (None when no rate had started):
+        the finished rates, the one in progress marked ``partial``, and why."""
+        if not self.document.get("runs") and self._current is None:
+            return None
+        if self._current is not None:
+            label, config, results, started = self._current
+            run = RunResult(config=config, wall=time.monotonic() - started,
+                            results=sorted(results, key=lambda r: r.index))
+            self.end(run, label)["partial"] = True
+        leaf = exc
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        self.document["interrupted"] = f"{type(leaf).__name__}: {leaf}"[:300]
+        return self.document
+
+
+async def run_load(args: argparse.Namespace, partial: Partial | None = None) -> dict[str, Any]:
+    """Every rate at the target (and at ``--compare-direct``); the JSON document,
+    built in ``partial`` as the rates finish."""
     _check(args)
+    partial = partial if partial is not None else Partial()
     http: HttpVersion = args.http
     target = await discover(args.target, http, args.api_key)
     direct = await discover(args.compare_direct, http, args.api_key) if args.compare_direct else None
     spec = _spec(args, pick_model(args.model, target))
-    summaries, comparisons = [], []
-    for rate in args.rps:
-        config = LoadConfig(rate=rate, duration=args.duration, seed=args.seed,
-                            prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
-        label = "routed" if direct else "target"
-        run = await run_rate(target.url, target.http, spec, config, api_key=args.api_key,
-                             label=f"{label} {rate:g} rps")
-        summaries.append(summarize_run(run, label=label))
-        if direct is not None:
-            run = await run_rate(direct.url, direct.http, spec, config, api_key=args.api_key,
-                                 label=f"direct {rate:g} rps")
-            summaries.append(summarize_run(run, label="direct"))
-            comparisons.append(compare(summaries[-2], summaries[-1]))
-    return {
+    comparisons: list[dict[str, Any]] = []
+    partial.document.update({
         "kind": "load",
         "target": {"url": target.url, "http": target.http_version},
         "direct": {"url": direct.url, "http": direct.http_version} if direct else None,
         "request": {"model": spec.model, "endpoint": spec.endpoint, "stream": spec.stream,
                     "max_tokens": spec.max_tokens, "prompt_tokens": args.prompt_tokens,
                     "ignore_eos": spec.ignore_eos, "max_outstanding": args.max_outstanding},
-        "runs": summaries,
+        "runs": [],
         "router_added_latency": comparisons,
-    }
+    })
+    for rate in args.rps:
+        config = LoadConfig(rate=rate, duration=args.duration, seed=args.seed,
+                            prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
+        label = "routed" if direct else "target"
+        run = await run_rate(target.url, target.http, spec, config, api_key=args.api_key,
+                             label=f"{label} {rate:g} rps", results=partial.begin(label, config))
+        routed = partial.end(run, label)
+        if direct is not None:
+            run = await run_rate(direct.url, direct.http, spec, config, api_key=args.api_key,
+                                 label=f"direct {rate:g} rps",
+                                 results=partial.begin("direct", config))
+            comparisons.append(compare(routed, partial.end(run, "direct")))
+    return partial.document
 
 
 def finish(args: argparse.Namespace, kind: str, document: dict[str, Any], plotter: Any) -> None:
@@ -158,14 +198,38 @@ def warn_if_behind(runs: list[dict[str, Any]]) -> None:
 
 def _load_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    document = trio.run(run_load, args)
+    partial = Partial()
+    try:
+        document = trio.run(run_load, args, partial)
+    except BaseException as exc:
+        salvaged = partial.salvage(exc)
+        if salvaged is None:
+            raise
+        _print_load(salvaged)
+        print(f"headrace bench: stopped early ({salvaged['interrupted']}); "
+              "the report holds what finished", file=sys.stderr)
+        finish(args, "load", salvaged, _plot_load)
+        if is_interrupt(exc):
+            return 130
+        raise
+    _print_load(document)
+    finish(args, "load", document, _plot_load)
+    return 0
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Ctrl-C, possibly inside trio's exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_interrupt(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
+
+
+def _print_load(document: dict[str, Any]) -> None:
     warn_if_behind(document["runs"])
     print(format_table(document["runs"]))
     if document["router_added_latency"]:
         print()
         print(format_compare(document["router_added_latency"]))
-    finish(args, "load", document, _plot_load)
-    return 0
 
 
 def _sub(name: str) -> Any:

@@ -7,6 +7,11 @@ got round to sending it, so a client that falls behind shows up as latency
 :class:`StreamTimer` is the sans-I/O part (bytes and timestamps in, a
 :class:`RequestResult` out); :func:`send_request` is the httpx part. Transport
 failures are counted by kind, never raised: a load test reports errors.
+That holds for *any* exception out of a request, not only httpx's own: an
+``h2.exceptions.ProtocolError`` escaping httpcore (issue 12, bug 4) once
+killed a whole run without a report. httpx errors get a short kind
+(``timeout``, ``connect``, ``protocol``...); anything else is named by its
+type (``ProtocolError``), with the message in ``detail``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ __all__ = [
     "RequestSpec",
     "StreamTimer",
     "build_body",
+    "classify",
     "send_request",
 ]
 
@@ -160,7 +166,18 @@ class StreamTimer:
         self._chunks += 1
 
 
-def _classify(exc: httpx.HTTPError) -> str:
+def _leaf(exc: BaseException) -> BaseException:
+    """The exception inside a group of one (trio wraps errors from nurseries)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def classify(exc: BaseException) -> str:
+    """The error kind a failed request is counted under."""
+    exc = _leaf(exc)
+    if not isinstance(exc, httpx.HTTPError):
+        return type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return "timeout"
     if isinstance(exc, httpx.ConnectError):
@@ -213,8 +230,9 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, prompt: str
     with trio.move_on_after(spec.timeout) as scope:
         try:
             await (_stream if spec.stream else _unary)(client, spec, body, result, start)
-        except httpx.HTTPError as exc:
-            result.error, result.detail = _classify(exc), f"{type(exc).__name__}: {exc}"[:200]
+        except Exception as exc:  # any failure is a result, never the end of the run
+            leaf = _leaf(exc)
+            result.error, result.detail = classify(leaf), f"{type(leaf).__name__}: {leaf}"[:200]
             result.e2e = trio.current_time() - start
     if scope.cancelled_caught:
         result.error, result.detail = "timeout", f"no complete answer within {spec.timeout} s"

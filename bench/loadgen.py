@@ -49,12 +49,12 @@ class RunResult(msgspec.Struct, kw_only=True):
 
 
 class _State:
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, results: list[RequestResult]) -> None:
         self.total = total
         self.launched = 0
         self.outstanding = 0
         self.errors = 0
-        self.results: list[RequestResult] = []
+        self.results = results
 
     def record(self, result: RequestResult) -> None:
         self.results.append(result)
@@ -96,12 +96,16 @@ async def _launch(send: Sender, state: _State, config: LoadConfig, schedule: lis
 
 
 async def run_open_loop(config: LoadConfig, send: Sender, *,
-                        progress: ProgressBar | None = None) -> RunResult:
-    """Offer ``config.rate`` req/s for ``config.duration`` s; wait for every answer."""
+                        progress: ProgressBar | None = None,
+                        results: list[RequestResult] | None = None) -> RunResult:
+    """Offer ``config.rate`` req/s for ``config.duration`` s; wait for every answer.
+
+    Each result is appended to ``results`` (when given) as it completes, so a
+    caller interrupted mid-run (Ctrl-C) still holds what finished."""
     if config.max_outstanding < 1:
         raise BadRequest("max_outstanding must be >= 1", param="max_outstanding")
     schedule = poisson_schedule(config.rate, config.duration, config.seed)
-    state = _State(len(schedule))
+    state = _State(len(schedule), results if results is not None else [])
     run_start = trio.current_time()
     async with trio.open_nursery() as outer:
         if progress is not None:
@@ -117,7 +121,8 @@ async def run_open_loop(config: LoadConfig, send: Sender, *,
 
 
 async def run_rate(url: str, http: str, spec: RequestSpec, config: LoadConfig, *,
-                   api_key: str | None = None, label: str = "bench") -> RunResult:
+                   api_key: str | None = None, label: str = "bench",
+                   results: list[RequestResult] | None = None) -> RunResult:
     """:func:`run_open_loop` against a real server at ``url``."""
     limit = config.max_outstanding
     async with make_client(url, "2" if http == "2" else "1.1", max_connections=limit,
@@ -126,4 +131,4 @@ async def run_rate(url: str, http: str, spec: RequestSpec, config: LoadConfig, *
             return await send_request(client, spec, prompt, index=index, start=planned,
                                       run_start=run_start)
 
-        return await run_open_loop(config, send, progress=ProgressBar(label))
+        return await run_open_loop(config, send, progress=ProgressBar(label), results=results)

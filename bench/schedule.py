@@ -87,7 +87,7 @@ _CHAT_TOPICS = (
 def repeat_text(first: int, second: int, n_tokens: int) -> str:
     """Whole sentences of passage ``first``, then of passage ``second``, until
     about ``n_tokens`` tokens (1.3 tokens per word) or both are used up."""
-    words, out = 0, []
+    words, out = 0, list[str]()
     for sentence in PASSAGES[first].sentences + PASSAGES[second].sentences:
         if out and words * 1.3 >= n_tokens:
             break
