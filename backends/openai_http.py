@@ -28,11 +28,13 @@ closed.
 from __future__ import annotations
 
 import email.utils
+import logging
+import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import h2.errors
 import h2.exceptions
@@ -59,7 +61,9 @@ from backends.errors import (
 from backends.sse import SSEParser
 from backends.tally import StreamTally
 
-__all__ = ["HTTPBackendStatistics", "OpenAIHTTPBackend", "status_error"]
+__all__ = ["HTTPBackendStatistics", "HTTPOptions", "OpenAIHTTPBackend", "status_error"]
+
+log = logging.getLogger(__name__)
 
 MAX_ERROR_BODY = 64 * 1024
 _TRANSPORT_ERRORS = (
@@ -325,8 +329,18 @@ async def _reset_h2_stream(response: httpx.Response) -> None:
         return  # already closed: the response had ended
     try:
         await conn._write_outgoing_data(getattr(inner, "_request", None) or response.request)  # type: ignore[union-attr]
-    except (*_TRANSPORT_ERRORS, AttributeError, TypeError):
+    except Exception:  # httpcore's own errors (WriteError...) too: best effort
         return
+
+
+async def _close_response(response: httpx.Response) -> None:
+    """Reset (HTTP/2) and close a response, whatever state its connection is
+    in: a failure here must never replace the error that ended the stream."""
+    try:
+        await _reset_h2_stream(response)
+        await response.aclose()
+    except Exception as exc:  # closing is best effort
+        log.debug("closing a response failed: %r", exc)
 
 
 # ---------------------------------------------------------------- the backend
@@ -338,20 +352,62 @@ def _tls_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext | bool:
     return verify
 
 
+HTTPVersion = Literal["auto", "1.1", "2"]
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of :class:`OpenAIHTTPBackend` a config file can give
+    (``[[backends]] options = {...}``); see the class for their meaning."""
+
+    http: HTTPVersion = "auto"
+    model: str | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None  # read the key from this environment variable
+    token_ids: bool | Literal["auto"] = "auto"
+    connect_timeout: _Seconds = 5.0
+    stall_timeout: _Seconds = 60.0
+    first_token_timeout: _Seconds | None = None
+    health_timeout: _Seconds = 5.0
+    verify: bool | str = True  # False, or a CA bundle path
+    max_connections: Annotated[int, msgspec.Meta(gt=0)] = 100
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`OpenAIHTTPBackend`."""
+        out = msgspec.structs.asdict(self)
+        env = out.pop("api_key_env")
+        if env is not None and out["api_key"] is None:
+            out["api_key"] = os.environ.get(env)
+            if not out["api_key"]:
+                raise ValueError(f"api_key_env: environment variable {env} is not set")
+        return out
+
+
+# Errors that mean "this server does not speak HTTP/2 prior knowledge" rather
+# than "nothing listens there": an HTTP/1.1-only server answers the h2
+# preface with a 400 in HTTP/1.1 (not h2 frames) or closes the connection.
+_NOT_H2 = (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 class OpenAIHTTPBackend:
-    """One OpenAI-compatible server. ``http2``: HTTP/2 (prior knowledge on
-    ``http://``, ALPN with HTTP/1.1 fallback on ``https://``); False: HTTP/1.1.
-    ``token_ids``: True (the server honours ``return_token_ids``), False (never
-    ask), "auto" (ask, and report what the answers show). ``stall_timeout``:
-    the longest gap without a byte once streaming; ``first_token_timeout``:
-    the longest wait for the response and its first event (default: the same)."""
+    """One OpenAI-compatible server.
+
+    ``http``: "2" (prior knowledge on ``http://``, ALPN on ``https://``),
+    "1.1", or "auto": ALPN on ``https://``; on ``http://`` the first exchange
+    tries HTTP/2 prior knowledge and falls back to HTTP/1.1 if the server
+    does not speak it (vLLM's, SGLang's and llama.cpp's servers, most hosted
+    providers), and the answer is remembered. ``token_ids``: True (the server
+    honours ``return_token_ids``), False (never ask), "auto" (ask, and report
+    what the answers show). ``stall_timeout``: the longest gap without a byte
+    once streaming; ``first_token_timeout``: the longest wait for the
+    response and its first event (default: the same)."""
 
     def __init__(
         self,
         base_url: str,
         *,
         model: str | None = None,
-        http2: bool = True,
+        http: HTTPVersion = "auto",
         api_key: str | None = None,
         token_ids: bool | Literal["auto"] = "auto",
         connect_timeout: float = 5.0,
@@ -367,6 +423,8 @@ class OpenAIHTTPBackend:
             raise ValueError(f"base_url must be http(s)://host[:port], got {base_url!r}")
         if token_ids not in (True, False, "auto"):
             raise ValueError("token_ids must be True, False or 'auto'")
+        if http not in ("auto", "1.1", "2"):
+            raise ValueError(f"http must be 'auto', '1.1' or '2', got {http!r}")
         self.base_url, self.model, self.token_ids = str(url), model, token_ids
         self.name = name or f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
         self.stall_timeout = stall_timeout
@@ -374,23 +432,75 @@ class OpenAIHTTPBackend:
             first_token_timeout if first_token_timeout is not None else stall_timeout
         )
         self.health_timeout = health_timeout
+        self.http = http
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            http1=not http2 or url.scheme == "https",
-            http2=http2,
-            headers=headers,
-            timeout=httpx.Timeout(
-                connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
-            ),
-            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
-            verify=_tls_context(verify),
-            trust_env=False,
-        )
+        tls = url.scheme == "https"
+
+        def client(http1: bool, http2: bool) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.base_url,
+                http1=http1,
+                http2=http2,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
+                ),
+                limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
+                verify=_tls_context(verify),
+                trust_env=False,
+            )
+
+        # The protocol spoken: "1.1" or "2" once known; None while an
+        # ``auto`` cleartext backend has not answered yet. Over TLS, ALPN
+        # chooses per connection, so one client offers both.
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        if tls:
+            self._protocol: str | None = "tls"
+            self._clients["tls"] = client(http1=http != "2", http2=http != "1.1")
+        else:
+            self._protocol = None if http == "auto" else http
+            if http in ("auto", "2"):
+                self._clients["2"] = client(http1=False, http2=True)
+            if http in ("auto", "1.1"):
+                self._clients["1.1"] = client(http1=True, http2=False)
+        self._negotiating = trio.Lock()
         self._models: tuple[str, ...] | None = None
         self._max_context: int | None = None
         self._saw_ids = False
         self._tally = StreamTally()
+
+    @property
+    def protocol(self) -> str | None:
+        """"1.1", "2", "tls" (ALPN decides), or None (``auto``, not yet known)."""
+        return self._protocol
+
+    async def _client(self) -> httpx.AsyncClient:
+        """The client to use; settles ``auto`` on the first call."""
+        if self._protocol is None:
+            async with self._negotiating:
+                if self._protocol is None:
+                    await self._negotiate()
+        return self._clients[self._protocol or "2"]
+
+    async def _negotiate(self) -> None:
+        """Try HTTP/2 prior knowledge with an idempotent GET; on an answer
+        that is not HTTP/2, try HTTP/1.1. Remember whichever answered;
+        nothing is remembered while neither does (connection refused)."""
+        try:
+            await self._clients["2"].get("/health")
+        except _NOT_H2 as exc:
+            try:
+                await self._clients["1.1"].get("/health")
+            except Exception:  # neither answered: decide on a later try
+                return
+            log.info("backend %s speaks HTTP/1.1, not HTTP/2 (%r)", self.name, exc)
+            self._protocol = "1.1"
+            await self._clients.pop("2").aclose()
+        except Exception:  # nothing answered (refused, timed out)
+            return
+        else:
+            self._protocol = "2"
+            await self._clients.pop("1.1").aclose()
 
     # ------------------------------------------------------------ Backend
 
@@ -406,19 +516,21 @@ class OpenAIHTTPBackend:
         return HTTPBackendStatistics(t.in_flight, t.started, t.completed, t.failed, t.cancelled)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients.values():
+            await client.aclose()
 
     async def health(self) -> Health:
         """``GET /health``, falling back to ``GET /v1/models`` where the
         server has no health route."""
         try:
             with trio.fail_after(self.health_timeout):
-                response = await self._client.get("/health")
+                client = await self._client()
+                response = await client.get("/health")
                 if response.status_code == 404:
-                    response = await self._client.get("/v1/models")
+                    response = await client.get("/v1/models")
         except trio.TooSlowError:
             return Health(ok=False, detail=f"no answer within {self.health_timeout}s")
-        except _TRANSPORT_ERRORS as exc:
+        except Exception as exc:  # a probe reports, it never raises
             return Health(ok=False, detail=f"unreachable: {exc!r}")
         ok = response.status_code == 200
         return Health(ok=ok, detail="" if ok else f"HTTP {response.status_code}")
@@ -428,7 +540,7 @@ class OpenAIHTTPBackend:
         it) into the cache behind :meth:`info`."""
         try:
             with trio.fail_after(self.health_timeout):
-                response = await self._client.get("/v1/models")
+                response = await (await self._client()).get("/v1/models")
         except trio.TooSlowError:
             raise BackendTimeout(f"/v1/models: no answer within {self.health_timeout}s") from None
         except _TRANSPORT_ERRORS as exc:
@@ -500,22 +612,29 @@ class OpenAIHTTPBackend:
 
     async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncGenerator[Event, None]:
         response = await self._open(path, payload)
+        parser = _ChunkParser(chat=path.endswith("/chat/completions"))
         try:
-            parser = _ChunkParser(chat=path.endswith("/chat/completions"))
             async with aclosing(self._events(response, parser)) as events:
                 async for event in events:
                     yield event
+        except HeadraceError:
+            raise
+        except Exception as exc:
+            # Anything not translated below (an httpcore error httpx let
+            # through, a bug): the stream did not end well, so say so.
+            log.warning("backend %s: stream failed with %r", self.name, exc)
+            raise _transport_error(exc, started=parser.events > 0) from exc
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                await _reset_h2_stream(response)
-                await response.aclose()
+                await _close_response(response)
 
     async def _open(self, path: str, payload: dict[str, Any]) -> httpx.Response:
         """Send the request; return the 200 streaming response or raise."""
-        request = self._client.build_request("POST", path, json=payload)
         try:
             with trio.fail_after(self.first_token_timeout):
-                response = await self._client.send(request, stream=True)
+                client = await self._client()
+                request = client.build_request("POST", path, json=payload)
+                response = await client.send(request, stream=True)
         except trio.TooSlowError:
             raise BackendTimeout(f"no response within {self.first_token_timeout}s") from None
         except _TRANSPORT_ERRORS as exc:
@@ -525,10 +644,10 @@ class OpenAIHTTPBackend:
         try:
             with trio.move_on_after(self.stall_timeout):
                 body = await _read_limited(response)
-        except _TRANSPORT_ERRORS:
+        except Exception:  # the status says enough
             body = b""
         finally:
-            await response.aclose()
+            await _close_response(response)
         raise status_error(response.status_code, body, response.headers.get("retry-after"))
 
     async def _events(

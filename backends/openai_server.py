@@ -39,6 +39,8 @@ from backends.errors import (
     ModelNotFound,
     NotFound,
     PayloadTooLarge,
+    StreamBroken,
+    UpstreamError,
 )
 from backends.openai_wire import (
     Kind,
@@ -130,6 +132,11 @@ def _sse(obj: Any) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+
+
+def _error_event(exc: HeadraceError) -> bytes:
+    """The in-band error that ends a stream (no ``[DONE]`` follows it)."""
+    return _sse(error_body(exc.message, exc.type, exc.param, exc.code))
 
 
 class OpenAIServer:
@@ -297,8 +304,16 @@ class _Call:
         results: list[_Choice] = [_Choice() for _ in self.subs]
 
         async def run(i: int) -> None:
-            async for event in self.backend.stream(self.subs[i]):
-                results[i].add(event)
+            try:
+                async for event in self.backend.stream(self.subs[i]):
+                    results[i].add(event)
+            except HeadraceError:
+                raise
+            except Exception as exc:
+                log.exception("choice %d: the backend stream failed with an untranslated error", i)
+                raise UpstreamError(f"backend stream failed: {type(exc).__name__}") from exc
+            if results[i].finish_reason is None:
+                raise StreamBroken("the backend stream ended before its final event")
 
         try:
             async with trio.open_nursery() as nursery:
@@ -334,7 +349,7 @@ class _Call:
             try:
                 i, item = await recv.receive()
             except trio.EndOfChannel:
-                raise BadRequest("backend produced no events") from None
+                raise UpstreamError("the backend ended the stream without any event") from None
             if isinstance(item, HeadraceError):
                 raise item
             started.add(i)
@@ -346,9 +361,14 @@ class _Call:
                 await emit(self._chunk(i, event, states[i]))
             async for i, item in recv:
                 if isinstance(item, HeadraceError):
-                    await emit(_sse(error_body(item.message, item.type, item.param, item.code)))
+                    await emit(_error_event(item))
                     return
                 await emit(self._chunk(i, item, states[i]))
+            if any(state.finish_reason is None for state in states):
+                # Every pump ended, yet some choice never got its final event:
+                # a truncated answer must not look like a complete one.
+                await emit(_error_event(StreamBroken("the backend stream ended before its final event")))
+                return
             opts = self.wire.stream_options
             if self.kind != "native" and opts is not None and opts.include_usage:
                 await emit(_sse(self._envelope([], usage_payload(_total_usage(states)))))
@@ -384,12 +404,18 @@ class _Call:
 
 
 async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[tuple[int, Event | HeadraceError]]) -> None:
+    """Relay one backend stream into the call's channel. Whatever ends the
+    stream early is sent as an error, never as a plain end of channel: the
+    producer answers ``[DONE]`` only after every choice's final event."""
     async with send:
         try:
             async for event in it:
                 await send.send((i, event))
         except HeadraceError as exc:
             await send.send((i, exc))
+        except Exception as exc:
+            log.exception("choice %d: the backend stream failed with an untranslated error", i)
+            await send.send((i, UpstreamError(f"backend stream failed: {type(exc).__name__}")))
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:

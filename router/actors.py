@@ -27,7 +27,7 @@ import msgspec
 import trio
 
 from backends.base import Backend, BackendInfo, Event, GenerateRequest
-from backends.errors import HeadraceError, UpstreamError
+from backends.errors import BackendUnavailable, HeadraceError, StreamBroken, UpstreamError
 from policies.base import BackendView
 from router.health import HealthEvent, HealthState, next_state
 
@@ -189,14 +189,26 @@ class BackendActor:
         consumer stops (finish, error, cancel or close)."""
         self.in_flight += 1
         self._counts["requests"] += 1
+        relayed = False
         try:
             async with closing_stream(self.backend.stream(request)) as events:
                 async for event in events:
                     self._counts["tokens"] += len(event.token_ids)
+                    relayed = True
                     yield event
         except UpstreamError:
             self._counts["failures"] += 1
             raise
+        except HeadraceError:
+            raise
+        except Exception as exc:
+            # An adapter let an error through untranslated: to the router it
+            # is an upstream failure like any other (retried before the first
+            # token, an in-band error after it), never a silent end.
+            self._counts["failures"] += 1
+            log.exception("backend %s: untranslated error from the adapter", self.name)
+            error = StreamBroken if relayed else BackendUnavailable
+            raise error(f"backend {self.name} failed: {type(exc).__name__}: {exc}") from exc
         except (trio.Cancelled, GeneratorExit):
             self._counts["cancelled"] += 1
             raise

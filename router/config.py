@@ -20,6 +20,7 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     kind = "openai"              # "openai" | "engine" | "mock"
     name = "gpu-a"
     weight = 2
+    options = { http = "1.1", api_key_env = "GPU_A_KEY", stall_timeout = 30 }
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     drain_timeout: Positive = 30.0  # seconds streams may run on after SIGTERM
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     access_log: bool = False
+    workers: PositiveInt | None = None  # router processes on the port (SO_REUSEPORT); None: one per core
+    keep_alive_max_requests: PositiveInt | None = None  # requests before a client connection is closed; None: never
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,8 +94,11 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kind: BackendKind = "openai"
     name: str | None = None  # default: derived from kind and position
     weight: Positive = 1.0
-    model: str | None = None  # for in-process mocks: the model name served
-    options: dict[str, Any] = {}  # adapter settings, e.g. a mock's {tpot_s = 0.05}
+    model: str | None = None  # the model name served (mocks) or asked for (HTTP backends)
+    # Adapter settings: an HTTP backend's backends.openai_http.HTTPOptions
+    # ({http = "1.1", api_key_env = "KEY", stall_timeout = 30, ...}), a
+    # mock's backends.mock.MockConfig ({tpot_s = 0.05}).
+    options: dict[str, Any] = {}
 
 
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

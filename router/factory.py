@@ -44,12 +44,17 @@ def build_backend(spec: BackendSpec, name: str) -> Backend:
             raise ConfigError(f"backend {name!r}: invalid options: {exc}") from None
         mock: Backend = MockBackend(config)
         return mock
-    if spec.options:
-        raise ConfigError(f"backend {name!r}: options are only understood by in-process mocks")
-    from backends.openai_http import OpenAIHTTPBackend
+    from backends.openai_http import HTTPOptions, OpenAIHTTPBackend
 
+    options: dict[str, object] = {"token_ids": True} if spec.kind == "engine" else {}
+    if spec.model is not None:
+        options["model"] = spec.model
+    options.update(spec.options)
     try:
-        http: Backend = OpenAIHTTPBackend(spec.url, name=name, token_ids=True if spec.kind == "engine" else "auto")
+        settings = msgspec.convert(options, HTTPOptions)
+        http: Backend = OpenAIHTTPBackend(spec.url, name=name, **settings.kwargs())
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"backend {name!r}: invalid options: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from None
     return http

@@ -50,7 +50,7 @@ async def _backend(
     served = await serve_mock(nursery, config, [parse_fault(f) for f in faults], certs=certs)
     client = OpenAIHTTPBackend(
         served.url,
-        http2=protocol != "h1",
+        http="1.1" if protocol == "h1" else "2",
         verify=tls_files.client_context if certs else True,
         **kw,  # type: ignore[arg-type]
     )

@@ -1,0 +1,94 @@
+"""Fault tests with real processes: a backend SIGKILLed mid-stream.
+
+Issue 12, bug 2: killing a backend under 20 concurrent streams, most clients
+received a cut-off answer followed by ``data: [DONE]``. Every stream must end
+either complete (``[DONE]`` after a ``finish_reason``) or with the in-band
+error event and no ``[DONE]``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import trio
+
+from backends.openai_http import OpenAIHTTPBackend
+from router.app import NamedBackend, Router
+from router.config import decode_config
+from tests.router.test_integration import serve_router
+
+
+async def start_mock(*args: str) -> tuple[trio.Process, str]:
+    command = [sys.executable, "-m", "router.cli", "mock", "--port", "0", "--model", "m", *args]
+    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    buffer = b""
+    with trio.fail_after(30):
+        while b"\n" not in buffer:
+            chunk = await proc.stdout.receive_some()
+            assert chunk, "the mock exited before printing its URL"
+            buffer += chunk
+    return proc, buffer.split(b"\n", 1)[0].decode().rsplit(" ", 1)[1]
+
+
+@pytest.fixture
+async def mocks() -> AsyncIterator[list[tuple[trio.Process, str]]]:
+    started = [await start_mock("--tpot-ms", "10") for _ in range(2)]
+    yield started
+    for proc, _ in started:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+def _outcome(text: str) -> str:
+    data = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    if data and data[-1] == "[DONE]":
+        finals = [json.loads(d)["choices"][0].get("finish_reason") for d in data[:-1]]
+        assert finals and finals[-1] is not None, f"[DONE] without a finish_reason: {text[-300:]}"
+        assert all(f is None for f in finals[:-1])
+        return "complete"
+    assert data and "error" in json.loads(data[-1]), f"ended neither complete nor with an error: {text[-300:]}"
+    return "error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("http", ["2", "1.1"])
+async def test_backend_sigkilled_mid_stream_never_ends_a_cut_answer_with_done(
+    nursery: trio.Nursery, mocks: list[tuple[trio.Process, str]], http: str
+) -> None:
+    victim = mocks[0][0]
+    backends = [NamedBackend(f"b{i}", OpenAIHTTPBackend(url, name=f"b{i}", http=http)) for i, (_, url) in enumerate(mocks)]  # type: ignore[arg-type]
+    router = Router(decode_config({"health": {"interval": 0.2}}), backends)
+    url = await serve_router(nursery, router)
+    outcomes: list[str] = []
+    started = trio.Semaphore(0)
+
+    async def client(h2: bool) -> None:
+        async with httpx.AsyncClient(base_url=url, http1=not h2, http2=h2, timeout=30) as c:
+            body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 150, "ignore_eos": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                text = ""
+                async for chunk in r.aiter_text():
+                    if not text:
+                        started.release()
+                    text += chunk
+        outcomes.append(_outcome(text))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as clients:
+            for i in range(20):
+                clients.start_soon(client, i % 2 == 0)
+            for _ in range(20):
+                await started.acquire()
+            await trio.sleep(0.3)  # some tokens out on every stream
+            victim.send_signal(signal.SIGKILL)
+    # Round robin put about half of the streams on the killed backend.
+    assert outcomes.count("error") >= 5, outcomes
+    assert outcomes.count("complete") >= 5, outcomes
