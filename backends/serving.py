@@ -4,12 +4,25 @@ the router, the engine server and the mock server.
 HTTP/1.1, HTTP/2 cleartext (prior knowledge and Upgrade) and HTTP/2 over TLS
 with ALPN. Graceful shutdown: when ``shutdown`` is set, stop accepting and let
 in-flight streams finish for up to ``graceful_timeout`` seconds.
+
+Connections are not recycled after a number of requests (hypercorn closes
+them after 1,000 by default: GOAWAY on HTTP/2, ``Connection: close`` on
+HTTP/1.1), since every client of ours, the router's upstream pool included,
+holds one connection for as long as it can. ``reuse_port`` binds with
+``SO_REUSEPORT`` so that several processes serve one port (``headrace serve
+--workers N``); :func:`reserve_port` holds such a port in the parent.
+
+hypercorn's internals are patched in :func:`_patch_hypercorn`, against the
+0.18 series; tests/backends/test_serving.py checks that each patched method
+and attribute still has the shape the patches rely on.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +37,18 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
-__all__ = ["ServeOptions", "serve", "wait_for_signal"]
+__all__ = ["ServeOptions", "reserve_port", "serve", "wait_for_signal"]
 
 log = logging.getLogger(__name__)
 
 
+# How long closing a connection waits for a send in progress to finish before
+# it closes the socket anyway (a peer that stopped reading must not keep it).
+CLOSE_SEND_WAIT = 5.0
+
+
 def _patch_hypercorn() -> None:
-    """Three fixes for hypercorn 0.18, each of which let one client stop the
+    """Fixes for hypercorn 0.18. The first three each let one client stop the
     whole server (an exception in a connection handler tears down hypercorn's
     server nursery):
 
@@ -43,6 +61,8 @@ def _patch_hypercorn() -> None:
     3. Any other exception out of one connection (a malformed h2c
        ``HTTP2-Settings`` header raised ``binascii.Error``) is logged and closes
        that connection only.
+    4. Closing a connection sent EOF outside the send lock, so a send that
+       started meanwhile raised ``BusyResourceError`` (see :func:`_close_under_send_lock`).
     """
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_headrace_patched", False):
@@ -75,6 +95,39 @@ def _patch_hypercorn() -> None:
     protocol._headrace_patched = True  # type: ignore[attr-defined]
     TCPServer.run = _run  # type: ignore[method-assign]
     _reset_h2_stream_on_app_error()
+    _close_under_send_lock()
+
+
+def _close_under_send_lock() -> None:
+    """hypercorn 0.18's ``TCPServer._close`` calls ``send_eof()`` without the
+    connection's ``send_lock``. ``send_eof`` checkpoints inside the stream's
+    conflict detector, so a task that takes the (free) lock then and calls
+    ``send_all`` gets ``trio.BusyResourceError``, which ``protocol_send`` does
+    not catch: the connection is torn down with the error. Take the lock
+    around ``send_eof``, so EOF follows any send in progress, and a send
+    after it fails with ``ClosedResourceError`` (handled as a closed peer).
+
+    The task that holds the lock may itself be closing (a send failed and the
+    protocol reacted with ``Closed``): it sends EOF without re-taking it. A
+    send stuck on a peer that stopped reading is waited for at most
+    :data:`CLOSE_SEND_WAIT` seconds; the socket is closed in any case,
+    cancelled or not (hypercorn skipped ``aclose`` when cancelled)."""
+
+    async def _close(self: Any) -> None:
+        try:
+            lock: trio.Lock = self.send_lock
+            if lock.statistics().owner is trio.lowlevel.current_task():
+                await self.stream.send_eof()
+            else:
+                with trio.move_on_after(CLOSE_SEND_WAIT):
+                    async with lock:
+                        await self.stream.send_eof()
+        except (trio.BrokenResourceError, AttributeError, trio.BusyResourceError, trio.ClosedResourceError):
+            pass  # already gone, or a TLS stream (no half-close)
+        finally:
+            await self.stream.aclose()
+
+    TCPServer._close = _close  # type: ignore[method-assign]
 
 
 def _reset_h2_stream_on_app_error() -> None:
@@ -111,7 +164,12 @@ _patch_hypercorn()
 
 
 class ServeOptions:
-    """Where and how to listen. ``port=0`` picks a free port."""
+    """Where and how to listen. ``port=0`` picks a free port.
+
+    ``keep_alive_max_requests``: requests after which a connection is closed
+    (GOAWAY over HTTP/2, ``Connection: close`` over HTTP/1.1); ``None``, the
+    default, never. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
+    processes may serve the same port."""
 
     def __init__(
         self,
@@ -122,7 +180,9 @@ class ServeOptions:
         keyfile: str | None = None,
         graceful_timeout: float = 30.0,
         keep_alive_timeout: float = 75.0,
+        keep_alive_max_requests: int | None = None,
         access_log: bool = False,
+        reuse_port: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -130,7 +190,9 @@ class ServeOptions:
         self.keyfile = keyfile
         self.graceful_timeout = graceful_timeout
         self.keep_alive_timeout = keep_alive_timeout
+        self.keep_alive_max_requests = keep_alive_max_requests
         self.access_log = access_log
+        self.reuse_port = reuse_port
 
     def hypercorn_config(self) -> HypercornConfig:
         config = HypercornConfig()
@@ -141,11 +203,37 @@ class ServeOptions:
         config.alpn_protocols = ["h2", "http/1.1"]
         config.graceful_timeout = self.graceful_timeout
         config.keep_alive_timeout = self.keep_alive_timeout
+        # hypercorn compares the count with > (h2) or >= (h11); an int is needed.
+        limit = self.keep_alive_max_requests
+        config.keep_alive_max_requests = sys.maxsize if limit is None else limit
         # Streams are long-lived; allow many concurrent ones per connection.
         config.h2_max_concurrent_streams = 1000
         config.accesslog = "-" if self.access_log else None
         config.errorlog = "-"
         return config
+
+
+def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def reserve_port(host: str, port: int = 0) -> socket.socket:
+    """Bind (without listening) a ``SO_REUSEPORT`` socket to ``host:port``, so
+    that processes serving with ``reuse_port=True`` can share the port while
+    the caller holds it; ``port=0`` picks one (read it from ``getsockname``).
+    A socket that does not listen is given no connections. Close it when done."""
+    return _bind(host, port, reuse_port=True)
 
 
 async def serve(
@@ -163,10 +251,16 @@ async def serve(
             url = (binds or [""])[0]
             task_status.started(url)
 
+    config = options.hypercorn_config()
+    if options.reuse_port:
+        # hypercorn sets SO_REUSEPORT only in its own multi-worker mode, which
+        # its trio ``serve`` does not run: hand it a socket bound here (an
+        # ``fd://`` bind; hypercorn takes the descriptor over).
+        config.bind = [f"fd://{_bind(options.host, options.port, reuse_port=True).detach()}"]
     trigger = shutdown.wait if shutdown is not None else None
     await hypercorn_serve(
         app,
-        options.hypercorn_config(),
+        config,
         shutdown_trigger=trigger,
         task_status=_Started(),
         mode="asgi",

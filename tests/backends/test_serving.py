@@ -1,0 +1,336 @@
+"""backends/serving.py: connections are not recycled after 1,000 requests,
+closing a connection waits for a send in progress (hypercorn's send_eof
+outside its send lock), and the hypercorn internals the patches rely on
+still have the shape they had when the patches were written."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import inspect
+from pathlib import Path
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+import trio
+import trio.testing
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+from backends import serving
+from backends.serving import ServeOptions, serve
+
+# ---------------------------------------------------------------- 1,000 requests
+
+
+async def health_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": message["type"] + ".complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _h2_batch(sock: trio.SocketStream, conn: h2.connection.H2Connection, stream_ids: list[int]) -> list[h2.events.Event]:
+    headers = [(":method", "GET"), (":path", "/health"), (":scheme", "http"), (":authority", "127.0.0.1")]
+    for stream_id in stream_ids:
+        conn.send_headers(stream_id, headers, end_stream=True)
+    await sock.send_all(conn.data_to_send())
+    pending, seen = set(stream_ids), []
+    while pending:
+        data = await sock.receive_some(65536)
+        assert data, "the server closed the connection"
+        for event in conn.receive_data(data):
+            seen.append(event)
+            if isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                pending.discard(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                return seen
+        await sock.send_all(conn.data_to_send())
+    return seen
+
+
+async def test_an_h2_connection_serves_more_than_1000_requests(nursery: trio.Nursery) -> None:
+    """hypercorn closes a connection after keep_alive_max_requests (default
+    1,000) requests; ours never do by default: 1,100 requests on one h2
+    connection all get 200 and no GOAWAY."""
+    url = await nursery.start(serve, health_app, ServeOptions(graceful_timeout=0.1))
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    await sock.send_all(conn.data_to_send())
+    statuses: list[bytes] = []
+    stream_ids = iter(range(1, 2 * 1100, 2))
+    with trio.fail_after(30):
+        for _ in range(11):
+            events = await _h2_batch(sock, conn, [next(stream_ids) for _ in range(100)])
+            assert not [e for e in events if isinstance(e, h2.events.ConnectionTerminated | h2.events.StreamReset)]
+            statuses += [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)]
+    await sock.aclose()
+    assert statuses == [b"200"] * 1100
+
+
+def test_keep_alive_max_requests_is_passed_to_hypercorn() -> None:
+    assert ServeOptions(keep_alive_max_requests=5).hypercorn_config().keep_alive_max_requests == 5
+    assert ServeOptions().hypercorn_config().keep_alive_max_requests > 2**31  # more than h2 stream ids
+
+
+# ---------------------------------------------------------------- send_eof under the send lock
+
+
+class CheckpointingStream:
+    """A stream that, like trio's SocketStream, fails with BusyResourceError
+    when two tasks send (data or EOF) at once, and checkpoints inside both."""
+
+    def __init__(self, *, eof_gate: trio.Event | None = None, send_gate: trio.Event | None = None) -> None:
+        self.busy = False
+        self.sent: list[bytes] = []
+        self.log: list[str] = []
+        self.eof = self.closed = False
+        self.in_eof = trio.Event()
+        self.in_send = trio.Event()
+        self.eof_gate = eof_gate
+        self.send_gate = send_gate
+        self.send_error: type[Exception] | None = None
+
+    def _enter(self) -> None:
+        if self.busy:
+            raise trio.BusyResourceError("another task is using this stream")
+        self.busy = True
+
+    async def send_all(self, data: bytes) -> None:
+        if self.eof or self.closed:
+            raise trio.ClosedResourceError("can't send data after sending EOF")
+        self._enter()
+        try:
+            self.in_send.set()
+            if self.send_error is not None:
+                raise self.send_error()
+            if self.send_gate is not None:
+                await self.send_gate.wait()
+            await trio.lowlevel.checkpoint()
+            if self.closed:
+                raise trio.ClosedResourceError("closed while sending")
+            self.sent.append(data)
+            self.log.append("data")
+        finally:
+            self.busy = False
+
+    async def send_eof(self) -> None:
+        self._enter()
+        try:
+            self.in_eof.set()
+            if self.eof_gate is not None:
+                await self.eof_gate.wait()
+            await trio.lowlevel.checkpoint()
+            self.eof = True
+            self.log.append("eof")
+        finally:
+            self.busy = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self.log.append("close")
+        for gate in (self.eof_gate, self.send_gate):  # wakes blocked calls, as trio's notify_closing does
+            if gate is not None:
+                gate.set()
+        await trio.lowlevel.checkpoint()
+
+
+class RecordingProtocol:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def handle(self, event: object) -> None:
+        self.events.append(event)
+
+
+def tcp_server(stream: CheckpointingStream) -> tuple[TCPServer, RecordingProtocol]:
+    server = TCPServer(None, HypercornConfig(), None, {}, stream)  # type: ignore[arg-type]
+    protocol = RecordingProtocol()
+    server.protocol = protocol  # type: ignore[assignment]
+    return server, protocol
+
+
+async def test_a_send_that_starts_while_eof_is_being_sent_does_not_raise_busy() -> None:
+    """hypercorn sent EOF outside the send lock: a send_all that took the lock
+    meanwhile raised BusyResourceError out of protocol_send. Now the send waits
+    for the EOF, then fails as a closed stream, which the protocol is told."""
+    gate = trio.Event()
+    stream = CheckpointingStream(eof_gate=gate)
+    server, protocol = tcp_server(stream)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.protocol_send, Closed())
+            await stream.in_eof.wait()
+            nursery.start_soon(server.protocol_send, RawData(b"late"))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert stream.log == ["eof", "close"]
+    assert stream.sent == []
+    assert [type(e) for e in protocol.events] == [Closed, Closed]
+
+
+async def test_closing_waits_for_the_send_in_progress_then_sends_eof() -> None:
+    gate = trio.Event()
+    stream = CheckpointingStream(send_gate=gate)
+    server, _ = tcp_server(stream)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.protocol_send, RawData(b"body"))
+            await stream.in_send.wait()
+            nursery.start_soon(server.protocol_send, Closed())
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert stream.log == ["data", "eof", "close"]
+
+
+async def test_a_send_that_fails_and_closes_under_the_lock_does_not_deadlock() -> None:
+    """The task holding the send lock can itself close the connection (its
+    send failed; the protocol reacts with Closed): it must not wait for itself."""
+    stream = CheckpointingStream()
+    stream.send_error = trio.BrokenResourceError
+    server, protocol = tcp_server(stream)
+
+    async def close_on_closed(event: object) -> None:
+        protocol.events.append(event)
+        if len(protocol.events) == 1:
+            await server.protocol_send(Closed())
+
+    protocol.handle = close_on_closed  # type: ignore[method-assign]
+    with trio.fail_after(5):
+        await server.protocol_send(RawData(b"x"))
+    assert stream.log == ["eof", "close"]
+
+
+async def test_a_send_stuck_on_a_peer_that_stopped_reading_does_not_keep_the_connection_open(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = CheckpointingStream(send_gate=trio.Event())  # never set: the peer never reads
+    server, _ = tcp_server(stream)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.protocol_send, RawData(b"body"))
+        await stream.in_send.wait()
+        start = trio.current_time()
+        await server.protocol_send(Closed())
+        assert stream.closed
+        assert trio.current_time() - start == pytest.approx(serving.CLOSE_SEND_WAIT)
+    assert stream.log == ["close"] and stream.sent == []
+
+
+async def test_a_cancelled_close_still_closes_the_socket() -> None:
+    stream = CheckpointingStream(eof_gate=trio.Event())
+    server, _ = tcp_server(stream)
+    with trio.move_on_after(0.05):
+        await server.protocol_send(Closed())
+    assert stream.closed
+
+
+# ---------------------------------------------------------------- the shape of patched internals
+
+TESTED_SERIES = "0.18."
+
+
+def _class_node(module: object, name: str) -> ast.ClassDef:
+    tree = ast.parse(Path(inspect.getsourcefile(module) or "").read_text())  # type: ignore[arg-type]
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _methods(cls: ast.ClassDef) -> dict[str, list[str]]:
+    return {
+        n.name: [a.arg for a in n.args.args]
+        for n in cls.body
+        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)
+    }
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[str]:
+    return {
+        t.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Assign | ast.AnnAssign)
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+def _source(module: object) -> str:
+    return Path(inspect.getsourcefile(module) or "").read_text()  # type: ignore[arg-type]
+
+
+def test_hypercorn_is_the_series_the_patches_were_written_for() -> None:
+    """If this fails, hypercorn was upgraded: re-read the internals patched in
+    backends/serving.py (_patch_hypercorn), re-run this file, then move
+    TESTED_SERIES and the pin in pyproject.toml together."""
+    assert importlib.metadata.version("hypercorn").startswith(TESTED_SERIES)
+
+
+def test_the_h2_protocol_internals_the_patches_use_are_unchanged() -> None:
+    from hypercorn.protocol import h2 as hypercorn_h2
+
+    cls = _class_node(hypercorn_h2, "H2Protocol")
+    methods = _methods(cls)
+    assert methods["_handle_events"] == ["self", "events"]
+    assert methods["stream_send"] == ["self", "event"]
+    assert methods["_flush"] == ["self"]
+    assert methods["_window_updated"] == ["self", "stream_id"]
+    assert {"streams", "connection", "keep_alive_requests"} <= _self_attributes(cls)
+    # DATA for an unknown stream is still a KeyError in _handle_events (patch 1)
+    assert "self.streams[event.stream_id].handle(" in _source(hypercorn_h2)
+    # the connection-level limit we lift is still compared this way (h2: >, h11: >=)
+    assert "self.keep_alive_requests > self.config.keep_alive_max_requests" in _source(hypercorn_h2)
+
+
+def test_the_h11_keep_alive_limit_is_unchanged() -> None:
+    from hypercorn.protocol import h11 as hypercorn_h11
+
+    assert "self.keep_alive_requests >= self.config.keep_alive_max_requests" in _source(hypercorn_h11)
+    assert HypercornConfig.keep_alive_max_requests == 1000
+
+
+def test_the_http_stream_internals_the_patches_use_are_unchanged() -> None:
+    from hypercorn.protocol import events, http_stream
+
+    assert http_stream.ASGIHTTPState.RESPONSE  # the state a stream is in mid-body
+    assert {"state", "closed"} <= _self_attributes(_class_node(http_stream, "HTTPStream"))
+    assert "stream_id" in events.StreamClosed.__dataclass_fields__
+
+
+def test_the_tcp_server_internals_the_patches_use_are_unchanged() -> None:
+    from hypercorn.trio import tcp_server
+
+    cls = _class_node(tcp_server, "TCPServer")
+    methods = _methods(cls)
+    assert methods["run"] == ["self"]
+    assert methods["_close"] == ["self"]
+    assert methods["protocol_send"] == ["self", "event"]
+    assert {"send_lock", "stream", "protocol"} <= _self_attributes(cls)
+    # protocol_send still sends under send_lock and closes through _close
+    source = ast.get_source_segment(_source(tcp_server), next(
+        n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "protocol_send"
+    )) or ""
+    assert "async with self.send_lock:" in source and "await self._close()" in source
+
+
+def test_the_hypercorn_entry_points_serve_uses_are_unchanged() -> None:
+    from hypercorn.trio import serve as hypercorn_serve
+
+    params = inspect.signature(hypercorn_serve).parameters
+    assert {"shutdown_trigger", "task_status", "mode"} <= set(params)
+    assert 'bind.startswith("fd://")' in _source(HypercornConfig)  # reuse_port hands over a socket this way
+
+
+def test_the_patches_are_installed() -> None:
+    from hypercorn.protocol import h2 as hypercorn_h2
+
+    assert getattr(hypercorn_h2.H2Protocol, "_headrace_patched", False)
+    assert TCPServer._close.__module__ == serving.__name__
+    assert TCPServer.run.__module__ == serving.__name__
