@@ -6,26 +6,55 @@ backend, up/down, counters) is read from each component's ``statistics()``
 at scrape time by :class:`StatisticsCollector`, so components never import
 prometheus. Each router owns its own :class:`~prometheus_client.CollectorRegistry`
 (no global registry), so tests can build several routers in one process.
+
+Several worker processes (``headrace serve --workers N``): prometheus-client's
+multiprocess mode. The supervisor creates a temporary directory and starts
+every worker with ``PROMETHEUS_MULTIPROC_DIR`` set to it, so each metric value
+lives in a per-process file there, and whichever worker a scrape lands on
+reports the aggregate of all of them::
+
+    worker 0: Counter.inc / Histogram.observe ──> counter_<pid0>.db ─┐
+              statistics() ──mirror, every 1 s and on scrape──> ...  ├─> /metrics on any worker:
+    worker 1: ...                              ──> counter_<pid1>.db ─┘   MultiProcessCollector sums
+
+Per-request metrics (``headrace_requests``, the histograms) are written as
+they happen. The live state read by :class:`StatisticsCollector` exists only
+inside its own worker, so each worker *mirrors* it into multiprocess metrics
+(:class:`Mirror`): counters by their increase since the last mirror, summed
+across workers (a dead worker's count is kept); ``headrace_backend_in_flight``
+summed over live workers; the other gauges (``up``, ``draining``: each worker
+probes and drains on its own) one series per live worker, labelled ``pid``.
+Mirrored values from other workers are at most :data:`MIRROR_INTERVAL` old.
+The supervisor calls ``mark_process_dead`` for a worker that exits.
+``headrace_worker_requests`` counts requests per worker index (stable across
+restarts), which shows how the kernel spreads connections.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.actors import ActorStatistics
 from router.dispatch import DispatchStatistics
 
-__all__ = ["CONTENT_TYPE", "RouterMetrics", "StatisticsCollector"]
+__all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Mirror", "RouterMetrics", "StatisticsCollector"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: token latencies are small, request latencies can be minutes.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+MIRROR_INTERVAL = 1.0  # seconds between two mirrors of a worker's live state (multiprocess mode)
+# How a mirrored gauge aggregates across workers; any other gauge: "liveall" (one series per worker).
+GAUGE_MODES = {"headrace_backend_in_flight": "livesum"}
 
 
 class StatisticsCollector(Collector):
@@ -73,11 +102,62 @@ class StatisticsCollector(Collector):
             yield CounterMetricFamily(f"headrace_dispatch_{field}", help_, value=getattr(d, field))
 
 
-class RouterMetrics:
-    """The router's registry; also the dispatcher's :class:`~router.dispatch.Recorder`
-    and the frontend's ``observe`` hook."""
+class Mirror:
+    """Copies what collectors report into multiprocess-mode metrics of the
+    same names: counters by increase (a count that went down restarted from
+    zero), gauges by value, in the mode :data:`GAUGE_MODES` names."""
 
     def __init__(self) -> None:
+        self._counters: dict[str, Counter] = {}
+        self._gauges: dict[str, Gauge] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def copy(self, families: Iterable[Metric]) -> None:
+        for family in families:
+            if family.type not in ("counter", "gauge"):
+                continue
+            for sample in family.samples:
+                if family.type == "counter" and not sample.name.endswith("_total"):
+                    continue  # _created
+                names = tuple(sample.labels)
+                values = tuple(sample.labels.values())
+                if family.type == "counter":
+                    last = self._last.get((sample.name, values), 0.0)
+                    self._last[sample.name, values] = sample.value
+                    increase = sample.value - last if sample.value >= last else sample.value
+                    if increase:
+                        counter = self._counter(family, names)
+                        (counter.labels(*values) if names else counter).inc(increase)
+                else:
+                    gauge = self._gauge(family, names)
+                    (gauge.labels(*values) if names else gauge).set(sample.value)
+
+    def _counter(self, family: Metric, names: tuple[str, ...]) -> Counter:
+        if family.name not in self._counters:
+            self._counters[family.name] = Counter(family.name, family.documentation, names, registry=None)
+        return self._counters[family.name]
+
+    def _gauge(self, family: Metric, names: tuple[str, ...]) -> Gauge:
+        if family.name not in self._gauges:
+            mode = GAUGE_MODES.get(family.name, "liveall")
+            self._gauges[family.name] = Gauge(
+                family.name, family.documentation, names, registry=None, multiprocess_mode=mode  # type: ignore[arg-type]
+            )
+        return self._gauges[family.name]
+
+
+class RouterMetrics:
+    """The router's registry; also the dispatcher's :class:`~router.dispatch.Recorder`
+    and the frontend's ``observe`` hook.
+
+    In multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before
+    prometheus_client was imported, as the worker supervisor does), ``render``
+    reports all workers and ``run_mirror`` must run beside the router."""
+
+    def __init__(self) -> None:
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self._collectors: list[Collector] = []
+        self._mirror = Mirror()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("headrace_requests", "HTTP requests by route, status and tenant", ["route", "status", "tenant"], registry=r)
@@ -85,14 +165,22 @@ class RouterMetrics:
         self.ttft = Histogram("headrace_time_to_first_token_seconds", "From arrival to the backend's first event", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.itl = Histogram("headrace_inter_token_latency_seconds", "Between consecutive token events", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.queue = Histogram("headrace_queue_time_seconds", "From arrival to the backend being chosen", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
+        self.worker_requests = Counter("headrace_worker_requests", "HTTP requests served, by router worker process", ["worker"], registry=r)
+        self._this_worker = self.worker_requests.labels("0")
+
+    def set_worker(self, index: int) -> None:
+        """Count this process's requests as worker ``index``'s."""
+        self._this_worker = self.worker_requests.labels(str(index))
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
+        self._collectors.append(collector)
 
     # observe(route, status, tenant, seconds): OpenAIServer's hook
     def observe(self, route: str, status: int, tenant: str, seconds: float) -> None:
         self.requests.labels(route, str(status), tenant).inc()
         self.latency.labels(route).observe(seconds)
+        self._this_worker.inc()
 
     # Recorder
     def queue_time(self, backend: str, seconds: float) -> None:
@@ -105,4 +193,24 @@ class RouterMetrics:
         self.itl.labels(backend).observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.mirror()
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+    # ------------------------------------------------------------ multiprocess mode
+
+    def mirror(self) -> None:
+        """Copy the collectors' live state into the multiprocess files."""
+        for collector in self._collectors:
+            self._mirror.copy(collector.collect())
+
+    async def run_mirror(self, interval: float = MIRROR_INTERVAL) -> None:
+        """Mirror every ``interval`` seconds until cancelled (multiprocess mode only)."""
+        if self.multiprocess_dir is None:
+            return
+        while True:
+            self.mirror()
+            await trio.sleep(interval)

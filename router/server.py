@@ -5,6 +5,11 @@ Startup prints ``headrace listening on <url>`` (tests started with
 drain: the listener closes at once, streams in flight run on for up to
 ``--drain-timeout`` seconds, then everything is cancelled and the backend
 clients are closed. A bad config exits with status 2 and one clear line.
+
+``--workers N`` (``[server] workers``; default one per core) runs N router
+processes on the port under a supervisor (router/workers.py); ``--workers 1``
+is one process, as before. A worker is this same command, started by the
+supervisor with the hidden ``--worker-config`` and ``--worker-index``.
 """
 
 from __future__ import annotations
@@ -16,17 +21,26 @@ import shlex
 import sys
 from functools import partial
 
+import msgspec
 import trio
 
 from backends.serving import ServeOptions, serve, wait_for_signal
 from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
 from router.app import Router
-from router.config import BackendSpec, ConfigError, RouterConfig, load_config, with_overrides
+from router.config import (
+    BackendSpec,
+    ConfigError,
+    RouterConfig,
+    decode_config,
+    load_config,
+    with_overrides,
+)
 from router.factory import DEFAULT_REPLICAS, build_backends, default_backends
 from router.replicas import EngineReplica
+from router.workers import WorkerFailed, serve_workers, watch_parent
 
-__all__ = ["main", "options_for", "parse_args", "run_router"]
+__all__ = ["main", "options_for", "parse_args", "run_router", "worker_count"]
 
 log = logging.getLogger("headrace")
 
@@ -41,12 +55,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--certfile", help="TLS certificate (PEM); serves HTTP/2 over TLS with ALPN")
     p.add_argument("--keyfile", help="TLS private key (PEM)")
     p.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM (default 30)")
+    p.add_argument("--workers", type=int, help="router processes sharing the port (SO_REUSEPORT); default one per core")
     p.add_argument(
         "--engine-args",
         default="",
         help="extra arguments for the local engine replicas started when no backend is configured, e.g. '--dtype bfloat16'",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # Set by the worker supervisor only: the whole config, and this worker's number.
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -59,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         certfile=args.certfile,
         keyfile=args.keyfile,
         drain_timeout=args.drain_timeout,
+        workers=args.workers,
     )
     if args.backend:
         backends = tuple(BackendSpec(url=url, kind="openai", name=f"backend-{i}") for i, url in enumerate(args.backend))
@@ -68,10 +87,31 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return config
 
 
-def options_for(config: RouterConfig) -> ServeOptions:
+def worker_config(path: str) -> RouterConfig:
+    """The config the supervisor wrote for its workers (JSON)."""
+    try:
+        with open(path, "rb") as f:
+            return decode_config(msgspec.json.decode(f.read()))
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"cannot read worker config {path}: {exc}") from None
+
+
+def worker_count(config: RouterConfig) -> int:
+    """``[server] workers``, or one per core."""
+    return config.server.workers or os.cpu_count() or 1
+
+
+def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptions:
     s = config.server
     return ServeOptions(
-        s.host, s.port, certfile=s.certfile, keyfile=s.keyfile, graceful_timeout=s.drain_timeout, access_log=s.access_log
+        s.host,
+        s.port,
+        certfile=s.certfile,
+        keyfile=s.keyfile,
+        graceful_timeout=s.drain_timeout,
+        keep_alive_max_requests=s.keep_alive_max_requests,
+        access_log=s.access_log,
+        reuse_port=reuse_port,
     )
 
 
@@ -86,25 +126,55 @@ async def run_router(
     is over; ``task_status.started`` gets the bound URL."""
     async with trio.open_nursery() as nursery:
         await nursery.start(router.run)
+        nursery.start_soon(router.metrics.run_mirror)  # returns at once unless several workers share metrics
         async with trio.open_nursery() as http:
             url = await http.start(partial(serve, router, options, shutdown=shutdown))
             task_status.started(url)
         nursery.cancel_scope.cancel()
 
 
-async def _serve_until_signal(config: RouterConfig, policy: RoutingPolicy, engine_args: list[str]) -> None:
+async def _serve_until_signal(
+    config: RouterConfig, policy: RoutingPolicy, engine_args: list[str], *, worker: int | None = None
+) -> None:
+    """One router process: on its own, or as worker ``worker`` of a supervisor."""
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_signal, shutdown)
+        if worker is not None:
+            nursery.start_soon(watch_parent, shutdown)
         if not config.backends:
             urls = await start_replicas(nursery, engine_args)
             config = with_overrides(config, backends=default_backends(urls))
         router = Router(config, build_backends(config), policy=policy)
+        if worker is not None:
+            router.metrics.set_worker(worker)
+        options = options_for(config, reuse_port=worker is not None)
         async with trio.open_nursery() as inner:
-            url = await inner.start(partial(run_router, router, options_for(config), shutdown=shutdown))
+            url = await inner.start(partial(run_router, router, options, shutdown=shutdown))
             print(f"headrace listening on {url}", flush=True)
         nursery.cancel_scope.cancel()
     log.info("headrace stopped")
+
+
+async def _supervise_until_signal(config: RouterConfig, workers: int, engine_args: list[str], log_level: str) -> int:
+    """Several router processes (router/workers.py); the exit status."""
+    shutdown = trio.Event()
+    status = 0
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_signal, shutdown)
+            start_backends = partial(start_replicas, engine_args=engine_args)
+            url = await nursery.start(
+                partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)
+            )
+            print(f"headrace listening on {url}", flush=True)
+            log.info("%d router workers serving %s", workers, url)
+    except* (WorkerFailed, OSError) as group:  # OSError: the port is taken
+        for exc in group.exceptions:
+            log.error("headrace serve: %s", exc)
+        status = 1
+    log.info("headrace stopped")
+    return status
 
 
 async def start_replicas(nursery: trio.Nursery, engine_args: list[str], n: int = DEFAULT_REPLICAS) -> list[str]:
@@ -129,13 +199,25 @@ def main(argv: list[str]) -> int:
         args = parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # Imported here: router/__init__ imports this module, and importing
+    # router.cli with it would make ``python -m router.cli`` warn.
+    from router.cli import configure_logging
+
+    configure_logging(args.log_level)
     try:
-        config = config_from_args(args)
+        config = worker_config(args.worker_config) if args.worker_config else config_from_args(args)
         policy = create_policy(config.routing.policy)
         build_backends(config)  # validate adapter settings before anything starts
     except (ConfigError, PolicyError) as exc:
         print(f"headrace serve: {exc}", file=sys.stderr)
         return 2
-    trio.run(_serve_until_signal, config, policy, shlex.split(args.engine_args))
-    return 0
+    engine_args = shlex.split(args.engine_args)
+    if args.worker_config:
+        trio.run(partial(_serve_until_signal, config, policy, [], worker=args.worker_index))
+        return 0
+    workers = worker_count(config)
+    if workers == 1:
+        trio.run(_serve_until_signal, config, policy, engine_args)
+        return 0
+    status: int = trio.run(_supervise_until_signal, config, workers, engine_args, args.log_level)
+    return status

@@ -14,6 +14,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -22,7 +23,7 @@ from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 from backends import serving
-from backends.serving import ServeOptions, serve
+from backends.serving import ServeOptions, reserve_port, serve
 
 # ---------------------------------------------------------------- 1,000 requests
 
@@ -334,3 +335,38 @@ def test_the_patches_are_installed() -> None:
     assert getattr(hypercorn_h2.H2Protocol, "_headrace_patched", False)
     assert TCPServer._close.__module__ == serving.__name__
     assert TCPServer.run.__module__ == serving.__name__
+
+
+# ---------------------------------------------------------------- SO_REUSEPORT
+
+
+def named_app(name: bytes) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": name})
+
+    return app
+
+
+async def test_servers_with_reuse_port_share_a_reserved_port(nursery: trio.Nursery) -> None:
+    """Two servers bound with reuse_port to the port a reserve_port socket
+    holds both accept connections on it (the kernel spreads them)."""
+    reserved = reserve_port("127.0.0.1")
+    port = reserved.getsockname()[1]
+    try:
+        for name in (b"a", b"b"):
+            url = await nursery.start(serve, named_app(name), ServeOptions(port=port, reuse_port=True, graceful_timeout=0.1))
+            assert url == f"http://127.0.0.1:{port}"
+        seen: set[bytes] = set()
+        with trio.fail_after(10):
+            for _ in range(64):  # new connections; one server for all has odds 2**-63
+                async with httpx.AsyncClient() as client:
+                    seen.add((await client.get(f"http://127.0.0.1:{port}/")).content)
+                if seen == {b"a", b"b"}:
+                    break
+        assert seen == {b"a", b"b"}
+    finally:
+        reserved.close()
