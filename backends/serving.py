@@ -232,7 +232,13 @@ def reserve_port(host: str, port: int = 0) -> socket.socket:
     """Bind (without listening) a ``SO_REUSEPORT`` socket to ``host:port``, so
     that processes serving with ``reuse_port=True`` can share the port while
     the caller holds it; ``port=0`` picks one (read it from ``getsockname``).
-    A socket that does not listen is given no connections. Close it when done."""
+    A socket that does not listen is given no connections. Close it when done.
+
+    The port must be free: it is first bound without ``SO_REUSEPORT``, which
+    fails (``OSError``, address in use) if anyone serves it, even another
+    ``SO_REUSEPORT`` group that we would otherwise silently join."""
+    with _bind(host, port, reuse_port=False) as probe:
+        port = probe.getsockname()[1]
     return _bind(host, port, reuse_port=True)
 
 

@@ -370,3 +370,11 @@ async def test_servers_with_reuse_port_share_a_reserved_port(nursery: trio.Nurse
         assert seen == {b"a", b"b"}
     finally:
         reserved.close()
+
+
+async def test_a_port_someone_serves_cannot_be_reserved(nursery: trio.Nursery) -> None:
+    """Not even by joining their SO_REUSEPORT group: a second router started
+    on a port that others serve fails, as a single process does."""
+    url = await nursery.start(serve, health_app, ServeOptions(reuse_port=True, graceful_timeout=0.1))
+    with pytest.raises(OSError):
+        reserve_port("127.0.0.1", int(url.rsplit(":", 1)[1])).close()
