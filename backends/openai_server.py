@@ -146,6 +146,10 @@ class OpenAIServer:
     :class:`~backends.errors.Unauthorized`; ``extra_routes`` maps
     ``(method, path)`` to handlers (they take precedence over built-ins).
     ``observe(route, status, tenant, seconds)`` is called once per request.
+    ``coalesce``: SSE events that are ready together leave in one write (one
+    socket send and one HTTP/2 DATA frame instead of one per token); off,
+    every event is its own write, which fault injectors that count tokens
+    per write rely on.
     """
 
     def __init__(
@@ -156,7 +160,9 @@ class OpenAIServer:
         authenticate: Authenticate | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY,
         observe: Callable[[str, int, str, float], None] | None = None,
+        coalesce: bool = False,
     ) -> None:
+        self.coalesce = coalesce
         self.backend = backend
         self.authenticate = authenticate
         self.max_body_bytes = max_body_bytes
@@ -270,7 +276,7 @@ class OpenAIServer:
         model = self._check_model(wire.model)
         rid = new_id(kind)
         subs = to_generate_requests(wire, extra, request_id=rid, tenant=request.tenant)
-        call = _Call(kind, rid, model, wire, subs, self.backend)
+        call = _Call(kind, rid, model, wire, subs, self.backend, coalesce=self.coalesce)
         if wire.stream:
             # Pull the first event before answering 200, so errors that happen
             # before any token (overload, bad prompt) get a real status code.
@@ -291,12 +297,21 @@ class _Call:
     """One OpenAI call: n sub-generations merged into one response."""
 
     def __init__(
-        self, kind: Kind, rid: str, model: str, wire: WireRequest, subs: list[GenerateRequest], backend: Backend
+        self,
+        kind: Kind,
+        rid: str,
+        model: str,
+        wire: WireRequest,
+        subs: list[GenerateRequest],
+        backend: Backend,
+        *,
+        coalesce: bool = False,
     ) -> None:
         self.kind, self.rid, self.model, self.wire, self.subs = kind, rid, model, wire, subs
         self.backend = backend
         self.created = now()
         self.token_ids = wire.return_token_ids or kind == "native"
+        self.coalesce = coalesce
 
     # -------- non-streaming
 
@@ -355,24 +370,47 @@ class _Call:
             started.add(i)
             pending.append((i, item))
 
+        async def flush(emit: Emit, parts: list[bytes]) -> None:
+            if self.coalesce:
+                await emit(b"".join(parts))
+            else:  # one SSE event per write, as fault injectors count them
+                for part in parts:
+                    await emit(part)
+            parts.clear()
+
         async def produce(emit: Emit) -> None:
             states = [_Choice() for _ in self.subs]
-            for i, event in pending:
-                await emit(self._chunk(i, event, states[i]))
-            async for i, item in recv:
+            parts = [self._chunk(i, event, states[i]) for i, event in pending]
+            while True:
+                # Chunks that are ready leave in one write (coalesce); a
+                # write goes out as soon as nothing more is ready.
+                try:
+                    i, item = recv.receive_nowait()
+                except trio.WouldBlock:
+                    if parts:
+                        await flush(emit, parts)
+                    try:
+                        i, item = await recv.receive()
+                    except trio.EndOfChannel:
+                        break
+                except trio.EndOfChannel:
+                    break
                 if isinstance(item, HeadraceError):
-                    await emit(_error_event(item))
+                    parts.append(_error_event(item))
+                    await flush(emit, parts)
                     return
-                await emit(self._chunk(i, item, states[i]))
+                parts.append(self._chunk(i, item, states[i]))
             if any(state.finish_reason is None for state in states):
                 # Every pump ended, yet some choice never got its final event:
                 # a truncated answer must not look like a complete one.
-                await emit(_error_event(StreamBroken("the backend stream ended before its final event")))
+                parts.append(_error_event(StreamBroken("the backend stream ended before its final event")))
+                await flush(emit, parts)
                 return
             opts = self.wire.stream_options
             if self.kind != "native" and opts is not None and opts.include_usage:
-                await emit(_sse(self._envelope([], usage_payload(_total_usage(states)))))
-            await emit(_DONE)
+                parts.append(_sse(self._envelope([], usage_payload(_total_usage(states)))))
+            parts.append(_DONE)
+            await flush(emit, parts)
 
         return produce
 
@@ -410,7 +448,12 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
     async with send:
         try:
             async for event in it:
-                await send.send((i, event))
+                # Without a checkpoint while the channel has room: the events
+                # of one upstream read reach the producer together.
+                try:
+                    send.send_nowait((i, event))
+                except trio.WouldBlock:
+                    await send.send((i, event))
         except HeadraceError as exc:
             await send.send((i, exc))
         except Exception as exc:

@@ -97,6 +97,7 @@ class Router:
             extra_routes={("GET", "/admin/backends"): self._list_backends, ("POST", "/admin/backends"): self._admin},
             authenticate=self._authenticate if config.auth.keys else None,
             max_body_bytes=limit,
+            coalesce=True,
         )
         self.ops = OpenAIServer(
             self.dispatcher,

@@ -79,6 +79,7 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
             ("GET", "/v1/kv_events"): routes.kv_events,
             ("GET", "/metrics"): routes.metrics,
         },
+        coalesce=True,
     )
 
 

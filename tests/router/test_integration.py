@@ -179,7 +179,7 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_connecti
     config.write_text('[server]\ndrain_timeout = 10\n[[backends]]\nkind = "mock"\noptions = { tpot_s = 0.05 }\n')
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--log-level", "WARNING"],
+        [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--config", str(config), "--port", "0", "--log-level", "WARNING"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         env=env,

@@ -59,7 +59,7 @@ async def _wait_up(client: httpx.AsyncClient, names: set[str]) -> None:
 
 async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -> None:
     model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--port", "0", "--drain-timeout", "2",
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--port", "0", "--drain-timeout", "2",
            "--engine-args", f"--model {model} --max-num-seqs 4"]
     seen: list[str] = []
     async with trio.open_nursery() as nursery:
