@@ -18,6 +18,21 @@ server breaks::
 
 ``GET /stats`` reports the backend's counters (in flight, cancelled...) so a
 test in another process can see a cancellation arrive.
+
+The mock is a benchmarking tool, so a streamed generation request that no
+fault touches takes a fast path, :class:`FastPath`: the events of
+:meth:`MockBackend.admit` are rendered straight to SSE bytes, byte for byte
+what the frontend sends (``tests/backends/test_mock_fast.py`` compares the
+two), and the chunks that are ready at once go out in one
+``http.response.body`` message: the whole answer when ``--tpot-ms 0``, one
+chunk per token at its time otherwise. Requests with faults, and shapes the
+fast path leaves alone (``n > 1``, several prompts, logprobs, non-streaming),
+go through the frontend with their body replayed::
+
+    FaultInjector ── not generation ──────────────> OpenAIServer (frontend)
+          │ drawn to fail ── _FaultySend ─────────> OpenAIServer
+          └ otherwise ──> FastPath ── other shapes ─> OpenAIServer
+                              └ render events, send
 """
 
 from __future__ import annotations
@@ -31,14 +46,37 @@ from typing import Any
 import msgspec
 import trio
 
-from backends.mock import Fault, MockBackend, MockConfig, fault_applies, parse_fault
-from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
-from backends.openai_wire import error_body
+from backends.base import Event
+from backends.errors import HeadraceError, ModelNotFound
+from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
+from backends.mock_http import serve_lean
+from backends.openai_server import (
+    DEFAULT_MAX_BODY,
+    HTTPRequest,
+    OpenAIServer,
+    Response,
+    error_response,
+    json_response,
+)
+from backends.openai_wire import (
+    Kind,
+    decode_request,
+    error_body,
+    new_id,
+    now,
+    to_generate_requests,
+    usage_payload,
+)
 from backends.serving import ServeOptions, serve, wait_for_signal
 
-__all__ = ["FaultInjector", "build_app", "main"]
+__all__ = ["FastPath", "FaultInjector", "build_app", "main"]
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/generate"})
+GENERATION_KINDS: dict[str, Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/v1/generate": "native",
+}
+GENERATION_PATHS = frozenset(GENERATION_KINDS)
 GARBAGE = b'data: {"choices": [{"text": "\n\n'
 _DONE = b"data: [DONE]\n\n"
 _STATUS_ERRORS = {
@@ -62,9 +100,16 @@ class FaultInjector:
     of generation requests; everything else passes through untouched."""
 
     def __init__(
-        self, app: ASGIApp, faults: Sequence[Fault], *, rate: float = 1.0, seed: int = 0
+        self,
+        app: ASGIApp,
+        faults: Sequence[Fault],
+        *,
+        rate: float = 1.0,
+        seed: int = 0,
+        fast: ASGIApp | None = None,
     ) -> None:
         self.app, self.faults, self.rate, self.seed = app, list(faults), rate, seed
+        self.fast = fast or app  # serves the generation requests no fault touches
         self.requests = 0
         self.injected = 0
 
@@ -73,8 +118,8 @@ class FaultInjector:
             await self.app(scope, receive, send)
             return
         index, self.requests = self.requests, self.requests + 1
-        if not fault_applies(self.seed, index, self.rate):
-            await self.app(scope, receive, send)
+        if not self.faults or not fault_applies(self.seed, index, self.rate):
+            await self.fast(scope, receive, send)
             return
         self.injected += 1
         status = next((f for f in self.faults if f.kind == "status"), None)
@@ -90,8 +135,7 @@ class FaultInjector:
 
     def _eligible(self, scope: dict[str, Any]) -> bool:
         return (
-            bool(self.faults)
-            and scope["type"] == "http"
+            scope["type"] == "http"
             and scope["method"] == "POST"
             and scope["path"] in GENERATION_PATHS
         )
@@ -168,10 +212,15 @@ async def _refuse(fault: Fault, receive: Any, send: Any) -> None:
 
 
 def build_app(
-    backend: MockBackend, faults: Sequence[Fault] = (), *, fault_rate: float = 1.0, seed: int = 0
+    backend: MockBackend,
+    faults: Sequence[Fault] = (),
+    *,
+    fault_rate: float = 1.0,
+    seed: int = 0,
+    fast: bool = True,
 ) -> FaultInjector:
     """The mock's ASGI app: the shared frontend plus ``GET /stats``, wrapped
-    in the fault injector."""
+    in the fault injector, with the fast path in front (unless ``fast=False``)."""
     injector: FaultInjector
 
     async def stats(request: HTTPRequest) -> Response:
@@ -180,8 +229,222 @@ def build_app(
         return json_response(counters)
 
     server = OpenAIServer(backend, extra_routes={("GET", "/stats"): stats})
-    injector = FaultInjector(server, faults, rate=fault_rate, seed=seed)
+    fast_path = FastPath(backend, server) if fast else None
+    injector = FaultInjector(server, faults, rate=fault_rate, seed=seed, fast=fast_path)
     return injector
+
+
+# ---------------------------------------------------------------- fast path
+
+_encode = msgspec.json.encode
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class FastPath:
+    """ASGI app: streamed generation requests of the common shape, rendered
+    from :class:`MockRun` events to SSE bytes without the frontend's per-chunk
+    dicts, channels and sends; every other request goes to ``fallback``
+    (the frontend) with the body it already read replayed."""
+
+    def __init__(
+        self, backend: MockBackend, fallback: ASGIApp, *, max_body_bytes: int = DEFAULT_MAX_BODY
+    ) -> None:
+        self.backend, self.fallback, self.max_body_bytes = backend, fallback, max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = GENERATION_KINDS.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None or scope["method"] != "POST" or self.backend.config.faults:
+            await self.fallback(scope, receive, send)
+            return
+        messages, body = await _read_body(receive, self.max_body_bytes)
+        call = None
+        if body is not None:
+            try:
+                call = self._admit(kind, body)
+            except HeadraceError as exc:
+                await _send_error(send, exc)
+                return
+        if call is None:  # the frontend answers, and says what was wrong
+            await self.fallback(scope, _replay(messages, receive), send)
+            return
+        renderer, run = call
+        with run:
+            if self.backend.config.ttft_s == 0 and self.backend.config.tpot_s == 0:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                await send({"type": "http.response.body", "body": renderer.burst(run)})
+                run.sent()
+            else:
+                await self._paced(renderer, run, receive, send)
+
+    def _admit(self, kind: Kind, body: bytes) -> tuple[_Renderer, MockRun] | None:
+        """What the frontend does up to the first event, in its order (so
+        errors are the same); None for shapes the fast path leaves alone."""
+        wire, extra = decode_request(body, kind)
+        if not wire.stream or wire.n != 1:
+            return None
+        model = self._model(wire.model)
+        rid = new_id(kind)
+        subs = to_generate_requests(wire, extra, request_id=rid)
+        if len(subs) != 1 or subs[0].logprobs is not None:
+            return None
+        options = wire.stream_options
+        usage = kind != "native" and options is not None and options.include_usage
+        token_ids = wire.return_token_ids or kind == "native"
+        renderer = _Renderer(kind, rid, model, now(), token_ids=token_ids, include_usage=usage)
+        return renderer, self.backend.admit(subs[0])
+
+    def _model(self, model: str | None) -> str:
+        """The model named in the response, as ``OpenAIServer`` picks it."""
+        models = self.backend.info().models
+        if not model:
+            return models[0] if models else "default"
+        if models and model not in models:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        return model
+
+    async def _paced(self, renderer: _Renderer, run: MockRun, receive: Any, send: Any) -> None:
+        """First token after ``ttft``, one per ``tpot`` after it; a client that
+        leaves cancels the run (counted as cancelled)."""
+        config = self.backend.config
+        done = [False]  # the last message is handed over: a disconnect is no news then
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, done)
+            await trio.sleep(config.ttft_s)
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            while True:
+                parts = [renderer.chunk(run.step())]
+                while not run.finished and config.tpot_s == 0:
+                    parts.append(renderer.chunk(run.step()))
+                if run.finished:
+                    done[0] = True
+                    parts.append(renderer.tail())
+                    await send({"type": "http.response.body", "body": b"".join(parts)})
+                    run.sent()
+                    break
+                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                await trio.sleep(config.tpot_s)
+            nursery.cancel_scope.cancel()
+
+
+class _Renderer:
+    """One call's SSE chunks, laid out as ``OpenAIServer`` lays them out
+    (msgspec, keys in the frontend's order, no spaces)."""
+
+    def __init__(
+        self, kind: Kind, rid: str, model: str, created: int, *, token_ids: bool,
+        include_usage: bool,
+    ) -> None:
+        self.kind, self.token_ids, self.include_usage = kind, token_ids, include_usage
+        self.first = True
+        self.usage = b""
+        if kind == "native":
+            self.head = b'data: {"id":' + _encode(rid)
+            text, after, self.end = b',"text":', b"", b"}\n\n"
+        else:
+            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            self.head = b"".join((
+                b'data: {"id":', _encode(rid), b',"object":', _encode(obj), b',"created":',
+                _encode(created), b',"model":', _encode(model), b',"choices":',
+            ))
+            chat = kind == "chat"
+            text = b'[{"index":0,"delta":{"content":' if chat else b'[{"index":0,"text":'
+            after = b'}' * chat + b',"logprobs":null,"finish_reason":null'
+            self.end = b"}]}\n\n"
+        # A chunk between the first and the last: the same bytes around its text and ids.
+        self.before, self.ids_at, self.after = self.head + text, after + b',"token_ids":', after + self.end
+
+    def burst(self, run: MockRun) -> bytes:
+        """Every chunk of ``run``, usage and ``[DONE]``: one body."""
+        parts = [self.chunk(run.step())]
+        while not run.finished:
+            parts.append(self.chunk(run.step()))
+        parts.append(self.tail())
+        return b"".join(parts)
+
+    def chunk(self, event: Event) -> bytes:
+        first, self.first = self.first, False
+        if not first and event.finish_reason is None:
+            if self.token_ids:
+                return self.before + _encode(event.text) + self.ids_at + _encode(event.token_ids) + self.end
+            return self.before + _encode(event.text) + self.after
+        if event.usage is not None:
+            self.usage = _encode(usage_payload(event.usage))
+        if self.kind == "native":
+            return self._native(event)
+        if self.kind == "chat":
+            delta = b'{"role":"assistant","content":' if first else b'{"content":'
+            parts = [self.head, b'[{"index":0,"delta":', delta, _encode(event.text), b"}"]
+        else:
+            parts = [self.head, b'[{"index":0,"text":', _encode(event.text)]
+        parts += (b',"logprobs":null,"finish_reason":', _encode(event.finish_reason))
+        if self.token_ids:
+            self._ids(event, parts)
+        parts.append(b"}]}\n\n")
+        return b"".join(parts)
+
+    def _native(self, event: Event) -> bytes:
+        parts = [self.head, b',"text":', _encode(event.text)]
+        self._ids(event, parts)
+        if event.finish_reason is not None:
+            parts += (b',"finish_reason":', _encode(event.finish_reason), b',"usage":', self.usage)
+        parts.append(b"}\n\n")
+        return b"".join(parts)
+
+    @staticmethod
+    def _ids(event: Event, parts: list[bytes]) -> None:
+        parts += (b',"token_ids":', _encode(event.token_ids))
+        if event.prompt_token_ids is not None:
+            parts += (b',"prompt_token_ids":', _encode(event.prompt_token_ids))
+        if event.seed is not None:
+            parts += (b',"seed":', _encode(event.seed))
+
+    def tail(self) -> bytes:
+        """After the last event: the usage chunk (when asked for) and ``[DONE]``."""
+        if not self.include_usage:
+            return _DONE
+        return self.head + b'[],"usage":' + (self.usage or b"null") + b"}\n\n" + _DONE
+
+
+async def _read_body(receive: Any, limit: int) -> tuple[list[dict[str, Any]], bytes | None]:
+    """The request's messages, and its body (None when it was cut short or is
+    over ``limit``: the frontend answers those)."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, None
+        size += len(message.get("body", b""))
+        if size > limit:
+            return messages, None
+        if not message.get("more_body", False):
+            return messages, b"".join(m.get("body", b"") for m in messages)
+
+
+def _replay(messages: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[Any]]:
+    pending = list(messages)
+
+    async def replay() -> Any:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+async def _send_error(send: Any, exc: HeadraceError) -> None:
+    """The frontend's error answer: ``error_response`` with its headers."""
+    response = error_response(exc)
+    headers = [(b"content-type", response.content_type.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in response.headers]
+    headers.append((b"content-length", str(len(response.body)).encode()))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope, done: list[bool]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not done[0]:
+        scope.cancel()
 
 
 # ---------------------------------------------------------------- command line
@@ -227,6 +490,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
+    p.add_argument(
+        "--server",
+        choices=("auto", "lean", "hypercorn"),
+        default="auto",
+        help="lean: the mock's own HTTP/1.1 + h2c server (backends.mock_http, ~4x less CPU "
+        "per request); hypercorn: the shared stack (TLS, h2c upgrade); auto: lean unless "
+        "--certfile is given",
+    )
     return p
 
 
@@ -247,10 +518,12 @@ async def _serve(args: argparse.Namespace) -> None:
     options = ServeOptions(
         args.host, args.port, certfile=args.certfile, keyfile=args.keyfile, graceful_timeout=5.0
     )
+    lean = args.server == "lean" or (args.server == "auto" and args.certfile is None)
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_signal, shutdown)
-        url = await nursery.start(partial(serve, app, options, shutdown=shutdown))
+        url = await nursery.start(partial(serve_lean if lean else serve, app, options,
+                                          shutdown=shutdown))
         print(f"mock listening on {url}", flush=True)
 
 
@@ -262,6 +535,7 @@ def main(argv: list[str]) -> int:
         ("--fault-rate", not 0.0 <= args.fault_rate <= 1.0),
         ("--ttft-ms/--tpot-ms", args.ttft_ms < 0 or args.tpot_ms < 0),
         ("--certfile/--keyfile", (args.certfile is None) != (args.keyfile is None)),
+        ("--server lean with --certfile (no TLS there)", args.server == "lean" and args.certfile),
     ]
     for name, is_bad in bad:
         if is_bad:

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from contextlib import aclosing
 
 import h2.connection
@@ -16,14 +17,37 @@ import pytest
 import trio
 
 from backends.base import GenerateRequest
-from backends.mock import MockBackend, fault_applies, parse_fault
-from backends.mock_server import main
+from backends.mock import Fault, MockBackend, MockConfig, fault_applies, parse_fault
+from backends.mock_http import serve_lean
+from backends.mock_server import build_app, main
 from backends.openai_http import OpenAIHTTPBackend
 from backends.openai_server import OpenAIServer
 from backends.serving import ServeOptions, serve
-from tests.backends.conftest import eventually, serve_mock
+from tests.backends.conftest import Served, eventually, serve_mock
 
 BODY = {"prompt": "hi", "max_tokens": 8, "stream": True, "return_token_ids": True, "seed": 1}
+
+
+@pytest.fixture(params=["hypercorn", "lean"])
+def server(request: pytest.FixtureRequest) -> str:
+    """Every HTTP-level fault behaves the same on both servers ``headrace mock`` has."""
+    return str(request.param)
+
+
+async def _serve(
+    nursery: trio.Nursery,
+    server: str,
+    faults: Sequence[Fault] = (),
+    *,
+    config: MockConfig | None = None,
+    fault_rate: float = 1.0,
+) -> Served:
+    if server == "hypercorn":
+        return await serve_mock(nursery, config, faults, fault_rate=fault_rate)
+    backend = MockBackend(config)
+    app = build_app(backend, faults, fault_rate=fault_rate)
+    url = await nursery.start(serve_lean, app, ServeOptions(graceful_timeout=0.5))
+    return Served(url, backend, app)
 
 
 def _client(url: str, h2: bool) -> httpx.AsyncClient:
@@ -50,9 +74,9 @@ async def _read_until_error(
 
 @pytest.mark.parametrize("h2", [False, True])
 async def test_cut_after_breaks_the_transport_not_a_clean_end(
-    nursery: trio.Nursery, h2: bool
+    nursery: trio.Nursery, server: str, h2: bool
 ) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("cut-after=2")])
+    served = await _serve(nursery, server, faults=[parse_fault("cut-after=2")])
     async with _client(served.url, h2) as client:
         lines, exc = await _read_until_error(client, BODY)
         assert isinstance(exc, httpx.RemoteProtocolError)
@@ -62,8 +86,10 @@ async def test_cut_after_breaks_the_transport_not_a_clean_end(
         assert r.status_code == 200
 
 
-async def test_stall_after_keeps_the_stream_open_and_silent(nursery: trio.Nursery) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("stall-after=1")])
+async def test_stall_after_keeps_the_stream_open_and_silent(
+    nursery: trio.Nursery, server: str
+) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("stall-after=1")])
     lines: list[str] = []
     async with _client(served.url, True) as client:
         with trio.move_on_after(0.3) as scope:
@@ -80,8 +106,10 @@ async def test_stall_after_keeps_the_stream_open_and_silent(nursery: trio.Nurser
     await eventually(lambda: served.backend.statistics().cancelled == 1, 0.1)
 
 
-async def test_malformed_after_sends_a_garbage_data_line(nursery: trio.Nursery) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("malformed-after=2")])
+async def test_malformed_after_sends_a_garbage_data_line(
+    nursery: trio.Nursery, server: str
+) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("malformed-after=2")])
     async with _client(served.url, True) as client:
         r = await client.post("/v1/completions", json=BODY)
     lines = _data_lines(r.text)
@@ -91,8 +119,8 @@ async def test_malformed_after_sends_a_garbage_data_line(nursery: trio.Nursery) 
         json.loads(lines[2])
 
 
-async def test_no_done_ends_cleanly_without_done(nursery: trio.Nursery) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("no-done")])
+async def test_no_done_ends_cleanly_without_done(nursery: trio.Nursery, server: str) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("no-done")])
     async with _client(served.url, False) as client:
         r = await client.post(
             "/v1/completions", json=BODY | {"stream_options": {"include_usage": True}}
@@ -111,9 +139,14 @@ async def test_no_done_ends_cleanly_without_done(nursery: trio.Nursery) -> None:
     ],
 )
 async def test_status_faults_answer_with_openai_errors(
-    nursery: trio.Nursery, spec: str, status: int, retry_after: str | None, code: str | None
+    nursery: trio.Nursery,
+    server: str,
+    spec: str,
+    status: int,
+    retry_after: str | None,
+    code: str | None,
 ) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault(spec)])
+    served = await _serve(nursery, server, faults=[parse_fault(spec)])
     async with _client(served.url, True) as client:
         r = await client.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
@@ -124,8 +157,8 @@ async def test_status_faults_answer_with_openai_errors(
     assert served.backend.statistics().started == 0
 
 
-async def test_slow_first_token_delays_the_response(nursery: trio.Nursery) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("slow-first-token=200")])
+async def test_slow_first_token_delays_the_response(nursery: trio.Nursery, server: str) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("slow-first-token=200")])
     async with _client(served.url, True) as client:
         start = trio.current_time()
         r = await client.post("/v1/completions", json=BODY)
@@ -134,9 +167,9 @@ async def test_slow_first_token_delays_the_response(nursery: trio.Nursery) -> No
 
 
 async def test_fault_rate_picks_requests_deterministically_and_stats_count_them(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, server: str
 ) -> None:
-    served = await serve_mock(nursery, faults=[parse_fault("status=500")], fault_rate=0.5)
+    served = await _serve(nursery, server, faults=[parse_fault("status=500")], fault_rate=0.5)
     async with _client(served.url, True) as client:
         codes = [(await client.post("/v1/completions", json=BODY)).status_code for _ in range(12)]
         stats = (await client.get("/stats")).json()
