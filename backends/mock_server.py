@@ -355,9 +355,16 @@ class _Renderer:
 
     def burst(self, run: MockRun) -> bytes:
         """Every chunk of ``run``, usage and ``[DONE]``: one body."""
-        parts = [self.chunk(run.step())]
-        while not run.finished:
-            parts.append(self.chunk(run.step()))
+        events = run.rest()
+        parts = [self.chunk(events[0])]
+        if len(events) > 2 and not self.token_ids:  # the middle: one template, no branches
+            before, after, encode = self.before, self.after, _encode
+            parts += [before + encode(e.text) + after for e in events[1:-1]]
+            self.first = False
+        else:
+            parts += [self.chunk(e) for e in events[1:-1]]
+        if len(events) > 1:
+            parts.append(self.chunk(events[-1]))
         parts.append(self.tail())
         return b"".join(parts)
 

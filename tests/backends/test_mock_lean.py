@@ -14,12 +14,15 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import hpack
 import httpx
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backends.mock import MockBackend, MockConfig
-from backends.mock_http import serve_lean
+from backends.mock_http import HPACKDecoder, encode_headers, serve_lean
 from backends.mock_server import build_app
 from backends.serving import ServeOptions
 from conformance import check_http
@@ -205,3 +208,69 @@ async def test_shutdown_lets_streams_in_flight_finish_and_refuses_new_connection
         with pytest.raises(httpx.ConnectError):
             async with _client(url, h2) as client:
                 await client.get("/health")
+
+
+async def _recv_all(stream: trio.SocketStream) -> bytes:
+    got = b""
+    with trio.fail_after(5):
+        while chunk := await stream.receive_some():
+            got += chunk
+    return got
+
+
+async def test_a_chunked_body_trickling_in_byte_by_byte_with_extensions_and_trailers() -> None:
+    async with lean(build_app(MockBackend())) as url:
+        stream = await trio.open_tcp_stream("127.0.0.1", _port(url))
+        body = json.dumps({"prompt": "a", "max_tokens": 2}).encode()
+        half = len(body) // 2
+        data = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                b"Connection: close\r\n\r\n"
+                + b"%x;ext=1\r\n%s\r\n" % (half, body[:half])
+                + b"%X\r\n%s\r\n" % (len(body) - half, body[half:])
+                + b"0\r\nX-Trailer: yes\r\n\r\n")
+        for i in range(len(data)):
+            await stream.send_all(data[i : i + 1])
+        got = await _recv_all(stream)
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in got
+    assert got.count(b'"text_completion"') == 1
+
+
+async def test_http10_head_and_connection_close() -> None:
+    async with lean(build_app(MockBackend())) as url:
+        stream = await trio.open_tcp_stream("127.0.0.1", _port(url))
+        await stream.send_all(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+                              b"GET /health HTTP/1.0\r\n\r\n")
+        got = await _recv_all(stream)  # HTTP/1.0 without keep-alive: closed after it
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 405 Method Not Allowed") and b"content-length: " in head
+        assert rest.startswith(b"HTTP/1.1 200 OK\r\n")  # HEAD sent no body
+        assert rest.endswith(b'"detail":""}')
+
+
+_names = st.sampled_from([":method", ":path", "content-length", "x-request-id", "user-agent",
+                          "accept", "x-" + "n" * 40])
+_values = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
+_blocks = st.lists(st.lists(st.tuples(_names, _values, st.booleans()), max_size=12),
+                   min_size=1, max_size=8)
+
+
+@given(blocks=_blocks, huffman=st.booleans(), table_size=st.sampled_from([4096, 256, 0]))
+@settings(max_examples=200, deadline=None)
+def test_the_hpack_decoder_reads_what_hpack_encodes_block_after_block(
+    blocks: list[list[tuple[str, str, bool]]], huffman: bool, table_size: int
+) -> None:
+    encoder, decoder = hpack.Encoder(), HPACKDecoder()
+    encoder.header_table_size = table_size  # emits a dynamic table size update
+    for block in blocks:
+        headers = [hpack.HeaderTuple(n, v) if not sensitive else hpack.NeverIndexedHeaderTuple(n, v)
+                   for n, v, sensitive in block]
+        got = decoder.decode(encoder.encode(headers, huffman=huffman))
+        assert got == [(n.encode(), v.encode()) for n, v, _ in block]
+
+
+def test_response_headers_encode_as_hpack_reads_them() -> None:
+    headers = [(b":status", b"200"), (b"content-type", b"text/event-stream"),
+               (b"x-long", b"v" * 300)]
+    for status in (b"200", b"404", b"503", b"429"):
+        block = encode_headers([(b":status", status), *headers[1:]])
+        assert hpack.Decoder().decode(block, raw=True) == [(b":status", status), *headers[1:]]
