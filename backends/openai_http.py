@@ -2,13 +2,14 @@
 
 vLLM, SGLang, llama.cpp, TGI, the built-in engine's server and ``headrace
 mock`` all speak ``POST /v1/completions`` and ``/v1/chat/completions`` with
-SSE streaming. This adapter drives them through one ``httpx.AsyncClient`` (one
-connection pool) per backend, over HTTP/1.1, HTTP/2 with prior knowledge, or
-TLS with ALPN. It asks for token ids (``return_token_ids``, vLLM's extension,
-honoured by the engine and the mock) and reads ``token_ids`` /
-``prompt_token_ids`` / ``seed`` when offered, and works on text alone when not.
+SSE streaming. This adapter drives one of them over HTTP/2 (prior knowledge
+on ``http://``, ALPN on ``https://``; :mod:`backends.h2client`) or HTTP/1.1
+(httpx), chosen per backend or found out once (``http = "auto"``). It asks
+for token ids (``return_token_ids``, vLLM's extension, honoured by the engine
+and the mock) and reads ``token_ids`` / ``prompt_token_ids`` / ``seed`` when
+offered, and works on text alone when not.
 
-Every httpx, h2, trio, TLS and JSON failure is translated here, once::
+Every transport, TLS and JSON failure is translated here, once::
 
     connect refused, DNS, reset before the response   BackendUnavailable
     HTTP 429 / 503 (+ Retry-After)                     BackendUnavailable(retry_after)
@@ -17,12 +18,13 @@ Every httpx, h2, trio, TLS and JSON failure is translated here, once::
     no bytes for ``stall_timeout`` (or headers late)   BackendTimeout
     reset, or the stream ends without [DONE]           StreamBroken (migratable)
     a chunk that is not the OpenAI shape               BackendProtocolError
+    anything else (a bug)                              StreamBroken / BackendUnavailable
 
-Cancelling the consumer closes the HTTP stream at once. httpcore 1.0 drops an
-unfinished HTTP/2 response without telling the server (and without crediting
-the connection's flow-control window for data still in flight), so on an early
-close we send RST_STREAM(CANCEL) ourselves; over HTTP/1.1 the connection is
-closed.
+A stream refused by the server (GOAWAY raced it, REFUSED_STREAM) was not
+processed and is sent again at once on a new connection. Cancelling the
+consumer closes the HTTP stream at once: RST_STREAM(CANCEL) over HTTP/2, the
+connection over HTTP/1.1. Health probes have an HTTP/2 connection of their
+own, so they never queue behind the streams.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
 from typing import Annotated, Any, Literal, cast
 
-import h2.errors
 import h2.exceptions
 import httpx
 import msgspec
@@ -58,6 +59,7 @@ from backends.errors import (
     Unauthorized,
     UpstreamError,
 )
+from backends.h2client import H2Error, H2Pool, H2Unsupported, RefusedStream
 from backends.sse import SSEParser
 from backends.tally import StreamTally
 
@@ -310,37 +312,127 @@ def _transport_error(exc: BaseException, *, started: bool) -> HeadraceError:
     return BackendUnavailable(f"backend unreachable: {exc!r}")
 
 
-async def _reset_h2_stream(response: httpx.Response) -> None:
-    """Send RST_STREAM(CANCEL) for an HTTP/2 response closed before its end.
-    Reaches into httpcore 1.0 (httpx stream -> pool stream -> h2 stream); if
-    that layout changes this does nothing and the stream is merely dropped."""
-    if response.http_version != "HTTP/2":
-        return
-    inner: object = response.stream
-    for attr in ("_stream", "_httpcore_stream", "_stream"):
-        inner = getattr(inner, attr, None)
-    conn, stream_id = getattr(inner, "_connection", None), getattr(inner, "_stream_id", None)
-    state = getattr(conn, "_h2_state", None)
-    if state is None or stream_id is None:
-        return
-    try:
-        state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
-    except h2.exceptions.ProtocolError:
-        return  # already closed: the response had ended
-    try:
-        await conn._write_outgoing_data(getattr(inner, "_request", None) or response.request)  # type: ignore[union-attr]
-    except Exception:  # httpcore's own errors (WriteError...) too: best effort
-        return
+# ---------------------------------------------------------------- transports
 
 
-async def _close_response(response: httpx.Response) -> None:
-    """Reset (HTTP/2) and close a response, whatever state its connection is
-    in: a failure here must never replace the error that ended the stream."""
-    try:
-        await _reset_h2_stream(response)
-        await response.aclose()
-    except Exception as exc:  # closing is best effort
-        log.debug("closing a response failed: %r", exc)
+class _Reply:
+    """A response head and its body chunks, whichever transport carried it."""
+
+    __slots__ = ("chunks", "headers", "status")
+
+    def __init__(self, status: int, headers: Any, chunks: AsyncIterator[bytes]) -> None:
+        self.status, self.headers, self.chunks = status, headers, chunks
+
+
+class _H2:
+    """HTTP/2 through :class:`~backends.h2client.H2Pool`: requests on one
+    pool, health probes and ``/v1/models`` on a pool of their own, so a
+    probe never waits behind (or wedges with) the streams."""
+
+    version = "2"
+
+    def __init__(
+        self,
+        url: httpx.URL,
+        headers: list[tuple[str, str]],
+        *,
+        tls: ssl.SSLContext | None,
+        connect_timeout: float,
+        max_connections: int,
+    ) -> None:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        authority = url.host if url.port is None else f"{url.host}:{url.port}"
+
+        def pool(n: int) -> H2Pool:
+            return H2Pool(
+                url.host, port, ssl_context=tls, authority=authority, headers=headers,
+                connect_timeout=connect_timeout, max_connections=n,
+            )  # fmt: skip
+
+        self.pool, self.probes = pool(max_connections), pool(1)
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
+        return reply.status, reply.body
+
+    def open(self, path: str, body: bytes) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body)
+
+    @asynccontextmanager
+    async def _open(self, path: str, body: bytes) -> AsyncIterator[_Reply]:
+        for attempt in (1, 2):
+            response = self.pool.stream("POST", path, headers=_POST_HEADERS, body=body)
+            try:
+                await response.__aenter__()
+            except RefusedStream:
+                # Not processed (a GOAWAY raced the request): safe to send
+                # again at once, on a new connection.
+                if attempt == 2:
+                    raise
+                continue
+            try:
+                yield _Reply(response.status, response.headers, response)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await response.aclose()
+            return
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+        await self.probes.aclose()
+
+
+class _H1:
+    """HTTP/1.1 (cleartext or TLS) through httpx. Leaving a response early
+    closes its connection, which is how HTTP/1.1 cancels."""
+
+    version = "1.1"
+
+    def __init__(
+        self,
+        base_url: str,
+        headers: list[tuple[str, str]],
+        *,
+        verify: ssl.SSLContext | bool,
+        connect_timeout: float,
+        max_connections: int,
+    ) -> None:
+        self.client = httpx.AsyncClient(
+            base_url=base_url,
+            http1=True,
+            http2=False,
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
+            ),
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
+            verify=verify,
+            trust_env=False,
+        )
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        response = await self.client.get(path)
+        return response.status_code, response.content
+
+    def open(self, path: str, body: bytes) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body)
+
+    @asynccontextmanager
+    async def _open(self, path: str, body: bytes) -> AsyncIterator[_Reply]:
+        async with self.client.stream("POST", path, content=body, headers=_POST_HEADERS) as response:
+            chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+            yield _Reply(response.status_code, response.headers, chunks)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+_Transport = _H1 | _H2
+_POST_HEADERS = [("content-type", "application/json"), ("accept", "text/event-stream")]
+# Errors that mean "this server does not speak HTTP/2" (ALPN chose
+# http/1.1, or it answered the prior-knowledge preface in HTTP/1.1).
+_NOT_H2 = (H2Unsupported,)
+_ERRORS = (*_TRANSPORT_ERRORS, H2Error)
 
 
 # ---------------------------------------------------------------- the backend
@@ -350,6 +442,17 @@ def _tls_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext | bool:
     if isinstance(verify, str):
         return ssl.create_default_context(cafile=verify)
     return verify
+
+
+def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
+    """An SSLContext of our own for the HTTP/2 pool (it sets ALPN on it)."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+    if verify is False:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 HTTPVersion = Literal["auto", "1.1", "2"]
@@ -383,23 +486,18 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return out
 
 
-# Errors that mean "this server does not speak HTTP/2 prior knowledge" rather
-# than "nothing listens there": an HTTP/1.1-only server answers the h2
-# preface with a 400 in HTTP/1.1 (not h2 frames) or closes the connection.
-_NOT_H2 = (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.ReadError, httpx.WriteError)
-
-
 class OpenAIHTTPBackend:
     """One OpenAI-compatible server.
 
     ``http``: "2" (prior knowledge on ``http://``, ALPN on ``https://``),
-    "1.1", or "auto": ALPN on ``https://``; on ``http://`` the first exchange
-    tries HTTP/2 prior knowledge and falls back to HTTP/1.1 if the server
-    does not speak it (vLLM's, SGLang's and llama.cpp's servers, most hosted
-    providers), and the answer is remembered. ``token_ids``: True (the server
-    honours ``return_token_ids``), False (never ask), "auto" (ask, and report
-    what the answers show). ``stall_timeout``: the longest gap without a byte
-    once streaming; ``first_token_timeout``: the longest wait for the
+    "1.1", or "auto": the first exchange tries HTTP/2 (prior knowledge on
+    ``http://``, ALPN on ``https://``) and falls back to HTTP/1.1 if the
+    server does not speak it (vLLM's, SGLang's and llama.cpp's servers, most
+    hosted providers); the answer is remembered. HTTP/2 runs on
+    :mod:`backends.h2client`, HTTP/1.1 on httpx. ``token_ids``: True (the
+    server honours ``return_token_ids``), False (never ask), "auto" (ask, and
+    report what the answers show). ``stall_timeout``: the longest gap without
+    a byte once streaming; ``first_token_timeout``: the longest wait for the
     response and its first event (default: the same)."""
 
     def __init__(
@@ -433,36 +531,24 @@ class OpenAIHTTPBackend:
         )
         self.health_timeout = health_timeout
         self.http = http
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         tls = url.scheme == "https"
-
-        def client(http1: bool, http2: bool) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                base_url=self.base_url,
-                http1=http1,
-                http2=http2,
-                headers=headers,
-                timeout=httpx.Timeout(
-                    connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
-                ),
-                limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
-                verify=_tls_context(verify),
-                trust_env=False,
-            )
-
-        # The protocol spoken: "1.1" or "2" once known; None while an
-        # ``auto`` cleartext backend has not answered yet. Over TLS, ALPN
-        # chooses per connection, so one client offers both.
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        if tls:
-            self._protocol: str | None = "tls"
-            self._clients["tls"] = client(http1=http != "2", http2=http != "1.1")
-        else:
-            self._protocol = None if http == "auto" else http
-            if http in ("auto", "2"):
-                self._clients["2"] = client(http1=False, http2=True)
-            if http in ("auto", "1.1"):
-                self._clients["1.1"] = client(http1=True, http2=False)
+        # Both transports while ``auto`` has not heard back; the one that
+        # answered once it has.
+        self._transports: dict[str, _Transport] = {}
+        if http != "1.1":
+            self._transports["2"] = _H2(
+                url, headers, tls=_ssl_context(verify) if tls else None,
+                connect_timeout=connect_timeout, max_connections=max_connections,
+            )  # fmt: skip
+        if http != "2":
+            self._transports["1.1"] = _H1(
+                self.base_url, headers, verify=_tls_context(verify),
+                connect_timeout=connect_timeout, max_connections=max_connections,
+            )  # fmt: skip
+        self._transport: _Transport | None = (
+            None if http == "auto" else self._transports[http]
+        )
         self._negotiating = trio.Lock()
         self._models: tuple[str, ...] | None = None
         self._max_context: int | None = None
@@ -471,36 +557,40 @@ class OpenAIHTTPBackend:
 
     @property
     def protocol(self) -> str | None:
-        """"1.1", "2", "tls" (ALPN decides), or None (``auto``, not yet known)."""
-        return self._protocol
+        """"1.1" or "2"; None while ``auto`` has not heard back yet."""
+        return self._transport.version if self._transport is not None else None
 
-    async def _client(self) -> httpx.AsyncClient:
-        """The client to use; settles ``auto`` on the first call."""
-        if self._protocol is None:
+    async def _use(self) -> _Transport:
+        """The transport to use; settles ``auto`` on the first call."""
+        if self._transport is None:
             async with self._negotiating:
-                if self._protocol is None:
+                if self._transport is None:
                     await self._negotiate()
-        return self._clients[self._protocol or "2"]
+        return self._transport or self._transports["2"]
 
     async def _negotiate(self) -> None:
-        """Try HTTP/2 prior knowledge with an idempotent GET; on an answer
-        that is not HTTP/2, try HTTP/1.1. Remember whichever answered;
-        nothing is remembered while neither does (connection refused)."""
+        """Try HTTP/2 with an idempotent GET; if the server does not speak it,
+        HTTP/1.1. Remember whichever answered; nothing is remembered while
+        neither does (connection refused), so a later call tries again."""
+        h2, h1 = self._transports["2"], self._transports["1.1"]
         try:
-            await self._clients["2"].get("/health")
+            await h2.get("/health")
         except _NOT_H2 as exc:
             try:
-                await self._clients["1.1"].get("/health")
+                await h1.get("/health")
             except Exception:  # neither answered: decide on a later try
                 return
-            log.info("backend %s speaks HTTP/1.1, not HTTP/2 (%r)", self.name, exc)
-            self._protocol = "1.1"
-            await self._clients.pop("2").aclose()
+            log.info("backend %s speaks HTTP/1.1, not HTTP/2 (%s)", self.name, exc)
+            self._transport = self._transports.pop("1.1")
+            del self._transports["2"]
+            await h2.aclose()
         except Exception:  # nothing answered (refused, timed out)
             return
         else:
-            self._protocol = "2"
-            await self._clients.pop("1.1").aclose()
+            self._transport = self._transports.pop("2")
+            del self._transports["1.1"]
+            await h1.aclose()
+        self._transports[self._transport.version] = self._transport
 
     # ------------------------------------------------------------ Backend
 
@@ -516,47 +606,43 @@ class OpenAIHTTPBackend:
         return HTTPBackendStatistics(t.in_flight, t.started, t.completed, t.failed, t.cancelled)
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
+        for transport in self._transports.values():
+            await transport.aclose()
 
     async def health(self) -> Health:
         """``GET /health``, falling back to ``GET /v1/models`` where the
         server has no health route."""
         try:
             with trio.fail_after(self.health_timeout):
-                client = await self._client()
-                response = await client.get("/health")
-                if response.status_code == 404:
-                    response = await client.get("/v1/models")
+                transport = await self._use()
+                status, _ = await transport.get("/health")
+                if status == 404:
+                    status, _ = await transport.get("/v1/models")
         except trio.TooSlowError:
             return Health(ok=False, detail=f"no answer within {self.health_timeout}s")
         except Exception as exc:  # a probe reports, it never raises
             return Health(ok=False, detail=f"unreachable: {exc!r}")
-        ok = response.status_code == 200
-        return Health(ok=ok, detail="" if ok else f"HTTP {response.status_code}")
+        ok = status == 200
+        return Health(ok=ok, detail="" if ok else f"HTTP {status}")
 
     async def refresh(self) -> BackendInfo:
         """Read ``/v1/models`` (names, and ``max_model_len`` where vLLM gives
         it) into the cache behind :meth:`info`."""
         try:
             with trio.fail_after(self.health_timeout):
-                response = await (await self._client()).get("/v1/models")
+                status, content = await (await self._use()).get("/v1/models")
         except trio.TooSlowError:
             raise BackendTimeout(f"/v1/models: no answer within {self.health_timeout}s") from None
-        except _TRANSPORT_ERRORS as exc:
+        except _ERRORS as exc:
             raise _transport_error(exc, started=False) from exc
-        if response.status_code != 200:
-            raise status_error(
-                response.status_code, response.content, response.headers.get("retry-after")
-            )
+        if status != 200:
+            raise status_error(status, content)
         try:
-            data = msgspec.json.decode(response.content)["data"]
+            data = msgspec.json.decode(content)["data"]
             self._models = tuple(str(m["id"]) for m in data)
             lengths = [m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)]
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
-            raise BackendProtocolError(
-                f"malformed /v1/models answer: {response.content[:200]!r}"
-            ) from None
+            raise BackendProtocolError(f"malformed /v1/models answer: {content[:200]!r}") from None
         self._max_context = min(lengths) if lengths else None
         return self.info()
 
@@ -611,97 +697,77 @@ class OpenAIHTTPBackend:
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
     async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncGenerator[Event, None]:
-        response = await self._open(path, payload)
+        """POST and relay the SSE stream as events. Every failure leaves as
+        one of our errors; the tokens so far tell a broken stream (after the
+        first event: migratable) from an unavailable backend (before it).
+        Timeouts cover the waits only, never a ``yield`` (the consumer's
+        time is not the backend's)."""
         parser = _ChunkParser(chat=path.endswith("/chat/completions"))
+        body = _json.encode(payload)
         try:
-            async with aclosing(self._events(response, parser)) as events:
-                async for event in events:
-                    yield event
+            async with AsyncExitStack() as stack:
+                with trio.move_on_after(self.first_token_timeout) as opening:
+                    transport = await self._use()
+                    reply = await stack.enter_async_context(transport.open(path, body))
+                if opening.cancelled_caught:
+                    raise BackendTimeout(f"no response within {self.first_token_timeout}s")
+                if reply.status != 200:
+                    raise await _status_error(reply)
+                content_type = reply.headers.get("content-type", "")
+                if not content_type.startswith("text/event-stream"):
+                    raise BackendProtocolError(
+                        f"expected an SSE stream, got {content_type or 'no content type'!r}"
+                    )
+                decoder = SSEParser(strict=True)
+                chunks = reply.chunks
+                while not parser.done:  # after [DONE], the server may be slow to end
+                    timeout = self.stall_timeout if parser.events else self.first_token_timeout
+                    chunk: bytes | None = None
+                    with trio.move_on_after(timeout):
+                        try:
+                            chunk = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    if chunk is None:
+                        raise BackendTimeout(
+                            f"no bytes from the backend for {timeout}s (after {parser.events} events)"
+                        )
+                    try:
+                        sse_events = decoder.feed(chunk)
+                    except UnicodeDecodeError:
+                        raise BackendProtocolError("stream data is not UTF-8") from None
+                    for sse in sse_events:
+                        events = parser.feed(sse.data)
+                        self._saw_ids = self._saw_ids or parser.saw_ids
+                        for event in events:
+                            yield event
         except HeadraceError:
             raise
+        except _ERRORS as exc:
+            if parser.done:
+                return  # broke after [DONE]: everything arrived
+            raise _transport_error(exc, started=parser.events > 0) from exc
         except Exception as exc:
-            # Anything not translated below (an httpcore error httpx let
-            # through, a bug): the stream did not end well, so say so.
+            # Anything untranslated (a bug, an error type a library let
+            # through): the stream did not end well, so say so.
             log.warning("backend %s: stream failed with %r", self.name, exc)
             raise _transport_error(exc, started=parser.events > 0) from exc
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                await _close_response(response)
-
-    async def _open(self, path: str, payload: dict[str, Any]) -> httpx.Response:
-        """Send the request; return the 200 streaming response or raise."""
-        try:
-            with trio.fail_after(self.first_token_timeout):
-                client = await self._client()
-                request = client.build_request("POST", path, json=payload)
-                response = await client.send(request, stream=True)
-        except trio.TooSlowError:
-            raise BackendTimeout(f"no response within {self.first_token_timeout}s") from None
-        except _TRANSPORT_ERRORS as exc:
-            raise _transport_error(exc, started=False) from exc
-        if response.status_code == 200:
-            return response
-        try:
-            with trio.move_on_after(self.stall_timeout):
-                body = await _read_limited(response)
-        except Exception:  # the status says enough
-            body = b""
-        finally:
-            await _close_response(response)
-        raise status_error(response.status_code, body, response.headers.get("retry-after"))
-
-    async def _events(
-        self, response: httpx.Response, parser: _ChunkParser
-    ) -> AsyncGenerator[Event, None]:
-        content_type = response.headers.get("content-type", "")
-        if not content_type.startswith("text/event-stream"):
-            raise BackendProtocolError(
-                f"expected an SSE stream, got {content_type or 'no content type'!r}"
-            )
-        decoder = SSEParser(strict=True)
-        async with aclosing(cast(AsyncGenerator[bytes, None], response.aiter_bytes())) as chunks:
-            while True:
-                chunk = await self._next_chunk(chunks, parser)
-                if chunk is None:
-                    break
-                try:
-                    sse_events = decoder.feed(chunk)
-                except UnicodeDecodeError:
-                    raise BackendProtocolError("stream data is not UTF-8") from None
-                for sse in sse_events:
-                    events = parser.feed(sse.data)
-                    self._saw_ids = self._saw_ids or parser.saw_ids
-                    for event in events:
-                        yield event
         if not parser.done:
             raise StreamBroken(f"stream ended without [DONE] after {parser.events} events")
 
-    async def _next_chunk(
-        self, chunks: AsyncGenerator[bytes, None], parser: _ChunkParser
-    ) -> bytes | None:
-        """The next bytes, or None at the end; a gap over the stall timeout
-        (or a break) becomes an error, with the tokens-so-far telling which."""
-        timeout = self.stall_timeout if parser.events or parser.done else self.first_token_timeout
-        with trio.move_on_after(timeout):
-            try:
-                return await chunks.__anext__()
-            except StopAsyncIteration:
-                return None
-            except _TRANSPORT_ERRORS as exc:
-                if parser.done:
-                    return None  # broke after [DONE]: everything arrived
-                raise _transport_error(exc, started=True) from exc
-        if parser.done:
-            return None  # [DONE] came; the server is slow to end the stream
-        raise BackendTimeout(
-            f"no bytes from the backend for {timeout}s (after {parser.events} events)"
-        )
+
+_json = msgspec.json.Encoder()
 
 
-async def _read_limited(response: httpx.Response) -> bytes:
+async def _status_error(reply: _Reply) -> HeadraceError:
+    """The error for a non-200 answer, from (at most 64 KiB of) its body."""
     body = b""
-    async for chunk in response.aiter_raw():
-        body += chunk
-        if len(body) > MAX_ERROR_BODY:
-            break
-    return body[:MAX_ERROR_BODY]
+    try:
+        with trio.move_on_after(5.0):
+            async for chunk in reply.chunks:
+                body += chunk
+                if len(body) > MAX_ERROR_BODY:
+                    break
+    except Exception:  # the status says enough
+        pass
+    return status_error(reply.status, body[:MAX_ERROR_BODY], reply.headers.get("retry-after"))

@@ -108,7 +108,9 @@ class Response:
 
 
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
-Emit = Callable[[bytes], Awaitable[None]]
+# ``emit(chunk)``; ``emit(chunk, True)`` sends the body's last chunk (the
+# stream ends with it, in the same write).
+Emit = Callable[..., Awaitable[None]]
 # A streaming body: called with ``emit`` once the headers are out.
 Producer = Callable[[Emit], Awaitable[None]]
 Authenticate = Callable[[dict[str, str]], str]
@@ -185,27 +187,31 @@ class OpenAIServer:
         if scope["type"] != "http":
             return
         start = trio.current_time()
-        tenant = "anonymous"
+        tenant = "anonymous" if self.authenticate is not None else "default"
         exchange = _Exchange()
-        async with trio.open_nursery() as nursery:
-            try:
-                body = await self._read_body(scope, receive)
-                # Only now watch for disconnect: the body has been consumed.
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
-                tenant = self._tenant(scope)
-                handler = self._route(scope["method"], scope["path"])
-                response = await handler(HTTPRequest(scope, body, tenant, nursery))
-            except HeadraceError as exc:
-                response = error_response(exc)
-            except Exception:
-                log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-                response = json_response(error_body("internal error", "server_error", None, None), 500)
-            await _send_response(send, response, exchange)
-            nursery.cancel_scope.cancel()
-        if self.observe is not None:
-            route = scope["path"] if (scope["method"], scope["path"]) in self.routes else "other"
-            status = exchange.status if exchange.complete else 499
-            self.observe(route, status, tenant, trio.current_time() - start)
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    body = await self._read_body(scope, receive)
+                    # Only now watch for disconnect: the body has been consumed.
+                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+                    tenant = self._tenant(scope)
+                    handler = self._route(scope["method"], scope["path"])
+                    response = await handler(HTTPRequest(scope, body, tenant, nursery))
+                except HeadraceError as exc:
+                    response = error_response(exc)
+                except Exception:
+                    log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                    response = json_response(error_body("internal error", "server_error", None, None), 500)
+                await _send_response(send, response, exchange)
+                nursery.cancel_scope.cancel()
+        finally:
+            # Once per request, however it ended: the status actually sent,
+            # 499 when the body never completed (the client left).
+            if self.observe is not None:
+                route = scope["path"] if (scope["method"], scope["path"]) in self.routes else "other"
+                status = exchange.status if exchange.complete else 499
+                self.observe(route, status, tenant, trio.current_time() - start)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -370,9 +376,9 @@ class _Call:
             started.add(i)
             pending.append((i, item))
 
-        async def flush(emit: Emit, parts: list[bytes]) -> None:
+        async def flush(emit: Emit, parts: list[bytes], last: bool = False) -> None:
             if self.coalesce:
-                await emit(b"".join(parts))
+                await emit(b"".join(parts), last)
             else:  # one SSE event per write, as fault injectors count them
                 for part in parts:
                     await emit(part)
@@ -397,20 +403,20 @@ class _Call:
                     break
                 if isinstance(item, HeadraceError):
                     parts.append(_error_event(item))
-                    await flush(emit, parts)
+                    await flush(emit, parts, True)
                     return
                 parts.append(self._chunk(i, item, states[i]))
             if any(state.finish_reason is None for state in states):
                 # Every pump ended, yet some choice never got its final event:
                 # a truncated answer must not look like a complete one.
                 parts.append(_error_event(StreamBroken("the backend stream ended before its final event")))
-                await flush(emit, parts)
+                await flush(emit, parts, True)
                 return
             opts = self.wire.stream_options
             if self.kind != "native" and opts is not None and opts.include_usage:
                 parts.append(_sse(self._envelope([], usage_payload(_total_usage(states)))))
             parts.append(_DONE)
-            await flush(emit, parts)
+            await flush(emit, parts, True)
 
         return produce
 
@@ -566,12 +572,20 @@ async def _send_response(send: Any, response: Response, exchange: _Exchange) -> 
         return
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
 
-    async def emit(chunk: bytes) -> None:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    ended = False
+
+    async def emit(chunk: bytes, last: bool = False) -> None:
+        nonlocal ended
+        if ended:
+            raise RuntimeError("the response body has already ended")
+        if last:
+            ended = exchange.complete = True
+        await send({"type": "http.response.body", "body": chunk, "more_body": not last})
 
     await response.stream(emit)
-    exchange.complete = True
-    await send({"type": "http.response.body", "body": b""})
+    if not ended:
+        exchange.complete = True
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _watch_disconnect(receive: Any, scope: trio.CancelScope, exchange: _Exchange) -> None:

@@ -63,6 +63,8 @@ def _patch_hypercorn() -> None:
        that connection only.
     4. Closing a connection sent EOF outside the send lock, so a send that
        started meanwhile raised ``BusyResourceError`` (see :func:`_close_under_send_lock`).
+
+    And one for cost: :func:`_end_stream_with_the_last_data`.
     """
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_headrace_patched", False):
@@ -160,7 +162,52 @@ def _reset_h2_stream_on_app_error() -> None:
     protocol.stream_send = stream_send  # type: ignore[method-assign]
 
 
+def _end_stream_with_the_last_data() -> None:
+    """hypercorn 0.18 sends a response's last DATA frame, flushes, then sends
+    an empty DATA frame with END_STREAM and flushes again: two frames and two
+    socket writes where one does. Where the buffer is complete once the data
+    is taken (the app's last ``http.response.body`` carried it), END_STREAM
+    rides on that DATA frame. Same frames otherwise."""
+    protocol = hypercorn_h2.H2Protocol
+
+    async def _send_data(self: Any, stream_id: int) -> None:
+        try:
+            buffer = self.stream_buffers[stream_id]
+            chunk_size = max(
+                0,
+                min(
+                    self.connection.local_flow_control_window(stream_id),
+                    self.connection.max_outbound_frame_size,
+                ),
+            )
+            data = await buffer.pop(chunk_size)
+            if data:
+                end = buffer.complete
+                self.connection.send_data(stream_id, data, end_stream=end)
+                await self._flush()
+                if end:
+                    del self.stream_buffers[stream_id]
+                    self.priority.remove_stream(stream_id)
+                    return
+            else:
+                self.priority.block(stream_id)
+            if buffer.complete:
+                self.connection.end_stream(stream_id)
+                await self._flush()
+                del self.stream_buffers[stream_id]
+                self.priority.remove_stream(stream_id)
+        except (h2.exceptions.StreamClosedError, KeyError, h2.exceptions.ProtocolError):
+            # The stream or connection closed while waiting to send: close
+            # the buffer, as hypercorn does.
+            await self.stream_buffers[stream_id].close()
+            del self.stream_buffers[stream_id]
+            self.priority.remove_stream(stream_id)
+
+    protocol._send_data = _send_data  # type: ignore[method-assign]
+
+
 _patch_hypercorn()
+_end_stream_with_the_last_data()
 
 
 class ServeOptions:

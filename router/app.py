@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
-from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -35,10 +34,6 @@ from router.dispatch import Dispatcher
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 
 __all__ = ["OPS_PATHS", "NamedBackend", "Router"]
-
-# The tenant of the request being served: set by the authenticate hook, which
-# runs in the request's own task, and read back for the metrics labels.
-_TENANT: ContextVar[str] = ContextVar("headrace_tenant", default="default")
 
 OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -97,12 +92,14 @@ class Router:
             extra_routes={("GET", "/admin/backends"): self._list_backends, ("POST", "/admin/backends"): self._admin},
             authenticate=self._authenticate if config.auth.keys else None,
             max_body_bytes=limit,
+            observe=self.metrics.observe,
             coalesce=True,
         )
         self.ops = OpenAIServer(
             self.dispatcher,
             extra_routes={("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics},
             max_body_bytes=limit,
+            observe=self.metrics.observe,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -117,28 +114,7 @@ class Router:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         app = self.ops if scope.get("path") in OPS_PATHS else self.api
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        # Observed here rather than through OpenAIServer's hook: the status is
-        # the one actually sent, and 499 means the body never completed.
-        start, status, complete = trio.current_time(), 0, False
-
-        async def watch(message: dict[str, Any]) -> None:
-            nonlocal status, complete
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                complete = True
-            await send(message)
-
-        token = _TENANT.set("anonymous" if self.config.auth.keys else "default")
-        try:
-            await app(scope, receive, watch)
-        finally:
-            route = scope["path"] if (scope["method"], scope["path"]) in app.routes else "other"
-            self.metrics.observe(route, status if complete else 499, _TENANT.get(), trio.current_time() - start)
-            _TENANT.reset(token)
+        await app(scope, receive, send)
 
     def actor(self, name: str) -> BackendActor:
         for actor in self.actors:
@@ -153,7 +129,6 @@ class Router:
         if scheme.lower() == "bearer" and key:
             for known, tenant in self.config.auth.keys.items():
                 if hmac.compare_digest(known.encode(), key.strip().encode()):
-                    _TENANT.set(tenant)
                     return tenant
         raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
 

@@ -146,6 +146,13 @@ class Mirror:
         return self._gauges[family.name]
 
 
+def _child(cache: dict[str, Histogram], family: Histogram, label: str) -> Histogram:
+    child = cache.get(label)
+    if child is None:
+        child = cache[label] = family.labels(label)
+    return child
+
+
 class RouterMetrics:
     """The router's registry; also the dispatcher's :class:`~router.dispatch.Recorder`
     and the frontend's ``observe`` hook.
@@ -167,6 +174,11 @@ class RouterMetrics:
         self.queue = Histogram("headrace_queue_time_seconds", "From arrival to the backend being chosen", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.worker_requests = Counter("headrace_worker_requests", "HTTP requests served, by router worker process", ["worker"], registry=r)
         self._this_worker = self.worker_requests.labels("0")
+        self._requests: dict[tuple[str, int, str], Counter] = {}
+        self._latency: dict[str, Histogram] = {}
+        self._queue: dict[str, Histogram] = {}
+        self._ttft: dict[str, Histogram] = {}
+        self._itl: dict[str, Histogram] = {}
 
     def set_worker(self, index: int) -> None:
         """Count this process's requests as worker ``index``'s."""
@@ -178,19 +190,24 @@ class RouterMetrics:
 
     # observe(route, status, tenant, seconds): OpenAIServer's hook
     def observe(self, route: str, status: int, tenant: str, seconds: float) -> None:
-        self.requests.labels(route, str(status), tenant).inc()
-        self.latency.labels(route).observe(seconds)
+        key = (route, status, tenant)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(route, str(status), tenant)
+        child.inc()
+        _child(self._latency, self.latency, route).observe(seconds)
         self._this_worker.inc()
 
-    # Recorder
+    # Recorder: per event on the hot path, so the labelled children are
+    # looked up once per label value, not once per token.
     def queue_time(self, backend: str, seconds: float) -> None:
-        self.queue.labels(backend).observe(seconds)
+        _child(self._queue, self.queue, backend).observe(seconds)
 
     def time_to_first_token(self, backend: str, seconds: float) -> None:
-        self.ttft.labels(backend).observe(seconds)
+        _child(self._ttft, self.ttft, backend).observe(seconds)
 
     def inter_token_latency(self, backend: str, seconds: float) -> None:
-        self.itl.labels(backend).observe(seconds)
+        _child(self._itl, self.itl, backend).observe(seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

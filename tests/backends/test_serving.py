@@ -283,6 +283,17 @@ def test_the_h2_protocol_internals_the_patches_use_are_unchanged() -> None:
     assert methods["stream_send"] == ["self", "event"]
     assert methods["_flush"] == ["self"]
     assert methods["_window_updated"] == ["self", "stream_id"]
+    assert methods["_send_data"] == ["self", "stream_id"]
+    assert {"stream_buffers", "priority"} <= _self_attributes(cls)
+    # the original _send_data we replace: pop, send_data, then end_stream when complete
+    original = ast.get_source_segment(_source(hypercorn_h2), next(
+        n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "_send_data"
+    )) or ""
+    for line in ("await self.stream_buffers[stream_id].pop(chunk_size)", "self.connection.end_stream(stream_id)",
+                 "self.priority.remove_stream(stream_id)", "self.priority.block(stream_id)"):
+        assert line in original, line
+    assert _class_node(hypercorn_h2, "StreamBuffer")  # .complete: set_complete() and empty
+    assert "return self._complete and len(self.buffer) == 0" in _source(hypercorn_h2)
     assert {"streams", "connection", "keep_alive_requests"} <= _self_attributes(cls)
     # DATA for an unknown stream is still a KeyError in _handle_events (patch 1)
     assert "self.streams[event.stream_id].handle(" in _source(hypercorn_h2)
@@ -378,3 +389,44 @@ async def test_a_port_someone_serves_cannot_be_reserved(nursery: trio.Nursery) -
     url = await nursery.start(serve, health_app, ServeOptions(reuse_port=True, graceful_timeout=0.1))
     with pytest.raises(OSError):
         reserve_port("127.0.0.1", int(url.rsplit(":", 1)[1])).close()
+
+
+async def test_a_response_ends_with_its_last_data_frame(nursery: trio.Nursery) -> None:
+    """END_STREAM rides on the last DATA frame: one frame fewer per response
+    (a streamed body's last chunk, and a whole JSON body)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.body", "body": b"one", "more_body": True})
+            await send({"type": "http.response.body", "body": b"two", "more_body": False})
+        else:
+            await send({"type": "http.response.body", "body": b"whole"})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    port = int(url.rsplit(":", 1)[1])
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    frames: dict[int, list[tuple[bytes, bool]]] = {1: [], 3: []}
+    for sid, path in ((1, "/stream"), (3, "/whole")):
+        conn.send_headers(sid, [(":method", "GET"), (":path", path), (":scheme", "http"), (":authority", "x")], end_stream=True)
+    await stream.send_all(conn.data_to_send())
+    ended: set[int] = set()
+    with trio.fail_after(5):
+        while ended != {1, 3}:
+            for event in conn.receive_data(await stream.receive_some(65536)):
+                if isinstance(event, h2.events.DataReceived):
+                    frames[event.stream_id].append((event.data, event.stream_ended is not None))
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended.add(event.stream_id)
+            await stream.send_all(conn.data_to_send())
+    await stream.aclose()
+    for sid, body in ((1, b"onetwo"), (3, b"whole")):
+        assert b"".join(data for data, _ in frames[sid]) == body
+        assert all(data for data, _ in frames[sid]), frames  # no empty DATA frame just to end
+        assert [end for _, end in frames[sid]][-1] and not any(end for _, end in frames[sid][:-1])
