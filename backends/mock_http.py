@@ -54,7 +54,7 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 READ_SIZE = 65536
 MAX_STREAMS = 1000
-HIGH_WATER = 256 * 1024  # bytes queued for a connection before a sender waits for the writer
+HIGH_WATER = 256 * 1024  # bytes queued on a connection before a sender waits for the write
 WRITE_TIMEOUT = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _DISCONNECT = {"type": "http.disconnect"}
@@ -110,6 +110,7 @@ class LeanServer:
                 accepting.start_soon(
                     partial(trio.serve_listeners, handler_nursery=connections),
                     self._handle, listeners)
+                accepting.start_soon(self._reap)
                 task_status.started(f"http://{name}:{bound[1]}")
                 if shutdown is None:
                     await trio.sleep_forever()
@@ -117,6 +118,18 @@ class LeanServer:
                 accepting.cancel_scope.cancel()  # closes the listeners
             await self._drain()
             connections.cancel_scope.cancel()
+
+    async def _reap(self) -> None:
+        """Close connections idle for ``keep_alive_timeout``: one sweep every
+        few seconds costs less than a timeout armed per read."""
+        every = max(0.05, min(5.0, self.keep_alive_timeout / 4))
+        while True:
+            await trio.sleep(every)
+            now = trio.current_time()
+            for connection in list(self.connections):
+                since = connection.idle_since
+                if since is not None and now - since >= self.keep_alive_timeout:
+                    connection.expire()
 
     async def _drain(self) -> None:
         self.draining = True
@@ -205,12 +218,16 @@ class _H1:
         self.buf = bytearray()
         self.eof = False
         self.client, self.local = _addresses(stream)
-        self.idle_scope: trio.CancelScope | None = None
+        self.idle_scope: trio.CancelScope | None = None  # while waiting for a request
+        self.idle_since: float | None = None
         self.closing = False
         self.broken = False
 
     def drain(self) -> None:
         self.closing = True
+        self.expire()
+
+    def expire(self) -> None:
         if self.idle_scope is not None:
             self.idle_scope.cancel()
 
@@ -231,7 +248,8 @@ class _H1:
                 return  # Connection: close, a cut response, a body left unread
 
     async def _next_head(self) -> bytes | None:
-        with trio.move_on_after(self.server.keep_alive_timeout) as self.idle_scope:
+        self.idle_since = trio.current_time()
+        with trio.CancelScope() as self.idle_scope:
             while True:
                 while self.buf[:2] == b"\r\n":  # tolerated before a request line
                     del self.buf[:2]
@@ -239,13 +257,13 @@ class _H1:
                 if end >= 0:
                     head = bytes(self.buf[:end])
                     del self.buf[: end + 4]
-                    self.idle_scope = None
+                    self.idle_scope = self.idle_since = None
                     return head
                 if len(self.buf) > MAX_HEAD:
                     raise BadRequest("request head too large")
                 if self.eof or not await self.read():
                     break
-        self.idle_scope = None
+        self.idle_scope = self.idle_since = None
         return None
 
     async def read(self) -> bool:
@@ -907,8 +925,9 @@ class H2Core:
 
 class _H2:
     """One HTTP/2 connection: this task reads and feeds :class:`H2Core`; each
-    stream runs the app in a task of its own; one writer task sends what the
-    core queues."""
+    stream runs the app in a task of its own. Whoever queues bytes writes
+    them, unless a write is in flight: that writer sends them when its own
+    write is done (no writer task to wake: ~15 us less per request)."""
 
     def __init__(self, server: LeanServer, stream: trio.SocketStream) -> None:
         self.server, self.stream = server, stream
@@ -917,43 +936,41 @@ class _H2:
         self.streams: dict[int, _H2Stream] = {}
         self.nursery: trio.Nursery | None = None
         self.read_scope = trio.CancelScope()
+        self.idle_since: float | None = trio.current_time()  # no stream open since
         self.closed = self.draining = False
-        self.queued = 0  # body bytes handed to the core since the writer last took its queue
-        self._stopping = False
-        self._dirty = trio.Event()
-        self._window = trio.Event()  # flow-control credit arrived
-        self._written = trio.Event()
+        self._writing = False
+        self._window: trio.Event | None = None  # for senders waiting for flow-control credit
+        self._written: trio.Event | None = None  # for senders held back by HIGH_WATER
 
     def drain(self) -> None:
         """Close once no stream is in flight (then GOAWAY), as hypercorn does: a
         GOAWAY under a live stream fails it in httpcore's client."""
         self.draining = True
+        self.expire()
+
+    def expire(self) -> None:
         if not self.streams:
             self.read_scope.cancel()
 
     async def run(self, data: bytes) -> None:
-        async with trio.open_nursery() as outer:
-            outer.start_soon(self._writer)
-            async with trio.open_nursery() as streams:
-                self.nursery = streams
-                self._receive(data)
-                with self.read_scope:
-                    await self._read_loop()
-                self._close()
-                streams.cancel_scope.cancel()
-            self._stopping = True  # the writer sends what is queued, then returns
-            self.flush()
-            outer.cancel_scope.deadline = trio.current_time() + 1.0
-        await self._last_words()
+        async with trio.open_nursery() as streams:
+            self.nursery = streams
+            self._receive(data)
+            await self.flush()
+            with self.read_scope:
+                await self._read_loop()
+            self._close()
+            streams.cancel_scope.cancel()
+        self.core.goaway()  # a final GOAWAY, if the peer still listens
+        await self.flush(grace=1.0)
 
     async def _read_loop(self) -> None:
         while not self.closed:
-            timeout = self.server.keep_alive_timeout if not self.streams else float("inf")
-            with trio.move_on_after(timeout) as idle:
-                data = await self.stream.receive_some(READ_SIZE)
-            if idle.cancelled_caught or not data:
+            data = await self.stream.receive_some(READ_SIZE)
+            if not data:
                 return
             self._receive(data)
+            await self.flush()
 
     def _receive(self, data: bytes) -> None:
         for event in self.core.receive(data):
@@ -970,11 +987,14 @@ class _H2:
                 if (s := self.streams.get(sid)) is not None:
                     s.reset()
             elif kind == WINDOW:
-                self._window.set()
-                self._window = trio.Event()
+                self._wake_senders()
             elif kind == CLOSED:
                 self.closed = True
-        self.flush()
+
+    def _wake_senders(self) -> None:
+        if self._window is not None:
+            self._window.set()
+            self._window = None
 
     def _open(self, sid: int, raw: list[tuple[bytes, bytes]], ended: bool) -> None:
         pseudo: dict[bytes, bytes] = {}
@@ -987,6 +1007,7 @@ class _H2:
         scope = _scope("2", pseudo.get(b":method", b"GET"), pseudo.get(b":path", b"/"),
                        headers, self.client, self.local)
         scope["scheme"] = pseudo.get(b":scheme", b"http").decode("latin-1")
+        self.idle_since = None
         stream = self.streams[sid] = _H2Stream(self, sid)
         stream.body_done = ended
         assert self.nursery is not None
@@ -1009,58 +1030,59 @@ class _H2:
         finally:
             del self.streams[stream.sid]
             stream.finish()
-            if self.draining and not self.streams:
-                self.read_scope.cancel()
+            await self.flush()
+            if not self.streams:
+                self.idle_since = trio.current_time()
+                if self.draining:
+                    self.read_scope.cancel()
 
     # -------- writing
 
-    def flush(self) -> None:
-        """Have the writer send what the core has queued."""
-        self._dirty.set()
+    async def flush(self, *, grace: float = WRITE_TIMEOUT) -> None:
+        """Send what the core has queued, for at most ``grace`` seconds a write
+        (shielded: a write cut short by a cancellation would corrupt every
+        stream of the connection)."""
+        if self._writing:
+            return  # the write in flight sends it next
+        self._writing = True
+        try:
+            while data := self.core.data_to_send():
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + grace
+                    await self.stream.send_all(data)
+                if scope.cancelled_caught:
+                    raise trio.BrokenResourceError("write timed out")
+                if self._written is not None:
+                    self._written.set()
+                    self._written = None
+        except _CLOSED:
+            self._close()
+            self.read_scope.cancel()
+        finally:
+            self._writing = False
 
     async def wait_written(self) -> None:
-        """Backpressure: wait while much is queued and not yet written."""
-        while not self.closed and self.queued > HIGH_WATER:
-            self.flush()
+        """Backpressure: wait while much is queued behind a write in flight."""
+        while not self.closed and len(self.core.out) > HIGH_WATER:
+            if not self._writing:
+                await self.flush()
+                continue
+            if self._written is None:
+                self._written = trio.Event()
             await self._written.wait()
 
     async def wait_window(self) -> None:
+        if self._window is None:
+            self._window = trio.Event()
         await self._window.wait()
-
-    async def _writer(self) -> None:
-        while True:
-            await self._dirty.wait()
-            self._dirty = trio.Event()
-            data = self.core.data_to_send()
-            self.queued = 0
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except _CLOSED:
-                    self._close()
-                    self.read_scope.cancel()
-                    return
-            self._written.set()
-            self._written = trio.Event()
-            if self._stopping:
-                return
 
     def _close(self) -> None:
         self.closed = True
         for s in list(self.streams.values()):
             s.reset()
-        self._window.set()
-        self._written.set()
-
-    async def _last_words(self) -> None:
-        """A final GOAWAY (and whatever else is queued), if the peer still listens."""
-        self.core.goaway()
-        data = self.core.data_to_send()
-        with trio.move_on_after(1.0):
-            try:
-                await self.stream.send_all(data)
-            except _CLOSED:
-                pass
+        self._wake_senders()
+        if self._written is not None:
+            self._written.set()
 
 
 class _H2Stream:
@@ -1100,7 +1122,7 @@ class _H2Stream:
                     core.credit(self.sid, length)
                 more = not self.body_done
                 if more:
-                    self.h2c.flush()  # credit now: the client may wait for it to send the rest
+                    await self.h2c.flush()  # credit now: the client may wait for it to send the rest
                 self.delivered = not more
                 return {"type": "http.request", "body": b"".join(c for c, _ in chunks),
                         "more_body": more}
@@ -1129,7 +1151,6 @@ class _H2Stream:
             elif end and not body:
                 core.send_data(self.sid, b"", True)
             if body:
-                self.h2c.queued += len(body)
                 await self._send_data(body, end)
         except StreamGone:
             self.reset()  # the client reset it, or the connection is closing
@@ -1137,7 +1158,7 @@ class _H2Stream:
         if end:
             self.complete = True
             self.wake()
-        self.h2c.flush()
+        await self.h2c.flush()
         await self.h2c.wait_written()
 
     async def _send_data(self, data: bytes, end: bool) -> None:
@@ -1145,7 +1166,7 @@ class _H2Stream:
         while data:
             size = min(len(data), core.window(self.sid))
             if size <= 0:
-                self.h2c.flush()
+                await self.h2c.flush()
                 await self.h2c.wait_window()
                 if self.closed:
                     raise StreamGone(self.sid)
@@ -1170,4 +1191,3 @@ class _H2Stream:
                 except StreamGone:
                     pass
         self.closed = True
-        self.h2c.flush()

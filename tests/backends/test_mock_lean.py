@@ -274,3 +274,20 @@ def test_response_headers_encode_as_hpack_reads_them() -> None:
     for status in (b"200", b"404", b"503", b"429"):
         block = encode_headers([(b":status", status), *headers[1:]])
         assert hpack.Decoder().decode(block, raw=True) == [(b":status", status), *headers[1:]]
+
+
+async def test_idle_connections_are_closed_after_the_keep_alive_timeout() -> None:
+    options = ServeOptions(keep_alive_timeout=0.2)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_lean, build_app(MockBackend()), options)
+        h1 = await trio.open_tcp_stream("127.0.0.1", _port(url))
+        await h1.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        h2c = await trio.open_tcp_stream("127.0.0.1", _port(url))
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        await h2c.send_all(conn.data_to_send())
+        with trio.fail_after(3):  # each is answered, then closed once idle
+            assert (await _recv_all(h1)).startswith(b"HTTP/1.1 200 OK")
+            events = list(conn.receive_data(await _recv_all(h2c)))
+        assert any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+        nursery.cancel_scope.cancel()
