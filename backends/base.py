@@ -50,11 +50,16 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # Sampling: ``None`` is "not given by the client". A backend fills it with
+    # its own default: the engine with the model's recommended sampling (its
+    # generation config), an OpenAI-style backend with OpenAI's (1.0, 1.0,
+    # off, off, 1.0). An HTTP adapter forwards only the fields that are set,
+    # so the server it calls applies its defaults in turn.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -72,6 +77,11 @@ class TopLogprob(msgspec.Struct):
     token_id: int
     logprob: float
     token: str = ""  # the token's text piece, when the backend can decode it
+    # The token's bytes, when the backend knows them. A token holding part of
+    # a UTF-8 character spells those bytes as ``\xNN`` escapes in ``token``
+    # (Python's ``backslashreplace``), which is how the wire layer reads a
+    # token that comes without them.
+    token_bytes: bytes | None = None
 
 
 class Logprob(msgspec.Struct):
@@ -79,6 +89,10 @@ class Logprob(msgspec.Struct):
     logprob: float
     token: str = ""
     top: list[TopLogprob] = []
+    token_bytes: bytes | None = None  # as on TopLogprob
+    # Where the token starts in its choice's text, in characters, when the
+    # backend knows (else the wire layer counts the tokens' characters).
+    text_offset: int | None = None
 
 
 class Usage(msgspec.Struct):

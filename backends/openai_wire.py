@@ -14,13 +14,14 @@ carries the ``seed`` actually used, which is what a resume needs.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
 import msgspec
 
-from backends.base import ChatMessage, Event, GenerateRequest, Logprob, Usage
+from backends.base import ChatMessage, Event, GenerateRequest, Logprob, TopLogprob, Usage
 from backends.errors import BadRequest
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "error_body",
     "logprobs_payload",
     "new_id",
+    "text_offsets",
     "to_generate_requests",
     "usage_payload",
 ]
@@ -311,32 +313,111 @@ def usage_payload(usage: Usage) -> dict[str, Any]:
 
 
 def logprobs_payload(kind: Kind, entries: list[Logprob], offset: int = 0) -> dict[str, Any]:
-    """OpenAI's two logprob shapes: completions' parallel arrays, chat's list."""
+    """OpenAI's two logprob shapes: completions' parallel arrays, chat's list.
+
+    Completions' ``top_logprobs`` maps hold the alternatives and always the
+    chosen token (so up to ``logprobs + 1`` keys, as OpenAI documents);
+    ``text_offset`` is where each token starts in the choice's text: the
+    backend's ``Logprob.text_offset`` where it gives one, else counted from the
+    tokens' bytes, ``offset`` being the length of the text before ``entries``
+    (a streamed chunk's)."""
     if kind == "chat":
         return {
             "content": [
                 {
                     "token": e.token,
                     "logprob": e.logprob,
-                    "bytes": list(e.token.encode()),
+                    "bytes": _token_bytes(e),
                     "top_logprobs": [
-                        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                        {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t)}
                         for t in e.top
                     ],
                 }
                 for e in entries
             ]
         }
-    offsets, pos = [], offset
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e.token)
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
-        "text_offset": offsets,
+        "top_logprobs": [_top_map(e) for e in entries],
+        "text_offset": [
+            e.text_offset if e.text_offset is not None else counted
+            for e, counted in zip(entries, text_offsets([_raw(e) for e in entries], offset), strict=True)
+        ],
     }
+
+
+def _raw(e: Logprob | TopLogprob) -> bytes:
+    """A token's bytes: as the backend gave them, else read from its text, where
+    ``\\xNN`` spells a byte that is not a whole character (the engine's
+    spelling, Python's ``backslashreplace``): what is left of a record that
+    crossed an HTTP hop without its bytes."""
+    if e.token_bytes is not None:
+        return e.token_bytes
+    if "\\x" not in e.token:
+        return e.token.encode()
+    parts = _ESCAPED_BYTE.split(e.token)  # text, hex, text, hex, ..., text
+    return b"".join(
+        bytes([int(part, 16)]) if i % 2 else part.encode() for i, part in enumerate(parts)
+    )
+
+
+_ESCAPED_BYTE = re.compile(r"\\x([0-9a-fA-F]{2})")
+
+
+def _token_bytes(e: Logprob | TopLogprob) -> list[int]:
+    return list(_raw(e))
+
+
+def _top_map(e: Logprob) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for t in e.top:
+        top.setdefault(t.token, t.logprob)  # the likelier of two equal texts
+    top.setdefault(e.token, e.logprob)
+    return top
+
+
+def text_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """Where each token starts in the text, in characters: the number of whole
+    characters before it (a token that begins inside a multi-byte character
+    starts at that character). ``pieces`` are the tokens' bytes, in order;
+    ``start`` the characters before them. A leading run of continuation bytes
+    finishes a character begun before ``pieces`` (not counted in ``start``,
+    as a stream emits a character only once it is whole)."""
+    offsets: list[int] = []
+    count, need, orphan = start, 0, False
+    for piece in pieces:
+        if piece and not _is_continuation(piece[0]):
+            count += int(orphan or need > 0)  # the open character ended (or was cut short)
+            orphan, need = False, 0
+        offsets.append(count)
+        for byte in piece:
+            if _is_continuation(byte):
+                if need:
+                    need -= 1
+                    count += int(need == 0)
+                else:
+                    orphan = True
+                continue
+            count += int(orphan or need > 0)
+            orphan = False
+            need = _utf8_width(byte) - 1
+            count += int(need == 0)
+    return offsets
+
+
+def _is_continuation(byte: int) -> bool:
+    return 0x80 <= byte < 0xC0
+
+
+def _utf8_width(lead: int) -> int:
+    if 0xC0 <= lead < 0xE0:
+        return 2
+    if 0xE0 <= lead < 0xF0:
+        return 3
+    if 0xF0 <= lead < 0xF8:
+        return 4
+    return 1  # ASCII, or an invalid byte (shown as one U+FFFD)
 
 
 def chunk_choice(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from .registry import expect, expect_equal, fail, skip
@@ -134,7 +135,9 @@ async def n_choices(t: HttpTarget) -> str:
 
 @HTTP.check("params.logprobs", "params")
 async def logprobs(t: HttpTarget) -> str:
-    """Completions logprobs=2: one entry per token, log-probabilities <= 0, <= 3 alternatives."""
+    """Completions logprobs=2, greedy: one entry per token, each a non-empty token
+    text, a log-probability <= 0, 2 or 3 alternatives with distinct texts among
+    them the chosen token, and text offsets that rise from 0 within the text."""
     body = t.completion_body(PROMPT, max_tokens=5, temperature=0, logprobs=2)
     reply = await t.post("/v1/completions", body)
     if reply.status == 400:
@@ -142,20 +145,28 @@ async def logprobs(t: HttpTarget) -> str:
     out = from_reply(reply, "completion")
     lp = _single(out, 0)
     count = out.completion_tokens()
-    for key in ("tokens", "token_logprobs", "top_logprobs"):
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         expect(isinstance(lp.get(key), list), f"logprobs.{key} is not a list")
         expect_equal(len(lp[key]), count, f"len(logprobs.{key}) vs completion_tokens")
-    expect(all(isinstance(x, str) for x in lp["tokens"]), "logprobs.tokens are not strings")
+    tokens = lp["tokens"]
+    expect(all(isinstance(x, str) and x for x in tokens), f"logprobs.tokens has an empty or non-string token: {tokens!r}")
     _logprob_values(lp["token_logprobs"], "token_logprobs")
-    for top in lp["top_logprobs"]:
-        expect(isinstance(top, dict) and 1 <= len(top) <= 3, f"top_logprobs entry {top!r}")
+    for token, top in zip(tokens, lp["top_logprobs"], strict=True):
+        # A dict of 2 alternatives plus the chosen token: fewer keys means two
+        # alternatives share a text (a target that cannot name its tokens).
+        expect(isinstance(top, dict) and 2 <= len(top) <= 3, f"top_logprobs entry {top!r}: not 2 or 3 distinct tokens")
+        expect(all(isinstance(k, str) and k for k in top), f"top_logprobs entry {top!r} has an empty token")
+        expect(token in top, f"top_logprobs entry {top!r} lacks the chosen (greedy) token {token!r}")
         _logprob_values(list(top.values()), "top_logprobs")
+    _text_offsets(lp["text_offset"], out.texts.get(0, ""))
     return f"{count} tokens"
 
 
 @HTTP.check("params.logprobs.chat", "params")
 async def logprobs_chat(t: HttpTarget) -> str:
-    """Chat logprobs with top_logprobs=2: content entries with token, logprob, 2 alternatives."""
+    """Chat logprobs with top_logprobs=2, greedy: content entries with a non-empty
+    token, its bytes, a log-probability, and 2 alternatives with distinct tokens
+    among them the chosen one."""
     body = t.chat_body(PROMPT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     reply = await t.post("/v1/chat/completions", body)
     if reply.status == 400:
@@ -165,12 +176,38 @@ async def logprobs_chat(t: HttpTarget) -> str:
     expect(isinstance(content, list), "logprobs.content is not a list")
     expect_equal(len(content), out.completion_tokens(), "len(logprobs.content) vs completion_tokens")
     for entry in content:
-        expect(isinstance(entry, dict) and isinstance(entry.get("token"), str), f"entry {entry!r}")
-        _logprob_values([entry.get("logprob")], "content.logprob")
+        expect(isinstance(entry, dict), f"entry {entry!r}")
+        _token_entry(entry, "content")
         top = entry.get("top_logprobs")
         expect(isinstance(top, list) and len(top) == 2, f"top_logprobs is {top!r}, not 2 entries")
-        _logprob_values([x.get("logprob") if isinstance(x, dict) else None for x in top], "top")
+        for alt in top:
+            expect(isinstance(alt, dict), f"top_logprobs entry {alt!r}")
+            _token_entry(alt, "top_logprobs")
+        texts = [alt["token"] for alt in top]
+        expect(len(set(texts)) == len(texts), f"top_logprobs tokens collide: {texts!r}")
+        expect(entry["token"] in texts, f"top_logprobs {texts!r} lacks the chosen (greedy) token {entry['token']!r}")
     return f"{len(content)} tokens"
+
+
+def _token_entry(entry: dict[str, Any], what: str) -> None:
+    token = entry.get("token")
+    expect(isinstance(token, str) and token, f"{what} token is {token!r}, not a non-empty string")
+    _logprob_values([entry.get("logprob")], f"{what}.logprob")
+    raw = entry.get("bytes")
+    if raw is not None:
+        ok = isinstance(raw, list) and raw and all(isinstance(b, int) and 0 <= b < 256 for b in raw)
+        expect(bool(ok), f"{what} bytes of {token!r} are {raw!r}, not a non-empty list of bytes")
+
+
+def _text_offsets(offsets: list[Any], text: str) -> None:
+    expect(all(isinstance(o, int) and not isinstance(o, bool) for o in offsets), f"text_offset {offsets!r} is not ints")
+    if not offsets:
+        return
+    expect(offsets[0] == 0, f"text_offset starts at {offsets[0]}, not 0")
+    rising = all(a <= b for a, b in itertools.pairwise(offsets))
+    expect(rising and offsets[-1] <= len(text), f"text_offset {offsets!r} does not rise within the text ({len(text)} chars)")
+    if len(offsets) > 1 and len(text) > 1:
+        expect(offsets[-1] > 0, f"text_offset {offsets!r} never leaves 0 in a {len(text)}-character text")
 
 
 def _single(out: Completion, index: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ knows token ids); a match ends the stream and aborts the sequence.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import itertools
 import logging
@@ -31,9 +32,19 @@ import msgspec
 import torch
 import trio
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, KVEvent, Usage
+from backends.base import (
+    BackendInfo,
+    Event,
+    GenerateRequest,
+    Health,
+    KVEvent,
+    Logprob,
+    TopLogprob,
+    Usage,
+)
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine, StepOutput
+from backends.engine.generation_config import ResolvedSampling, resolve_sampling_defaults
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.quant import attach_q4
 from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
@@ -94,6 +105,28 @@ def _advance(
     return list(new_ids), text, False
 
 
+class _TextOffsets:
+    """Names a request's logprob records (the sampler knows ids only): each
+    token's text and bytes, and where it starts in the output text, counted in
+    whole characters of the bytes before it (special tokens add none, as the
+    detokenizer skips them). The same for a stream and a whole answer, however
+    the detokenizer holds back a character split across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.piece = tokenizer.token_piece
+        self.special = set(tokenizer.backend.get_added_tokens_decoder())
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def label(self, lp: Logprob) -> Logprob:
+        text, raw = self.piece(lp.token_id)
+        offset = self.chars
+        if lp.token_id not in self.special:
+            self.chars += len(self.decoder.decode(raw))
+        top = [TopLogprob(t.token_id, t.logprob, *self.piece(t.token_id)) for t in lp.top]
+        return Logprob(lp.token_id, lp.logprob, text, top, raw, offset)
+
+
 class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_active_streams: int
     num_steps: int
@@ -149,6 +182,16 @@ class EngineBackend:
         self._run_step = run_step if run_step is not None else trio.to_thread.run_sync
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.sampling: ResolvedSampling = resolve_sampling_defaults(
+            engine.config, getattr(tokenizer, "recommended_sampling", None), model_name
+        )
+        if self.sampling.source:
+            log.info(
+                "%s: sampling defaults for unset request fields %s (from %s)",
+                model_name,
+                self.sampling.payload(),
+                self.sampling.source,
+            )
         self.max_queued_requests = max_queued_requests
         self._requests: dict[str, _Request] = {}
         self._commands: collections.deque[tuple[str, str]] = collections.deque()  # (op, request_id)
@@ -226,7 +269,9 @@ class EngineBackend:
                 param="prompt",
             )
         default = min(self.engine.config.default_max_tokens, room)
-        params = SamplingParams.from_request(request, default_max_tokens=default)
+        params = SamplingParams.from_request(
+            request, default_max_tokens=default, defaults=self.sampling.defaults
+        )
         stop_ids = set(params.stop_token_ids)
         if any(not 0 <= t < self.tokenizer.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids must be in the vocabulary", param="stop_token_ids")
@@ -264,6 +309,7 @@ class EngineBackend:
         recv: trio.MemoryReceiveChannel[StepOutput | HeadraceError],
     ) -> AsyncIterator[Event]:
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        offsets = _TextOffsets(self.tokenizer) if request.logprobs is not None else None
         stops = StopMatcher(request.stop)
         first, emitted = True, 0
         async with recv:
@@ -276,7 +322,9 @@ class EngineBackend:
                     tail, stopped_tail = stops.feed(detok.flush())
                     text += tail + ("" if stopped_tail else stops.flush())
                     stopped = stopped_tail
-                logprobs = out.logprobs[: len(ids)] if out.logprobs else out.logprobs
+                logprobs = out.logprobs
+                if out.logprobs and offsets is not None:
+                    logprobs = [offsets.label(lp) for lp in out.logprobs[: len(ids)]]
                 event = Event(token_ids=ids, text=text, logprobs=logprobs)
                 if first:
                     event.prompt_token_ids, event.seed, first = prompt, out.seed, False

@@ -13,7 +13,7 @@ import msgspec
 
 from backends.errors import BadRequest
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "SamplingDefaults"]
 
 Pos = Annotated[int, msgspec.Meta(gt=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -22,6 +22,42 @@ _GiB = 1 << 30
 # Default KV budget cap when neither num_kv_blocks nor kv_cache_gb is given.
 _DEFAULT_CAP_BYTES = {"cpu": 1 * _GiB}
 _DEFAULT_CAP_BYTES_ACCEL = 8 * _GiB
+
+
+class SamplingDefaults(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """Sampling for the fields a request leaves unset (``None``: no default here;
+    OpenAI's applies: temperature 1, top_p 1, top_k off, min_p off, no penalty).
+    See :mod:`backends.engine.generation_config` for where they come from."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None  # 0: off
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", self.temperature is None or self.temperature >= 0),
+            ("top_p", self.top_p is None or 0 < self.top_p <= 1),
+            ("top_k", self.top_k is None or self.top_k >= 0),
+            ("min_p", self.min_p is None or 0 <= self.min_p <= 1),
+            ("repetition_penalty", self.repetition_penalty is None or self.repetition_penalty > 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise BadRequest(
+                    f"sampling defaults: {name} out of range: {getattr(self, name)!r}", param=name
+                )
+
+    def fields(self) -> dict[str, float | int]:
+        """The defaults that are set, by name."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+    def over(self, other: SamplingDefaults) -> SamplingDefaults:
+        """These defaults, with ``other``'s filling the fields unset here."""
+        return SamplingDefaults(**(other.fields() | self.fields()))  # type: ignore[arg-type]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +78,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Run GGUF Q4_0/Q4_1 weights packed (4-bit kernel, bfloat16 on CPU) for small
     # batches instead of dequantised: see backends/engine/quant.py.
     packed_weights: bool = True
+    # Sampling for fields a request leaves unset, as vLLM does: "auto" takes the
+    # model's recommendation (GGUF general.sampling.*, generation_config.json, else
+    # the engine's per-model table), "off" keeps OpenAI's defaults (temperature 1).
+    # ``sampling_defaults`` wins over either, field by field.
+    generation_config: Literal["auto", "off"] = "auto"
+    sampling_defaults: SamplingDefaults | None = None
 
     def __post_init__(self) -> None:
         # msgspec checks the Meta constraints when decoding; direct construction

@@ -361,7 +361,10 @@ def _hf_tokenizer(folder: Path, config: Mapping[str, Any]) -> Tokenizer:
         }
     eos: list[int] = []
     gen = folder / "generation_config.json"
-    for source in (config, _read_json(gen) if gen.is_file() else {}):
+    generation = _read_json(gen) if gen.is_file() else {}
+    for source in (config, generation):
         value = source.get("eos_token_id")
         eos += value if isinstance(value, list) else [value] if isinstance(value, int) else []
-    return Tokenizer.from_hf_files(os.fspath(tok_json), tok_config, generation_eos=eos)
+    return Tokenizer.from_hf_files(
+        os.fspath(tok_json), tok_config, generation_eos=eos, generation=generation
+    )

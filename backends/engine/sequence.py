@@ -26,6 +26,7 @@ from typing import Annotated
 import msgspec
 
 from backends.base import GenerateRequest
+from backends.engine.config import SamplingDefaults
 from backends.errors import BadRequest
 
 __all__ = [
@@ -123,14 +124,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
 
     @classmethod
-    def from_request(cls, req: GenerateRequest, *, default_max_tokens: int) -> SamplingParams:
-        """The sampling part of a validated request (seed may still be ``None``)."""
+    def from_request(
+        cls,
+        req: GenerateRequest,
+        *,
+        default_max_tokens: int,
+        defaults: SamplingDefaults | None = None,
+    ) -> SamplingParams:
+        """The sampling part of a validated request (seed may still be ``None``).
+        A sampling field the request leaves unset (``None``) takes ``defaults``
+        (the model's recommended sampling), else OpenAI's default."""
+        d = defaults or SamplingDefaults()
+
+        def pick(value: float | None, default: float | None, openai: float) -> float:
+            return value if value is not None else default if default is not None else openai
+
         return cls(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
+            temperature=float(pick(req.temperature, d.temperature, 1.0)),
+            top_p=float(pick(req.top_p, d.top_p, 1.0)),
+            top_k=int(pick(req.top_k, d.top_k, 0)),
+            min_p=float(pick(req.min_p, d.min_p, 0.0)),
+            repetition_penalty=float(pick(req.repetition_penalty, d.repetition_penalty, 1.0)),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             seed=req.seed,

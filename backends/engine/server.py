@@ -3,6 +3,8 @@
 The OpenAI routes come from the shared frontend (:mod:`backends.openai_server`);
 this module adds the engine's own::
 
+    GET  /v1/models      the shared frontend's list, plus each model's ``sampling_defaults``
+                         (what unset request fields get) and ``sampling_defaults_source``
     POST /tokenize       {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}
     POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
     GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
@@ -28,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
-from backends.engine.config import EngineConfig
+from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.engine import LLMEngine
 from backends.engine.host import MainThreadHost
 from backends.engine.runner import resolve_device
@@ -74,6 +76,7 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
     return OpenAIServer(
         backend,
         extra_routes={
+            ("GET", "/v1/models"): routes.models,
             ("POST", "/tokenize"): routes.tokenize,
             ("POST", "/detokenize"): routes.detokenize,
             ("GET", "/v1/kv_events"): routes.kv_events,
@@ -88,6 +91,23 @@ class _Routes:
         self.backend = backend
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(backend))
+
+    async def models(self, request: HTTPRequest) -> Response:
+        info = self.backend.info()
+        sampling = self.backend.sampling
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "created": 0,
+                "owned_by": info.name,
+                "max_model_len": info.max_context,
+                "sampling_defaults": sampling.payload(),
+                "sampling_defaults_source": sampling.source or "OpenAI defaults",
+            }
+            for m in info.models
+        ]
+        return json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         req: TokenizeRequest = _decode(request.body, TokenizeRequest)
@@ -273,6 +293,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU, NCCL on CUDA)"
     )
+    p.add_argument(
+        "--generation-config",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: requests that leave temperature/top_p/top_k/min_p/repetition_penalty "
+        "unset get the model's recommended values (its generation config, else the "
+        "engine's per-model default); off: OpenAI's defaults (temperature 1)",
+    )
+    p.add_argument(
+        "--sampling-defaults",
+        metavar="JSON",
+        help='sampling defaults that win over the model\'s, e.g. \'{"temperature": 0.7}\'',
+    )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
     add_cli_arguments(p)
@@ -293,9 +326,20 @@ def _config(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
             enable_kv_events=not args.no_kv_events,
             packed_weights=args.packed_weights,
+            generation_config=args.generation_config,
+            sampling_defaults=_sampling_defaults(args.sampling_defaults),
         )
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from None
+
+
+def _sampling_defaults(text: str | None) -> SamplingDefaults | None:
+    if text is None:
+        return None
+    try:
+        return msgspec.json.decode(text, type=SamplingDefaults)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"--sampling-defaults: {exc}", param="sampling_defaults") from None
 
 
 def resolve_dtype(name: str, device: str) -> Literal["float32", "bfloat16"]:

@@ -6,6 +6,11 @@ llama.cpp uses for that ``tokenizer.ggml.pre``. A Hugging Face directory carries
 ``tokenizer.json`` and ``tokenizer_config.json``. Either way nothing is fetched from
 the network.
 
+Each token also has a *piece*: its bytes (a byte-level BPE token's bytes, a
+SentencePiece ``<0xNN>`` token's byte, a special token's text) and the text shown
+for it in logprobs, where a token holding part of a UTF-8 character spells its
+bytes as ``\\xNN`` escapes (so no two tokens of a distribution share a text).
+
 Chat templates are Jinja, rendered in a sandbox (they come from model files, i.e.
 from strangers) with the helpers Hugging Face templates expect (``raise_exception``,
 ``tojson``, ``strftime_now``).
@@ -17,7 +22,9 @@ emitting half of a multi-byte character (vLLM's prefix/read offsets).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,12 +33,16 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from backends.engine import generation_config
+from backends.engine.config import SamplingDefaults
 from backends.errors import BadRequest, HeadraceError
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -68,14 +79,21 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         chat_template: str | None,
         add_bos_token: bool = False,
+        recommended_sampling: SamplingDefaults | None = None,
     ) -> None:
+        """``recommended_sampling``: what the model file recommends for sampling
+        (its generation config), read with the rest of its conventions."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        self.recommended_sampling = recommended_sampling or SamplingDefaults()
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     # ---- construction -------------------------------------------------------------
 
@@ -116,6 +134,7 @@ class Tokenizer:
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            recommended_sampling=generation_config.from_gguf_metadata(meta),
         )
 
     @classmethod
@@ -124,8 +143,10 @@ class Tokenizer:
         tokenizer_json: str,
         tokenizer_config: Mapping[str, Any],
         generation_eos: Iterable[int] = (),
+        generation: Mapping[str, Any] | None = None,
     ) -> Tokenizer:
-        """Build from a ``tokenizer.json`` path and the parsed ``tokenizer_config.json``."""
+        """Build from a ``tokenizer.json`` path and the parsed ``tokenizer_config.json``
+        (and ``generation_config.json``, for its recommended sampling)."""
         backend = HFTokenizer.from_file(tokenizer_json)
         bos_id = _token_id(backend, tokenizer_config.get("bos_token"))
         eos_id = _token_id(backend, tokenizer_config.get("eos_token"))
@@ -136,6 +157,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=_template_text(tokenizer_config.get("chat_template")),
+            recommended_sampling=generation_config.from_generation_config(generation or {}),
         )
 
     # ---- text <-> ids --------------------------------------------------------------
@@ -164,6 +186,39 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         token: str | None = self.backend.id_to_token(token_id)
         return token
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, bytes)`` of one token, as logprobs show it: the bytes it adds to
+        the output (special tokens: their text), and their UTF-8 text, with bytes
+        that are not a whole character written as ``\\xNN``. An id the tokenizer
+        does not know (a model vocabulary padded past it) is ``token_id:N``."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = self._token_bytes(token_id)
+            if raw is None:
+                text = f"token_id:{token_id}"
+                piece = (text, text.encode())
+            else:
+                piece = (raw.decode("utf-8", errors="backslashreplace"), raw)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.encode()
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return None
+        if self._byte_level:
+            chars = _unicode_to_byte()
+            if all(c in chars for c in token):
+                return bytes(chars[c] for c in token)
+            return token.encode()
+        byte = _BYTE_PIECE.fullmatch(token)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        return token.replace("\u2581", " ").encode()  # SentencePiece's word marker
 
     # ---- chat ------------------------------------------------------------------------
 
@@ -197,6 +252,20 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _token_id(backend: HFTokenizer, token: Any) -> int | None:

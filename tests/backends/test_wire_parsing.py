@@ -1,5 +1,6 @@
 """The sans-I/O parts of the HTTP adapter: SSE framing, chunk -> event
-conversion, and the status-code translation table."""
+conversion, and the status-code translation table; and of the wire format:
+logprob shapes and unset sampling fields."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.base import Logprob, TopLogprob
 from backends.errors import (
     BackendProtocolError,
     BackendTimeout,
@@ -22,6 +24,12 @@ from backends.errors import (
     UpstreamError,
 )
 from backends.openai_http import _ChunkParser, status_error
+from backends.openai_wire import (
+    decode_request,
+    logprobs_payload,
+    text_offsets,
+    to_generate_requests,
+)
 from backends.sse import SSEParser
 
 PAYLOADS = ['{"a": 1}', '{"b": "x\\ny"}', "[DONE]"]
@@ -168,3 +176,96 @@ def test_status_error_reads_retry_after_in_seconds_or_as_a_date_and_plain_text_b
     assert date.retry_after == 0.0  # in the past
     assert status_error(503, b"", "soon").retry_after is None
     assert status_error(502, b"<html>bad gateway</html>").message == "<html>bad gateway</html>"
+
+
+# ---- the wire format (backends.openai_wire): logprob shapes, unset sampling fields
+
+
+def _lp(token: str, logprob: float, top: list[tuple[str, float]], raw: bytes | None = None) -> Logprob:
+    return Logprob(-1, logprob, token, [TopLogprob(-1, v, t) for t, v in top], raw)
+
+
+def test_completion_logprobs_have_distinct_keys_the_chosen_token_and_text_offsets() -> None:
+    entries = [
+        _lp(" Paris", -0.1, [(" Paris", -0.1), (" Lyon", -2.5)]),
+        _lp(".", -0.7, [("!", -0.6), (",", -1.0)]),  # sampled, not among the top 2
+        _lp(" é", -0.2, [(" é", -0.2), (" '", -3.0)]),
+    ]
+    out = logprobs_payload("completion", entries)
+    assert out["tokens"] == [" Paris", ".", " é"]
+    assert out["token_logprobs"] == [-0.1, -0.7, -0.2]
+    assert out["top_logprobs"] == [
+        {" Paris": -0.1, " Lyon": -2.5},
+        {"!": -0.6, ",": -1.0, ".": -0.7},
+        {" é": -0.2, " '": -3.0},
+    ]
+    assert out["text_offset"] == [0, 6, 7]
+    assert logprobs_payload("completion", entries[1:], offset=6)["text_offset"] == [6, 7]
+
+
+def test_chat_logprobs_carry_each_tokens_bytes() -> None:
+    top = [TopLogprob(-1, -0.5, "\\xe6", b"\xe6"), TopLogprob(-1, -1.0, "a")]
+    entries = [Logprob(-1, -0.5, "\\xe6", top, b"\xe6"), _lp("x", -0.1, [])]
+    content = logprobs_payload("chat", entries)["content"]
+    assert content[0] == {
+        "token": "\\xe6",
+        "logprob": -0.5,
+        "bytes": [0xE6],
+        "top_logprobs": [
+            {"token": "\\xe6", "logprob": -0.5, "bytes": [0xE6]},
+            {"token": "a", "logprob": -1.0, "bytes": [97]},
+        ],
+    }
+    assert content[1]["bytes"] == [120] and content[1]["top_logprobs"] == []
+
+
+@pytest.mark.parametrize(
+    ("pieces", "start", "offsets"),
+    [
+        ([b"a", b"\xe2", b"\x80\x99", b"b"], 0, [0, 1, 1, 2]),  # "a\u2019b": U+2019 in three pieces
+        ([b" \xe6", b"\x97", b"\xa5", b"\xe6\x9c\xac", b" x"], 0, [0, 1, 1, 2, 3]),  # " 日本 x"
+        ([b"\x80\x99", b"b"], 1, [1, 2]),  # a chunk that finishes a character of the last one
+        ([b"\xe2", b"b"], 0, [0, 1]),  # a cut character shows as one U+FFFD
+        ([], 5, []),
+    ],
+)
+def test_text_offsets_count_whole_characters_before_each_token(
+    pieces: list[bytes], start: int, offsets: list[int]
+) -> None:
+    assert text_offsets(pieces, start) == offsets
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=20), st.lists(st.integers(1, 4), max_size=30))
+def test_text_offsets_of_any_split_point_at_the_characters_so_far(text: str, sizes: list[int]) -> None:
+    raw = text.encode()
+    pieces, pos = [], 0
+    for n in [*sizes, len(raw)]:
+        if pos < len(raw):
+            pieces.append(raw[pos : pos + n])
+            pos += n
+    starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    want = [len(raw[:s].decode("utf-8", errors="ignore")) for s in starts]
+    assert text_offsets(pieces) == want
+
+
+def test_unset_sampling_fields_stay_unset_for_the_backend_to_fill() -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    wire, extra = decode_request(body, "chat")
+    (req,) = to_generate_requests(wire, extra, request_id="r")
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.repetition_penalty) == (None,) * 5
+    given_ = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    wire, extra = decode_request(json.dumps({"prompt": "hi", **given_}).encode(), "completion")
+    (req,) = to_generate_requests(wire, extra, request_id="r")
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.repetition_penalty) == (
+        1.0, 1.0, 0, 0.0, 1.0,
+    )
+
+
+def test_escaped_bytes_in_a_token_text_count_as_those_bytes() -> None:
+    """Records that crossed an HTTP hop carry text only: ``\\xNN`` is a byte."""
+    entries = [_lp(" \\xe6", -1.0, []), _lp("\\x97", -1.0, []), _lp("\\xa5", -1.0, []), _lp("!", -1.0, [])]
+    out = logprobs_payload("completion", entries)
+    assert out["text_offset"] == [0, 1, 1, 2]  # " 日!"
+    chat = logprobs_payload("chat", entries)["content"]
+    assert [e["bytes"] for e in chat] == [[32, 0xE6], [0x97], [0xA5], [33]]

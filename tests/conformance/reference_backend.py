@@ -37,7 +37,8 @@ class ReferenceBackend:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         prompt = self._prompt(request)
-        sampling = Sampling(max_tokens=request.max_tokens or 16, temperature=request.temperature,
+        temperature = 1.0 if request.temperature is None else request.temperature  # OpenAI default
+        sampling = Sampling(max_tokens=request.max_tokens or 16, temperature=temperature,
                             seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos)
         gen = generate(prompt, sampling, self.flaws & {"seed_ignored", "resume_drift",
                                                         "stop_no_straddle", "max_tokens_off_by_one"})

@@ -21,7 +21,8 @@ from .reference_model import VOCAB, Generation, Sampling, alternatives, generate
 FLAWS = frozenset({
     "no_done", "unstable_ids", "error_status_500", "no_error_shape", "stop_no_straddle",
     "leak_on_disconnect", "no_retry_after", "bad_usage", "seed_ignored", "resume_drift",
-    "max_tokens_off_by_one", "no_role", "no_models",
+    "max_tokens_off_by_one", "no_role", "no_models", "logprob_tokens_empty",
+    "logprob_tokens_collide",
 })
 
 
@@ -263,19 +264,36 @@ class Renderer:
         if want is None or want is False:
             return None
         k = (self.body.top_logprobs or 0) if self.kind == "chat" else int(want)
-        entries = [(VOCAB[g.ids[i]], g.logprobs[i], alternatives(g.ids[i], k - 1)) for i in steps]
+        empty = "logprob_tokens_empty" in self.flaws  # ids only, no token text (text_offset all 0)
+        collide = "logprob_tokens_collide" in self.flaws  # every alternative named like the chosen token
+
+        def name(token: int, chosen: int) -> str:
+            return "" if empty else VOCAB[chosen if collide else token]
+
+        entries = [(g.ids[i], g.logprobs[i], alternatives(g.ids[i], k - 1)) for i in steps]
         if self.kind == "chat":
-            return {"content": [_chat_lp(tok, lp, alts) for tok, lp, alts in entries]}
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [{tok: lp} | {VOCAB[a]: lp - 0.5 - j for j, a in enumerate(alts)}
-                                 for tok, lp, alts in entries],
-                "text_offset": [0] * len(entries)}
+            return {"content": [_chat_lp(name(t, t), lp, [name(a, t) for a in alts])
+                                for t, lp, alts in entries]}
+        offsets = [0] * len(entries) if empty else _offsets(g, steps)
+        return {"tokens": [name(t, t) for t, _, _ in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [{name(t, t): lp} | {name(a, t): lp - 0.5 - j for j, a in enumerate(alts)}
+                                 for t, lp, alts in entries],
+                "text_offset": offsets}
 
 
-def _chat_lp(token: str, lp: float, alts: list[int]) -> dict[str, Any]:
+def _offsets(g: Generation, steps: range) -> list[int]:
+    """Where each token of ``steps`` starts in the choice's text."""
+    pos = sum(len(p) for p in g.pieces[: steps.start])
+    out = []
+    for i in steps:
+        out.append(pos)
+        pos += len(g.pieces[i]) if i < len(g.pieces) else 0
+    return out
+
+
+def _chat_lp(token: str, lp: float, alts: list[str]) -> dict[str, Any]:
     top = [{"token": token, "logprob": lp, "bytes": list(token.encode())}]
-    top += [{"token": VOCAB[a], "logprob": lp - 0.5 - j, "bytes": list(VOCAB[a].encode())}
-            for j, a in enumerate(alts)]
+    top += [{"token": a, "logprob": lp - 0.5 - j, "bytes": list(a.encode())} for j, a in enumerate(alts)]
     return {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": top}
 
 

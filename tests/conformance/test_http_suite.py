@@ -42,6 +42,8 @@ BROKEN = {
     "resume_drift": ["tokens.resume.seeded"],
     "leak_on_disconnect": ["load.cancellation"],
     "no_retry_after": ["load.overload"],
+    "logprob_tokens_empty": ["params.logprobs", "params.logprobs.chat"],
+    "logprob_tokens_collide": ["params.logprobs", "params.logprobs.chat"],
 }
 # checks the flaw must leave passing (the suite blames the right clause)
 CONTROLS = {

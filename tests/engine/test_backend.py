@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import trio
 from backends.base import ChatMessage, Event, GenerateRequest
 from backends.engine.backend import EngineBackend, build_engine, open_engine_backend
 from backends.engine.config import EngineConfig
-from backends.engine.loader import LoadedModel, load_model
+from backends.engine.loader import LoadedModel, load_model, read_tokenizer
 from backends.errors import BadRequest, ContextLengthExceeded, StreamBroken
+from tests.engine import tiny
 
 
 def _config(path: Path, **kw: object) -> EngineConfig:
@@ -206,6 +208,28 @@ async def test_logprobs_are_reported_per_token(tiny_gguf: Path) -> None:
     assert all(lp.top[0].token_id == lp.token_id for lp in lps)  # greedy picks the top token
 
 
+async def test_logprobs_name_each_token_by_its_text_and_bytes(tiny_gguf: Path) -> None:
+    """The sampler knows ids; the backend names them: non-empty, distinct texts
+    among the alternatives, and the bytes of the tokens spell the text."""
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+        req = GenerateRequest(
+            prompt="the water", max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True
+        )
+        events = await _collect(backend, req)
+    lps = [lp for e in events for lp in (e.logprobs or [])]
+    assert len(lps) == 12
+    for lp in lps:
+        text, raw = tok.token_piece(lp.token_id)
+        assert lp.token == text != "" and (lp.token_bytes or lp.token.encode()) == raw
+        tops = [t.token for t in lp.top]
+        assert len(tops) == 5 and len(set(tops)) == 5 and all(tops)
+        assert lp.top[0].token == lp.token
+    special = set(tok.backend.get_added_tokens_decoder())  # not in the text
+    spelled = b"".join(lp.token_bytes or lp.token.encode() for lp in lps if lp.token_id not in special)
+    assert spelled.decode("utf-8", errors="replace") == "".join(e.text for e in events)
+
+
 class _BrokenRunner:
     """Delegates to a real runner until told to fail (a device error mid-serving)."""
 
@@ -237,3 +261,52 @@ async def test_a_failing_step_breaks_the_streams_but_not_the_engine(tiny_gguf: P
         assert events[-1].finish_reason == "length"
         assert backend.statistics().num_step_errors == 1
     assert engine.statistics().kv_usage == 0.0
+
+
+# ---- sampling defaults for unset request fields -----------------------------------------
+
+
+async def test_the_checkpoints_recommended_sampling_fills_unset_fields(
+    tmp_path: Path, tiny_hf_model
+) -> None:  # type: ignore[no-untyped-def]
+    """GGUF ``general.sampling.*``: a request without temperature samples at the
+    model's; one that sets it (even to OpenAI's 1.0) keeps its own."""
+    path = tiny.write_gguf(
+        tiny_hf_model,
+        tmp_path / "tuned.gguf",
+        metadata={"general.sampling.temp": 0.25, "general.sampling.top_k": 7},
+    )
+    engine, tok, name = build_engine(_config(path))
+    backend = EngineBackend(engine, tok, model_name=name)
+    assert backend.sampling.payload() == {"temperature": 0.25, "top_k": 7}
+    unset = backend._params(GenerateRequest(prompt_token_ids=[5]), 1)
+    assert (unset.temperature, unset.top_k, unset.top_p) == (0.25, 7, 1.0)
+    given = backend._params(GenerateRequest(prompt_token_ids=[5], temperature=1.0, top_k=0), 1)
+    assert (given.temperature, given.top_k) == (1.0, 0)
+    off = EngineBackend(*build_engine(_config(path, generation_config="off"))[:2], model_name=name)
+    assert off._params(GenerateRequest(prompt_token_ids=[5]), 1).temperature == 1.0
+
+
+def test_generation_config_json_beside_safetensors_is_the_recommendation(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_bytes((tiny_dir / "hf" / f).read_bytes())
+    # What save_pretrained wrote for the tiny model: no recommendation.
+    assert read_tokenizer(str(tiny_dir / "hf")).recommended_sampling.fields() == {}
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, "temperature": 0.6, "top_p": 0.95, "top_k": 50})
+    )
+    assert read_tokenizer(str(folder)).recommended_sampling.fields() == {"temperature": 0.6, "top_p": 0.95}
+
+
+@pytest.mark.slow
+async def test_the_default_model_samples_at_its_model_cards_temperature(smol: LoadedModel) -> None:
+    engine, tok, name = build_engine(EngineConfig(num_kv_blocks=32), smol)
+    backend = EngineBackend(engine, tok, model_name=name)
+    assert backend.sampling.payload() == {"temperature": 0.2, "top_p": 0.9}
+    assert "SmolLM2 model card" in backend.sampling.source
+    params = backend._params(GenerateRequest(prompt="hi"), 1)
+    assert (params.temperature, params.top_p) == (0.2, 0.9)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from backends.engine.backend import EngineBackend, build_engine
-from backends.engine.config import EngineConfig
+from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.server import main, run_server
 from backends.serving import ServeOptions
 
@@ -55,6 +55,60 @@ async def test_completion_chat_stream_over_http2(server: tuple[str, EngineBacken
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in {"stop", "length"}
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_logprobs_over_http_in_both_openai_shapes(server: tuple[str, EngineBackend]) -> None:
+    """/v1/completions ``logprobs: 3``: three distinct alternatives per token (plus
+    the chosen one if it is not among them) and rising text offsets; chat: tokens
+    with their bytes. Streamed chunks give the same entries as the whole answer."""
+    url, _ = server
+    async with httpx.AsyncClient(base_url=url) as client:
+        body = {"prompt": "the water", "max_tokens": 8, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+        choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == 8 and all(lp["tokens"])
+        assert all(len(top) == 3 and tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
+        offsets = lp["text_offset"]
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(choice["text"])
+        assert offsets[-1] > 0
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            chunks = [json.loads(line[6:]) async for line in resp.aiter_lines() if line.startswith("data: {")]
+        streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        assert [t for c in streamed for t in c["tokens"]] == lp["tokens"]
+        assert [o for c in streamed for o in c["text_offset"]] == offsets
+
+        chat = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        }
+        content = (await client.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 6
+        for entry in content:
+            assert entry["token"] and entry["bytes"] and all(0 <= b < 256 for b in entry["bytes"])
+            texts = [t["token"] for t in entry["top_logprobs"]]
+            assert len(set(texts)) == 2 and texts[0] == entry["token"]
+
+
+async def test_models_say_which_sampling_defaults_apply(tiny_gguf: Path) -> None:
+    config = EngineConfig(
+        model=str(tiny_gguf), num_kv_blocks=16, block_size=4, max_model_len=64,
+        sampling_defaults=SamplingDefaults(temperature=0.4, top_p=0.8),
+    )
+    engine, tok, name = build_engine(config)
+    backend = EngineBackend(engine, tok, model_name=name)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(run_server, backend, ServeOptions("127.0.0.1", 0), shutdown)
+        async with httpx.AsyncClient(base_url=url) as client:
+            (model,) = (await client.get("/v1/models")).json()["data"]
+        shutdown.set()
+    assert model["id"] == name and model["max_model_len"] == 64
+    assert model["sampling_defaults"] == {"temperature": 0.4, "top_p": 0.8}
+    assert model["sampling_defaults_source"] == "engine config"
 
 
 async def test_tokenize_detokenize_round_trip(server: tuple[str, EngineBackend]) -> None:
@@ -229,3 +283,17 @@ def test_dtype_auto_picks_bfloat16_only_where_it_is_fast() -> None:
     assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+
+
+def test_cli_sampling_flags_reach_the_engine_config() -> None:
+    from backends.engine.server import _config, _parser
+    from backends.errors import BadRequest
+
+    args = _parser().parse_args(
+        ["--generation-config", "off", "--sampling-defaults", '{"temperature": 0.3}', "--dtype", "float32"]
+    )
+    config = _config(args)
+    assert config.generation_config == "off"
+    assert config.sampling_defaults == SamplingDefaults(temperature=0.3)
+    with pytest.raises(BadRequest, match="sampling-defaults"):
+        _config(_parser().parse_args(["--sampling-defaults", '{"temp": 1}', "--dtype", "float32"]))

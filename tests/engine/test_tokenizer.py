@@ -142,3 +142,53 @@ def test_smollm2_streaming_text_keeps_spaces_and_multibyte_characters(smol_tok: 
     pieces = [detok.push([i]) for i in ids] + [detok.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+# ---- token pieces (what logprobs show) ------------------------------------------------
+
+
+def test_every_token_has_a_distinct_non_empty_piece(tok: Tokenizer) -> None:
+    texts = [tok.token_piece(i)[0] for i in range(tok.vocab_size)]
+    assert all(texts) and len(set(texts)) == len(texts)
+
+
+def test_pieces_are_the_bytes_a_token_adds(tok: Tokenizer) -> None:
+    text = " the water \u2019 é"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_piece(i)[1] for i in ids) == text.encode()
+    assert tok.token_piece(tok.backend.token_to_id("Ġthe")) == (" the", b" the")
+    assert tok.token_piece(tiny.EOS_ID) == ("<|im_end|>", b"<|im_end|>")
+    # A byte of a multi-byte character: shown as its escape, given as the byte.
+    e2 = tok.backend.token_to_id(tiny.bytes_to_unicode()[0xE2])
+    assert tok.token_piece(e2) == ("\\xe2", b"\xe2")
+    past = tok.vocab_size + 3  # a model vocabulary padded past the tokenizer's
+    assert tok.token_piece(past) == (f"token_id:{past}", f"token_id:{past}".encode())
+
+
+def test_tokenizer_json_gives_the_same_pieces(tiny_dir: Path, tok: Tokenizer) -> None:
+    hf = read_checkpoint(str(tiny_dir / "hf")).tokenizer
+    assert [hf.token_piece(i) for i in range(tok.vocab_size)] == [
+        tok.token_piece(i) for i in range(tok.vocab_size)
+    ]
+
+
+def test_sentencepiece_pieces_map_the_word_marker_and_byte_fallback() -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "▁the": 1, "<0xE2>": 2, "<0x80>": 3, "<0x99>": 4, "s": 5}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
+    sp = Tokenizer(backend, bos_token_id=None, eos_token_ids=(), chat_template=None)
+    assert sp.token_piece(1) == (" the", b" the")
+    assert [sp.token_piece(i)[1] for i in (2, 3, 4)] == [b"\xe2", b"\x80", b"\x99"]
+    assert sp.token_piece(2)[0] == "\\xe2"
+
+
+def test_smollm2_pieces_spell_the_text(smol_tok: Tokenizer) -> None:
+    text = "The capital of France is Paris. 日本 🎉"
+    ids = smol_tok.encode(text)
+    pieces = [smol_tok.token_piece(i) for i in ids]
+    assert b"".join(raw for _, raw in pieces) == text.encode()
+    assert pieces[:3] == [("The", b"The"), (" capital", b" capital"), (" of", b" of")]
+    assert all(t for t, _ in pieces)

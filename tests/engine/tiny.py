@@ -126,10 +126,12 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     chat_template: str | None = CHAT_TEMPLATE,
     raw: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    metadata: Mapping[str, float | int | str] | None = None,
 ) -> Path:
     """Write ``model`` as llama.cpp would; 2-D weights in ``qtype``, norms in F32.
     ``raw`` maps GGUF tensor names to ready-made bytes (uint8, ``[rows, bytes per row]``)
-    and their type, written instead of the model's weights (types gguf cannot quantise)."""
+    and their type, written instead of the model's weights (types gguf cannot quantise).
+    ``metadata``: extra keys (float32, int32 or string), e.g. ``general.sampling.temp``."""
     c = model.config
     tokens, types, merges = vocab()
     w = gguf.GGUFWriter(str(path), "llama")
@@ -153,6 +155,13 @@ def write_gguf(
     w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_int32(key, value)
+        else:
+            w.add_float32(key, value)
     for name, array in _gguf_tensors(model).items():
         if raw is not None and name in raw:
             data, raw_type = raw[name]
