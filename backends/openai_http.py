@@ -35,7 +35,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any, Literal, cast
 
 import h2.exceptions
@@ -115,6 +115,11 @@ def _usage(obj: object) -> Usage | None:
     )
 
 
+def _bytes(value: object) -> bytes | None:
+    """A chat logprob's ``bytes`` (a list of byte values), or None."""
+    return bytes(value) if isinstance(value, list) else None
+
+
 def _logprobs(obj: object, ids: list[int]) -> list[Logprob] | None:
     """Both OpenAI shapes: completions' parallel arrays, chat's ``content``."""
     if not isinstance(obj, dict):
@@ -125,24 +130,28 @@ def _logprobs(obj: object, ids: list[int]) -> list[Logprob] | None:
                 (
                     e["token"],
                     e["logprob"],
-                    [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []],
+                    _bytes(e.get("bytes")),
+                    [(t["token"], t["logprob"], _bytes(t.get("bytes"))) for t in e.get("top_logprobs") or []],
                 )
                 for e in obj["content"]
             ]
         else:
             tops = obj.get("top_logprobs") or [None] * len(obj["tokens"])
             entries = [
-                (tok, lp, list((top or {}).items()))
+                (tok, lp, None, [(k, v, None) for k, v in (top or {}).items()])
                 for tok, lp, top in zip(obj["tokens"], obj["token_logprobs"], tops, strict=True)
             ]
+        # Upstream text offsets are not carried: the frontend counts them
+        # for the text it relays (a resumed stream restarts them upstream).
         return [
             Logprob(
                 ids[i] if i < len(ids) else -1,
                 float(lp),
                 str(tok),
-                [TopLogprob(-1, float(v), str(k)) for k, v in top],
+                [TopLogprob(-1, float(v), str(k), b) for k, v, b in top],
+                token_bytes=raw,
             )
-            for i, (tok, lp, top) in enumerate(entries)
+            for i, (tok, lp, raw, top) in enumerate(entries)
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BackendProtocolError(f"malformed logprobs in chunk: {exc!r}") from None
@@ -646,11 +655,9 @@ class OpenAIHTTPBackend:
         self._max_context = min(lengths) if lengths else None
         return self.info()
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, payload = self._payload(request)
-        async with aclosing(self._tally.track(self._stream(path, payload))) as events:
-            async for event in events:
-                yield event
+        return self._tally.track(self._stream(path, payload))
 
     # ------------------------------------------------------------ internals
 
@@ -666,19 +673,18 @@ class OpenAIHTTPBackend:
         model = req.model or self.model or (self._models[0] if self._models else None)
         if model:
             body["model"] = model
-        body.update(
-            stream=True,
-            stream_options={"include_usage": True},
-            temperature=req.temperature,
-            top_p=req.top_p,
-        )
+        body.update(stream=True, stream_options={"include_usage": True})
+        # Sampling fields the client left unset (None) stay unset upstream,
+        # so the backend applies its model's defaults.
         optional: dict[str, Any] = {
+            "temperature": req.temperature,
+            "top_p": req.top_p,
             "max_tokens": req.max_tokens,
             "seed": req.seed,
             "stop": req.stop or None,
-            "top_k": req.top_k or None,
-            "min_p": req.min_p or None,
-            "repetition_penalty": req.repetition_penalty if req.repetition_penalty != 1.0 else None,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "repetition_penalty": req.repetition_penalty,
             "presence_penalty": req.presence_penalty or None,
             "frequency_penalty": req.frequency_penalty or None,
             "min_tokens": req.min_tokens or None,

@@ -59,6 +59,19 @@ class SSEParser:
 
     def _drain(self) -> list[SSEEvent]:
         events: list[SSEEvent] = []
+        if "\r" not in self._buffer:
+            # The common case (servers end lines in LF): one split, not a
+            # search and a copy of the rest per line.
+            lines = self._buffer.split("\n")
+            self._buffer = lines.pop()
+            for text in lines:
+                if text:
+                    self._line(text)
+                elif self._data:
+                    events += self._dispatch()
+                else:
+                    self._event = ""
+            return events
         while True:
             line = self._next_line()
             if line is None:

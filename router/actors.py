@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -228,13 +227,22 @@ class BackendActor:
         )
 
 
-@asynccontextmanager
-async def closing_stream(it: AsyncIterator[Event]) -> AsyncIterator[AsyncIterator[Event]]:
-    """Close an async generator when the block exits, however it exits."""
-    try:
-        yield it
-    finally:
-        aclose: Callable[[], Any] | None = getattr(it, "aclose", None)
+class closing_stream:
+    """``async with closing_stream(events) as events``: close an async
+    generator when the block exits, however it exits, shielded from
+    cancellation (so the backend hears of it). A class, not an
+    ``asynccontextmanager``: it is entered once per stream per layer."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: AsyncIterator[Event]) -> None:
+        self.it = it
+
+    async def __aenter__(self) -> AsyncIterator[Event]:
+        return self.it
+
+    async def __aexit__(self, *exc: object) -> None:
+        aclose: Callable[[], Any] | None = getattr(self.it, "aclose", None)
         if aclose is not None:
             with trio.CancelScope(shield=True):
                 await aclose()

@@ -159,9 +159,17 @@ class Dispatcher:
             tried.add(actor.name)
             self.recorder.queue_time(actor.name, self.clock() - arrived)
             progress = Progress()
+            recorder, name, last_at = self.recorder, actor.name, arrived
             try:
-                async with closing_stream(self._relay(actor, request, progress, arrived)) as events:
+                async with closing_stream(actor.stream(request)) as events:
                     async for event in events:
+                        now = self.clock()
+                        if progress.events == 0:
+                            recorder.time_to_first_token(name, now - arrived)
+                        elif event.token_ids:
+                            recorder.inter_token_latency(name, now - last_at)
+                        last_at = now
+                        progress.add(event)
                         yield event
                 return
             except UpstreamError as exc:
@@ -195,21 +203,6 @@ class Dispatcher:
         self._counts["unavailable"] += 1
         what = f"model {route.model!r}" if route.model else "this request"
         return BackendUnavailable(f"no healthy backend for {what}; retry later", retry_after=self.retry_after)
-
-    async def _relay(
-        self, actor: BackendActor, request: GenerateRequest, progress: Progress, arrived: float
-    ) -> AsyncIterator[Event]:
-        last_at = arrived
-        async with closing_stream(actor.stream(request)) as events:
-            async for event in events:
-                now = self.clock()
-                if progress.events == 0:
-                    self.recorder.time_to_first_token(actor.name, now - arrived)
-                elif event.token_ids:
-                    self.recorder.inter_token_latency(actor.name, now - last_at)
-                last_at = now
-                progress.add(event)
-                yield event
 
     def statistics(self) -> DispatchStatistics:
         return DispatchStatistics(**self._counts)

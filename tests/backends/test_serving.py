@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import inspect
+import time
 from pathlib import Path
 from typing import Any
 
@@ -430,3 +431,16 @@ async def test_a_response_ends_with_its_last_data_frame(nursery: trio.Nursery) -
         assert b"".join(data for data, _ in frames[sid]) == body
         assert all(data for data, _ in frames[sid]), frames  # no empty DATA frame just to end
         assert [end for _, end in frames[sid]][-1] and not any(end for _, end in frames[sid][:-1])
+
+
+def test_the_date_header_is_cached_per_second_and_still_correct() -> None:
+    from email.utils import parsedate_to_datetime
+
+    config = ServeOptions().hypercorn_config()
+    first, second = config.response_headers("h2"), config.response_headers("h2")
+    dates = [v for k, v in first if k == b"date"]
+    assert len(dates) == 1 and first == second
+    assert abs(parsedate_to_datetime(dates[0].decode()).timestamp() - time.time()) < 2
+    assert (b"server", b"hypercorn-h2") in first
+    config.include_date_header = False
+    assert not [k for k, _ in config.response_headers("h2") if k == b"date"]

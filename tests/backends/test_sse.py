@@ -62,3 +62,23 @@ def test_close_flushes_a_last_event_without_its_blank_line() -> None:
     parser = SSEParser()
     assert parser.feed(b"data: tail") == []
     assert parser.close() == [SSEEvent(data="tail")]
+
+
+LINES = st.lists(
+    st.sampled_from(["data: a", "data:b", "data: ", "event: e", ": note", "", "id: 3", "data: {\"x\": 1}", "data: é"]),
+    max_size=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(LINES, st.sets(st.integers(1, 200), max_size=8))
+def test_lf_only_streams_parse_as_their_crlf_twins(lines: list[str], cuts: set[int]) -> None:
+    """The LF-only fast path and the general line splitter agree."""
+    lf = ("\n".join(lines) + "\n\n").encode()
+    crlf = lf.replace(b"\n", b"\r\n")
+
+    def split(data: bytes) -> list[bytes]:
+        bounds = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
+        return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+    assert _parse(split(lf)) == _parse(split(crlf)) == _parse([crlf])
