@@ -274,3 +274,52 @@ async def test_text_only_mode_does_not_ask_for_ids(
 def test_bad_base_url_is_rejected_at_construction() -> None:
     with pytest.raises(ValueError, match="base_url"):
         OpenAIHTTPBackend("ftp://example.com")
+
+
+async def test_probes_have_their_own_connection_so_full_streams_never_fail_them(
+    nursery: trio.Nursery,
+) -> None:
+    """Issue 12, bug 5: with every stream slot of the pool taken (here 4 per
+    connection, one connection), a health probe still answers at once."""
+    from hypercorn.config import Config as HypercornConfig
+
+    from backends.mock_server import build_app
+    from backends.serving import ServeOptions, serve
+
+    class FourStreams(ServeOptions):
+        def hypercorn_config(self) -> HypercornConfig:
+            config = super().hypercorn_config()
+            config.h2_max_concurrent_streams = 4
+            return config
+
+    app = build_app(MockBackend(MockConfig(tpot_s=0.05, max_tokens=1000)))
+    url = await nursery.start(serve, app, FourStreams(graceful_timeout=0.1))
+    client = OpenAIHTTPBackend(url, http="2", max_connections=1, connect_timeout=0.5, health_timeout=1)
+    try:
+        held: list[object] = []
+        async with trio.open_nursery() as streams:
+            started = trio.Semaphore(0)
+
+            async def hold() -> None:
+                async with aclosing(client.stream(GenerateRequest(prompt="a", max_tokens=1000))) as events:  # type: ignore[type-var]
+                    async for event in events:
+                        held.append(event)
+                        started.release()
+                        await trio.sleep_forever()
+
+            for _ in range(4):
+                streams.start_soon(hold)
+            for _ in range(4):
+                await started.acquire()
+            # Every slot of the one stream connection is taken: a fifth stream waits...
+            with trio.move_on_after(0.3) as waited:
+                await collect(client, GenerateRequest(prompt="b", max_tokens=1))
+            assert waited.cancelled_caught
+            # ...but the probe does not.
+            start = trio.current_time()
+            health = await client.health()
+            assert health.ok, health.detail
+            assert trio.current_time() - start < 0.5
+            streams.cancel_scope.cancel()
+    finally:
+        await client.aclose()
