@@ -49,7 +49,7 @@ import trio
 from backends.base import Event
 from backends.errors import HeadraceError, ModelNotFound
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
-from backends.mock_http import serve_lean
+from backends.mock_http import Answer, serve_lean
 from backends.openai_server import (
     DEFAULT_MAX_BODY,
     HTTPRequest,
@@ -132,6 +132,18 @@ class FaultInjector:
             pass  # returning mid-body: hypercorn closes the connection / resets the stream
         except* _Stop:
             await send({"type": "http.response.body", "body": b""})
+
+    def answer_now(self, scope: dict[str, Any], body: bytes) -> Answer | None:
+        """:meth:`FastPath.answer_now` for a request no fault touches (the lean
+        server's synchronous path); None leaves the request to ``__call__``."""
+        if not isinstance(self.fast, FastPath) or not self._eligible(scope):
+            return None
+        if self.faults and fault_applies(self.seed, self.requests, self.rate):
+            return None
+        answer = self.fast.answer_now(scope, body)
+        if answer is not None:
+            self.requests += 1
+        return answer
 
     def _eligible(self, scope: dict[str, Any]) -> bool:
         return (
@@ -275,6 +287,27 @@ class FastPath:
                 run.sent()
             else:
                 await self._paced(renderer, run, receive, send)
+
+    def answer_now(self, scope: dict[str, Any], body: bytes) -> Answer | None:
+        """The whole answer to a zero-delay generation, without awaiting
+        anything; None for requests only :meth:`__call__` answers."""
+        config = self.backend.config
+        kind = GENERATION_KINDS.get(scope["path"])
+        if (kind is None or scope["method"] != "POST" or config.faults or config.ttft_s
+                or config.tpot_s or len(body) > self.max_body_bytes):
+            return None
+        try:
+            call = self._admit(kind, body)
+        except HeadraceError as exc:
+            response = error_response(exc)
+            return response.status, _error_headers(response), response.body
+        if call is None:
+            return None
+        renderer, run = call
+        with run:
+            data = renderer.burst(run)
+            run.sent()
+        return 200, _SSE_HEADERS, data
 
     def _admit(self, kind: Kind, body: bytes) -> tuple[_Renderer, MockRun] | None:
         """What the frontend does up to the first event, in its order (so
@@ -437,13 +470,19 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Callable[[], Awaita
     return replay
 
 
-async def _send_error(send: Any, exc: HeadraceError) -> None:
-    """The frontend's error answer: ``error_response`` with its headers."""
-    response = error_response(exc)
+def _error_headers(response: Response) -> list[tuple[bytes, bytes]]:
+    """The headers the frontend sends with an error (``_send_response``'s order)."""
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.encode(), v.encode()) for k, v in response.headers]
     headers.append((b"content-length", str(len(response.body)).encode()))
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    return headers
+
+
+async def _send_error(send: Any, exc: HeadraceError) -> None:
+    """The frontend's error answer: ``error_response`` with its headers."""
+    response = error_response(exc)
+    await send({"type": "http.response.start", "status": response.status,
+                "headers": _error_headers(response)})
     await send({"type": "http.response.body", "body": response.body})
 
 
@@ -529,8 +568,11 @@ async def _serve(args: argparse.Namespace) -> None:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_signal, shutdown)
-        url = await nursery.start(partial(serve_lean if lean else serve, app, options,
-                                          shutdown=shutdown))
+        if lean:
+            run = partial(serve_lean, app, options, answer_now=app.answer_now, shutdown=shutdown)
+        else:
+            run = partial(serve, app, options, shutdown=shutdown)
+        url = await nursery.start(run)
         print(f"mock listening on {url}", flush=True)
 
 

@@ -5,6 +5,7 @@ hands every other shape, and every error, to the frontend's own answer."""
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 import trio
 
 from backends.mock import MockBackend, MockConfig
+from backends.mock_http import serve_lean
 from backends.mock_server import FastPath, build_app
 from backends.serving import ServeOptions, serve
 
@@ -60,7 +62,9 @@ def _normal(text: str) -> str:
     return re.sub(r'"created":\d+', '"created":0', text)
 
 
-async def _answers(nursery: trio.Nursery, config: MockConfig, fast: bool) -> list[Any]:
+async def _answers(
+    nursery: trio.Nursery, config: MockConfig, fast: bool, server: str = "hypercorn"
+) -> list[Any]:
     backend = MockBackend(config)
     app = build_app(backend, fast=fast)
     handed_over: list[str] = []
@@ -73,7 +77,11 @@ async def _answers(nursery: trio.Nursery, config: MockConfig, fast: bool) -> lis
             await frontend(scope, receive, send)
 
         app.fast.fallback = counting
-    url = await nursery.start(serve, app, ServeOptions())
+    if server == "lean":  # as headrace mock serves it: answer_now first, then the app
+        run = partial(serve_lean, app, ServeOptions(), answer_now=app.answer_now)
+        url = await nursery.start(run)
+    else:
+        url = await nursery.start(serve, app, ServeOptions())
     out: list[Any] = [len(handed_over)]
     async with httpx.AsyncClient(base_url=url, http2=True, http1=False) as client:
         for path, body in CASES:
@@ -82,7 +90,8 @@ async def _answers(nursery: trio.Nursery, config: MockConfig, fast: bool) -> lis
                 r = await client.post(path, content=b'{"prompt": 5, "stream": true')
             else:
                 r = await client.post(path, json=body)
-            headers = {k: v for k, v in r.headers.items() if k not in ("date", "content-length")}
+            headers = {k: v for k, v in r.headers.items()
+                       if k not in ("date", "server", "content-length")}
             text = _normal(r.text)
             several = isinstance(body.get("prompt"), list) and len(body["prompt"]) == 2
             if body.get("n", 1) > 1 or several:
@@ -93,15 +102,16 @@ async def _answers(nursery: trio.Nursery, config: MockConfig, fast: bool) -> lis
     return out
 
 
+@pytest.mark.parametrize("server", ["hypercorn", "lean"])
 @pytest.mark.parametrize(
     "config",
     [MockConfig(max_context=160), MockConfig(max_context=160, tpot_s=0.001, ttft_s=0.002)],
     ids=["burst", "paced"],
 )
 async def test_the_fast_path_answers_exactly_as_the_frontend(
-    nursery: trio.Nursery, config: MockConfig
+    nursery: trio.Nursery, config: MockConfig, server: str
 ) -> None:
-    fast = await _answers(nursery, config, fast=True)
+    fast = await _answers(nursery, config, fast=True, server=server)
     slow = await _answers(nursery, config, fast=False)
     assert fast[0] == FALLBACKS and slow[0] == 0
     for got, want in zip(fast[1:], slow[1:], strict=True):

@@ -34,9 +34,12 @@ BODY = {"prompt": "hi", "max_tokens": 8, "stream": True, "seed": 1}
 @asynccontextmanager
 async def lean(app: Any, *, shutdown: trio.Event | None = None,
                graceful: float = 0.5) -> AsyncIterator[str]:
+    """``app`` on the lean server, with its ``answer_now`` as ``headrace mock`` serves it."""
     async with trio.open_nursery() as nursery:
         options = ServeOptions(graceful_timeout=graceful)
-        url = await nursery.start(partial(serve_lean, app, options, shutdown=shutdown))
+        answer_now = getattr(app, "answer_now", None)
+        url = await nursery.start(partial(serve_lean, app, options, answer_now=answer_now,
+                                          shutdown=shutdown))
         try:
             yield url
         finally:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from contextlib import aclosing
+from functools import partial
 
 import h2.connection
 import h2.events
@@ -46,7 +47,8 @@ async def _serve(
         return await serve_mock(nursery, config, faults, fault_rate=fault_rate)
     backend = MockBackend(config)
     app = build_app(backend, faults, fault_rate=fault_rate)
-    url = await nursery.start(serve_lean, app, ServeOptions(graceful_timeout=0.5))
+    options = ServeOptions(graceful_timeout=0.5)
+    url = await nursery.start(partial(serve_lean, app, options, answer_now=app.answer_now))
     return Served(url, backend, app)
 
 
