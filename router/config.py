@@ -40,6 +40,7 @@ __all__ = [
     "RouterConfig",
     "RoutingConfig",
     "ServerConfig",
+    "apply_settings",
     "decode_config",
     "load_config",
     "with_overrides",
@@ -137,6 +138,53 @@ def load_config(path: str | Path | None) -> RouterConfig:
         return decode_config(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def apply_settings(config: RouterConfig, settings: list[str]) -> RouterConfig:
+    """``--set section.field=value`` overrides, applied in order: a dotted
+    path into the config (``routing.max_attempts=5``, ``backends.0.options.http="1.1"``,
+    ``auth.keys={ "sk-1" = "team-a" }``); the value is read as a TOML value,
+    and as a plain string when it is not one (``server.host=0.0.0.0``)."""
+    doc: dict[str, Any] = msgspec.to_builtins(config)
+    doc["backends"] = list(doc["backends"])  # a tuple in the Struct
+    for setting in settings:
+        path, sep, text = setting.partition("=")
+        keys = [k for k in path.strip().split(".") if k]
+        if not sep or not keys:
+            raise ConfigError(f"--set {setting!r}: expected section.field=value")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        node: Any = doc
+        for i, key in enumerate(keys[:-1]):
+            node = _step(node, key, setting, create=i > 0 or key != "backends")
+        last = keys[-1]
+        if isinstance(node, list):
+            node[_index(node, last, setting)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"--set {setting!r}: {'.'.join(keys[:-1])} is inside a value, not a section")
+    return decode_config(doc)
+
+
+def _index(node: list[Any], key: str, setting: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise ConfigError(f"--set {setting!r}: no list entry {key!r} (there are {len(node)})")
+    return int(key)
+
+
+def _step(node: Any, key: str, setting: str, *, create: bool) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, key, setting)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"--set {setting!r}: {key!r} is inside a value, not a section")
+    if key not in node:
+        if not create:
+            raise ConfigError(f"--set {setting!r}: no section {key!r}")
+        node[key] = {}
+    return node[key]
 
 
 def with_overrides(config: RouterConfig, **fields: Any) -> RouterConfig:

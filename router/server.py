@@ -32,6 +32,7 @@ from router.config import (
     BackendSpec,
     ConfigError,
     RouterConfig,
+    apply_settings,
     decode_config,
     load_config,
     with_overrides,
@@ -62,6 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="extra arguments for the local engine replicas started when no backend is configured, e.g. '--dtype bfloat16'",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--set", dest="settings", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override any config field, e.g. --set routing.max_attempts=5 --set 'backends.0.options.http=\"1.1\"' (repeatable; applied last)",
+    )
     # Set by the worker supervisor only: the whole config, and this worker's number.
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -84,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         config = with_overrides(config, backends=backends)
     if args.policy:
         config = with_overrides(config, policy=args.policy)
-    return config
+    return apply_settings(config, args.settings)
 
 
 def worker_config(path: str) -> RouterConfig:

@@ -128,3 +128,47 @@ def test_the_readme_configuration_example_is_valid(tmp_path: Path) -> None:
     config = load_config(example)
     assert [b.kind for b in config.backends] == ["openai", "mock"]
     assert config.auth.keys["sk-team-a"] == "team-a"
+
+
+def test_set_reaches_every_field_by_dotted_path() -> None:
+    from router.config import RouterConfig, apply_settings, decode_config
+
+    base = decode_config({"backends": [{"url": "http://127.0.0.1:9", "name": "a"}]})
+    config = apply_settings(base, [
+        "routing.max_attempts=5",
+        "server.host=0.0.0.0",  # not TOML: read as a string
+        'server.port=9001',
+        'auth.keys={ "sk-1" = "team-a" }',
+        'backends.0.options.http="1.1"',
+        "backends.0.weight=2.5",
+    ])  # fmt: skip
+    assert config.routing.max_attempts == 5 and config.server.host == "0.0.0.0"
+    assert config.server.port == 9001 and config.auth.keys == {"sk-1": "team-a"}
+    assert config.backends[0].options == {"http": "1.1"} and config.backends[0].weight == 2.5
+    assert apply_settings(RouterConfig(), []) == RouterConfig()
+
+
+@pytest.mark.parametrize(
+    "setting,said",
+    [
+        ("routing.max_attempts=0", "max_attempts"),
+        ("routing.nope=1", "nope"),
+        ("nosection.x=1", "nosection"),
+        ("backends.3.weight=1", "no list entry"),
+        ("justtext", "expected section.field=value"),
+        ("server.port.x=1", "inside a value"),
+    ],
+)
+def test_a_bad_set_says_which_field(setting: str, said: str) -> None:
+    from router.config import apply_settings, decode_config
+
+    base = decode_config({"backends": [{"url": "http://127.0.0.1:9"}]})
+    with pytest.raises(ConfigError, match=said):
+        apply_settings(base, [setting])
+
+
+def test_serve_set_on_the_command_line(tmp_path: Path) -> None:
+    from router.server import config_from_args, parse_args
+
+    config = config_from_args(parse_args(["--backend", "http://127.0.0.1:9", "--set", "health.interval=0.5"]))
+    assert config.health.interval == 0.5
