@@ -29,7 +29,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 import trio
 
 from backends.base import (
@@ -47,12 +46,12 @@ from backends.engine.engine import LLMEngine, StepOutput
 from backends.engine.generation_config import ResolvedSampling, resolve_sampling_defaults
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.quant import attach_q4
-from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
+from backends.engine.runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block, resolve_device
 from backends.engine.sequence import SamplingParams, Sequence
 from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.stop import StopMatcher
 from backends.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from backends.engine.tp import RankFailure
+from backends.engine.tp_comm import RankFailure
 from backends.errors import (
     BackendUnavailable,
     BadRequest,
@@ -65,7 +64,6 @@ __all__ = ["BackendStatistics", "EngineBackend", "build_engine", "open_engine_ba
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _KV_EVENT_HISTORY = 10_000
 
@@ -76,7 +74,7 @@ def build_engine(
     """Load the model (unless given), size the KV cache, wire runner and engine
     (speculative when ``spec`` asks for it); blocking: seconds."""
     device = resolve_device(config.device)
-    dtype = _DTYPES[config.dtype]
+    dtype = TORCH_DTYPES[config.dtype]
     if loaded is None:
         loaded = load_model(config.model, dtype=dtype, device=device)
     max_len = config.resolve_max_model_len(loaded.args.max_seq_len)

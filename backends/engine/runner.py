@@ -31,11 +31,14 @@ from backends.engine.model import ModelArgs, Transformer
 from backends.engine.quant import packed_rows
 from backends.engine.scheduler import ScheduledSeq
 
-__all__ = ["ModelRunner", "kv_bytes_per_block", "resolve_device"]
+__all__ = ["TORCH_DTYPES", "ModelRunner", "kv_bytes_per_block", "resolve_device"]
 
 # Spans of up to this many new tokens after a cached context go through the batched
 # decode attention (one query row per token) instead of one SDPA call per sequence.
 _SHORT_SPAN = 16
+
+# The torch dtype of each dtype name a config or a worker spec gives (the one table).
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -34,14 +34,9 @@ from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.engine import LLMEngine
 from backends.engine.host import MainThreadHost
 from backends.engine.runner import resolve_device
-from backends.engine.speculative import (
-    SpecConfig,
-    add_cli_arguments,
-    make_engine,
-    spec_config_from_args,
-)
+from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.tokenizer import Tokenizer
-from backends.engine.tp import launch_tp
+from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
 from backends.serving import ServeOptions, serve
@@ -308,8 +303,49 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
-    add_cli_arguments(p)
+    _spec_arguments(p)
     return p
+
+
+def _spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--speculative {off,ngram,draft} --num-speculative-tokens K`` and the draft's source."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off")
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=None, metavar="K",
+        help="most drafts per request per step (default: 15 for ngram, 4 for draft)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="a cheaper model with the same vocabulary (e.g. a Q4 GGUF)",
+    )
+    g.add_argument(
+        "--draft-layers", type=int, default=None, help="draft with the target's first N layers"
+    )
+    g.add_argument("--spec-draft-verify", choices=["match", "rejection"], default="match")
+    g.add_argument(
+        "--spec-max-batch-size", type=int, default=None,
+        help="never speculate above this many decoding requests (default: the measured "
+        "cost model decides)",
+    )
+
+
+def _spec_config(args: argparse.Namespace) -> SpecConfig:
+    try:
+        return msgspec.convert(
+            {
+                "method": args.speculative,
+                "num_speculative_tokens": args.num_speculative_tokens,
+                "draft_verify": args.spec_draft_verify,
+                "max_batch_size": args.spec_max_batch_size,
+                "draft_model": args.draft_model,
+                "draft_layers": args.draft_layers,
+            },
+            SpecConfig,
+        )
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"speculative decoding: {e}", param="speculative") from None
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -389,7 +425,7 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(max(1, args.threads))
     try:
-        config, spec = _config(args), spec_config_from_args(args)
+        config, spec = _config(args), _spec_config(args)
         built = _build(config, spec, args.tp)
     except HeadraceError as exc:
         print(f"headrace engine: {exc.message}", file=sys.stderr)

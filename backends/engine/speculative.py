@@ -44,7 +44,6 @@ model, whose every draft costs a pass of its own.
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -90,11 +89,9 @@ __all__ = [
     "SpecEngineStatistics",
     "SpecStatistics",
     "SpeculativeEngine",
-    "add_cli_arguments",
     "best_k",
     "build_draft_proposer",
     "make_engine",
-    "spec_config_from_args",
 ]
 
 Pos = Annotated[int, msgspec.Meta(gt=0)]
@@ -593,48 +590,7 @@ def _relabel(lp: Logprob | None, raw: torch.Tensor, token: int) -> Logprob | Non
     return Logprob(token_id=token, logprob=value, top=lp.top)
 
 
-# -- wiring: CLI flags and draft construction ---------------------------------------
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--speculative {off,ngram,draft} --num-speculative-tokens K`` and the draft's source."""
-    g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off")
-    g.add_argument(
-        "--num-speculative-tokens", type=int, default=None, metavar="K",
-        help="most drafts per request per step (default: 15 for ngram, 4 for draft)",
-    )
-    g.add_argument(
-        "--draft-model",
-        default=None,
-        help="a cheaper model with the same vocabulary (e.g. a Q4 GGUF)",
-    )
-    g.add_argument(
-        "--draft-layers", type=int, default=None, help="draft with the target's first N layers"
-    )
-    g.add_argument("--spec-draft-verify", choices=["match", "rejection"], default="match")
-    g.add_argument(
-        "--spec-max-batch-size", type=int, default=None,
-        help="never speculate above this many decoding requests (default: the measured "
-        "cost model decides)",
-    )
-
-
-def spec_config_from_args(ns: argparse.Namespace) -> SpecConfig:
-    try:
-        return msgspec.convert(
-            {
-                "method": ns.speculative,
-                "num_speculative_tokens": ns.num_speculative_tokens,
-                "draft_verify": ns.spec_draft_verify,
-                "max_batch_size": ns.spec_max_batch_size,
-                "draft_model": ns.draft_model,
-                "draft_layers": ns.draft_layers,
-            },
-            SpecConfig,
-        )
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"speculative decoding: {e}", param="speculative") from None
+# -- wiring: draft construction ---------------------------------------
 
 
 def build_draft_proposer(

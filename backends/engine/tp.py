@@ -23,8 +23,9 @@ group's query heads are split among them (vLLM's ``num_kv_head_replicas``); N la
 the number of query heads is refused. Intermediate size and vocab are split as evenly as
 possible (uneven allowed).
 
-This module is the sharding (plan, transform, collectives); tp_worker.py runs the
-processes. The engine spawns N-1 workers (or torchrun starts all N)::
+This module is the sharding (plan and transform); the collectives are in tp_comm.py
+and tp_worker.py runs the processes (it imports both; neither imports it). The engine
+spawns N-1 workers (or torchrun starts all N)::
 
     rank 0: HTTP server, scheduler, sampler       ranks 1..N-1: tp_worker.serve()
       TPRunner.execute(scheduled)
@@ -33,62 +34,39 @@ processes. The engine spawns N-1 workers (or torchrun starts all N)::
         logits (gathered to rank 0)  <---- gather ----   (their vocab slice)
 
 Every collective has a deadline; a closed connection or a missed deadline becomes
-:class:`RankFailure`, and rank 0 also watches its worker processes, so a dead rank
-takes the engine down with a clear error instead of a hang.
+:class:`~backends.engine.tp_comm.RankFailure`, and rank 0 also watches its worker
+processes, so a dead rank takes the engine down with a clear error instead of a hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from backends.engine.config import EngineConfig
 from backends.engine.model import ModelArgs, Transformer, TransformerBlock, refine_top_logits
-from backends.engine.runner import ModelRunner, kv_bytes_per_block, resolve_device
-from backends.errors import BackendUnavailable, HeadraceError
-
-if TYPE_CHECKING:
-    from backends.engine.tp_worker import TPLaunch, TPRunner
+from backends.engine.runner import TORCH_DTYPES, kv_bytes_per_block, resolve_device
+from backends.engine.tp_comm import Comm, TensorParallelError
 
 __all__ = [
-    "Comm",
-    "RankFailure",
     "RankShard",
     "ShardPlan",
-    "TensorParallelError",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "apply_tp",
     "even_ranges",
     "kv_blocks_for",
-    "launch_tp",
     "local_args",
     "plan_for",
     "plan_tp",
     "rank_device",
-    "start_tp",
 ]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
-_IDLE_WAIT = datetime.timedelta(days=365)  # workers wait this long for the next step
-
-
-class TensorParallelError(HeadraceError):
-    """The tensor-parallel configuration cannot work (bad world size, startup failure)."""
-
-
-class RankFailure(BackendUnavailable):
-    """A rank died, stalled past the collective deadline, or the group was closed."""
 
 
 # ---- the sharding plan (pure) ----------------------------------------------------------
@@ -183,101 +161,6 @@ def local_args(args: ModelArgs, shard: RankShard) -> ModelArgs:
         n_kv_heads=len(shard.kv_heads),
         hidden_dim=len(shard.hidden),
     )
-
-
-# ---- collectives ----------------------------------------------------------------------
-
-
-class Comm:
-    """The collectives of one tensor-parallel group, each with a deadline.
-
-    Built before the group exists (the sharded modules hold it), connected once every
-    rank is ready. Model collectives run on gloo (CPU) or NCCL (CUDA); the control
-    channel (rank 0 -> workers) always runs on gloo. A failed or late collective raises
-    :class:`RankFailure` and the group is unusable afterwards."""
-
-    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self._ctrl: Any = None
-        self._model: Any = None
-        self._broken: str | None = None
-
-    def connect(
-        self, store: Any, device: torch.device, loopback: bool, startup_timeout: float
-    ) -> None:
-        """Create the process groups (every rank calls this; it returns once all have)."""
-        wait = datetime.timedelta(seconds=startup_timeout)
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        opts._timeout = wait
-        opts._devices = [
-            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if loopback else "")
-        ]
-        prefix = _PrefixStore("tp/gloo", store)
-        self._ctrl = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, opts)
-        if device.type == "cuda":
-            nccl = dist.ProcessGroupNCCL.Options()
-            nccl._timeout = self.timeout
-            prefix = _PrefixStore("tp/nccl", store)
-            self._model = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, nccl)
-        else:
-            self._model = self._ctrl
-
-    def close(
-        self, reason: str = "the tensor-parallel group is closed", *, release: bool = False
-    ) -> None:
-        """Mark the group unusable (later collectives raise at once); ``release`` also
-        drops the process groups (only when no collective can be in flight)."""
-        self._broken = self._broken or reason
-        if release:
-            self._ctrl = self._model = None
-
-    def _run(self, what: str, start: Callable[[], Any]) -> None:
-        if self._broken is not None:
-            raise RankFailure(self._broken)
-        try:
-            start().wait()
-        except RuntimeError as exc:  # gloo/NCCL: closed connection, timeout
-            self._broken = f"tensor-parallel {what} failed on rank {self.rank}: {exc}"
-            raise RankFailure(self._broken) from exc
-
-    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-        opts.timeout = self.timeout
-        self._run("all-reduce", lambda: self._model.allreduce([t], opts))
-        return t
-
-    def gather_cols(self, t: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
-        """Rank 0: the ranks' ``[N, widths[r]]`` pieces side by side ``[N, sum(widths)]``;
-        other ranks get their own piece back."""
-        wide = max(widths)
-        padded = F.pad(t, (0, wide - t.shape[1])).contiguous()
-        outs = [[torch.empty_like(padded) for _ in widths]] if self.rank == 0 else []
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        self._run("gather", lambda: self._model.gather(outs, [padded], opts))
-        if self.rank != 0:
-            return t
-        return torch.cat([piece[:, :w] for piece, w in zip(outs[0], widths, strict=True)], dim=1)
-
-    def send(self, message: object) -> None:
-        """Rank 0: broadcast a control message to every worker."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._run("control send", lambda: self._ctrl.broadcast(size, 0, self.timeout))
-        self._run("control send", lambda: self._ctrl.broadcast(payload, 0, self.timeout))
-
-    def recv(self) -> Any:
-        """Workers: the next control message (waits as long as rank 0 stays idle)."""
-        size = torch.zeros(1, dtype=torch.int64)
-        self._run("control receive", lambda: self._ctrl.broadcast(size, 0, _IDLE_WAIT))
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._run("control receive", lambda: self._ctrl.broadcast(payload, 0, self.timeout))
-        return pickle.loads(payload.numpy().tobytes())
 
 
 # ---- the transform ----------------------------------------------------------------------
@@ -395,31 +278,10 @@ def kv_blocks_for(config: EngineConfig, args: ModelArgs, world_size: int) -> int
     """KV blocks per rank (every rank must hold the same number): the budget of
     ``config`` applies per rank, sized by the rank with the most KV heads."""
     plan = plan_for(args, world_size)
-    dtype = _DTYPES[config.dtype]
+    dtype = TORCH_DTYPES[config.dtype]
     per_block = max(
         kv_bytes_per_block(local_args(args, s), config.block_size, dtype) for s in plan.shards
     )
     max_len = config.resolve_max_model_len(args.max_seq_len)
     return config.resolve_num_kv_blocks(per_block, max_len, rank_device(config.device, 0).type)
 
-
-# ---- entry points (the processes live in tp_worker.py) ------------------------------------
-
-
-def start_tp(
-    build: Callable[[], Transformer], world_size: int, **kwargs: Any
-) -> ModelRunner | TPRunner:
-    """Spawn ``world_size - 1`` worker ranks that each ``build()`` the full model and keep
-    their shard; see :func:`backends.engine.tp_worker.start_tp` for the options."""
-    from backends.engine import tp_worker  # the process side imports this module
-
-    return tp_worker.start_tp(build, world_size, **kwargs)
-
-
-def launch_tp(config: EngineConfig, n: int, *, timeout: float = 30.0) -> TPLaunch | None:
-    """Load ``config.model`` over ``n`` tensor-parallel ranks (spawned here, or started by
-    torchrun); ``None`` on a torchrun worker rank once rank 0 stops it. See
-    :func:`backends.engine.tp_worker.launch_tp`."""
-    from backends.engine import tp_worker
-
-    return tp_worker.launch_tp(config, n, timeout=timeout)

@@ -1,6 +1,6 @@
 """Tensor-parallel processes: rank 0's runner, the worker ranks, and launching them.
 
-The sharding itself (plan, transform, collectives) is in tp.py. Here:
+The sharding itself (plan, transform) is in tp.py, the collectives in tp_comm.py. Here:
 
 * :class:`TPRunner` is rank 0's runner, with :class:`ModelRunner`'s interface: each
   ``execute`` broadcasts the step's compact description to the workers, then runs rank
@@ -44,20 +44,10 @@ import torch.distributed as dist
 
 from backends.engine.config import EngineConfig
 from backends.engine.model import ModelArgs, Transformer
-from backends.engine.runner import ModelRunner
+from backends.engine.runner import TORCH_DTYPES, ModelRunner
 from backends.engine.scheduler import ScheduledSeq
-from backends.engine.tp import (
-    _DTYPES,
-    Comm,
-    RankFailure,
-    ShardPlan,
-    TensorParallelError,
-    _PrefixStore,
-    apply_tp,
-    kv_blocks_for,
-    plan_for,
-    rank_device,
-)
+from backends.engine.tp import ShardPlan, apply_tp, kv_blocks_for, plan_for, rank_device
+from backends.engine.tp_comm import Comm, PrefixStore, RankFailure, TensorParallelError
 
 __all__ = [
     "LoadModel",
@@ -277,7 +267,7 @@ class WorkerSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
     @property
     def loopback(self) -> bool:
@@ -492,7 +482,7 @@ class SeqView:
 
 
 def decode_step(message: tuple[Any, ...]) -> tuple[list[ScheduledSeq], list[int]]:
-    """Inverse of :func:`backends.engine.tp.encode_step`."""
+    """Inverse of :func:`encode_step`."""
     _, items, counts = message
     scheduled = [
         ScheduledSeq(SeqView(start, tokens, table), len(tokens), start)  # type: ignore[arg-type]
@@ -533,7 +523,7 @@ def _start_worker(spec: WorkerSpec, store: Any, build: Callable[[], Transformer]
 
 
 def run_spawned(spec: WorkerSpec) -> None:
-    """Entry point of a worker process spawned by :func:`backends.engine.tp.start_tp`."""
+    """Entry point of a worker process spawned by :func:`start_tp`."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -564,7 +554,7 @@ def _torchrun_store(spec: WorkerSpec) -> Any:
     url = "env://"
     wait = datetime.timedelta(seconds=spec.startup_timeout)
     store, _, _ = next(dist.rendezvous(url, spec.rank, spec.world_size, timeout=wait))  # type: ignore[attr-defined]
-    return _PrefixStore("headrace", store)
+    return PrefixStore("headrace", store)
 
 
 def run_torchrun(

@@ -297,3 +297,18 @@ def test_cli_sampling_flags_reach_the_engine_config() -> None:
     assert config.sampling_defaults == SamplingDefaults(temperature=0.3)
     with pytest.raises(BadRequest, match="sampling-defaults"):
         _config(_parser().parse_args(["--sampling-defaults", '{"temp": 1}', "--dtype", "float32"]))
+
+
+def test_cli_speculative_flags_build_a_spec_config_and_bad_values_are_client_errors() -> None:
+    from backends.engine.server import _parser, _spec_config
+    from backends.errors import BadRequest
+
+    parser = _parser()
+    assert _spec_config(parser.parse_args([])).method == "off"
+    cfg = _spec_config(
+        parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "6"])
+    )
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.max_batch_size) == ("ngram", 6, None)
+    assert _spec_config(parser.parse_args(["--speculative", "ngram"])).k_max == 15
+    with pytest.raises(BadRequest):
+        _spec_config(parser.parse_args(["--num-speculative-tokens", "0"]))

@@ -5,7 +5,6 @@ estimates, and the draft model's per-request AdaptiveK."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from collections.abc import Callable
 
@@ -20,14 +19,7 @@ from backends.engine.spec_policy import (
     match_bucket,
     plan_drafts,
 )
-from backends.engine.speculative import (
-    AdaptiveK,
-    SpecConfig,
-    add_cli_arguments,
-    best_k,
-    spec_config_from_args,
-)
-from backends.errors import BadRequest
+from backends.engine.speculative import AdaptiveK, SpecConfig, best_k
 
 # Measured on this project's CPU (SmolLM2-135M, 2 threads): a one-row step ~50 ms,
 # each more row ~4 ms at batch 1 (float32).
@@ -264,15 +256,3 @@ def test_forget_resets_to_the_prior() -> None:
     a.observe("s", 4, 0)
     a.forget("s")
     assert a.acceptance("s") == pytest.approx(0.6)
-
-
-def test_cli_flags_build_a_config_and_bad_values_are_client_errors() -> None:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    cfg = spec_config_from_args(
-        parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "6"])
-    )
-    assert (cfg.method, cfg.num_speculative_tokens, cfg.max_batch_size) == ("ngram", 6, None)
-    assert spec_config_from_args(parser.parse_args(["--speculative", "ngram"])).k_max == 15
-    with pytest.raises(BadRequest):
-        spec_config_from_args(parser.parse_args(["--num-speculative-tokens", "0"]))

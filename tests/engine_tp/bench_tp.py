@@ -18,7 +18,7 @@ import torch
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine
 from backends.engine.sequence import SamplingParams
-from backends.engine.tp import launch_tp
+from backends.engine.tp_worker import launch_tp
 
 
 def main() -> None:

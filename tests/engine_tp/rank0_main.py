@@ -7,8 +7,7 @@ import sys
 
 import torch
 
-from backends.engine.tp import start_tp
-from backends.engine.tp_worker import TPRunner
+from backends.engine.tp_worker import TPRunner, start_tp
 from tests.engine_tp.models import RandomModel, tiny_args
 
 if __name__ == "__main__":

@@ -8,15 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.engine.tp import (
-    Comm,
-    ShardPlan,
-    TensorParallelError,
-    apply_tp,
-    even_ranges,
-    local_args,
-    plan_tp,
-)
+from backends.engine.tp import ShardPlan, apply_tp, even_ranges, local_args, plan_tp
+from backends.engine.tp_comm import Comm, TensorParallelError
 from tests.engine_tp.models import RandomModel, tiny_args
 
 

@@ -22,8 +22,8 @@ from backends.engine.engine import LLMEngine
 from backends.engine.runner import ModelRunner
 from backends.engine.scheduler import ScheduledSeq
 from backends.engine.sequence import SamplingParams, Sequence
-from backends.engine.tp import RankFailure, TensorParallelError, start_tp
-from backends.engine.tp_worker import TPRunner
+from backends.engine.tp_comm import RankFailure, TensorParallelError
+from backends.engine.tp_worker import TPRunner, start_tp
 from tests.engine_tp.models import FailingBuild, RandomModel, tiny_args
 
 BLOCKS, BLOCK_SIZE = 48, 4
