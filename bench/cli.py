@@ -1,7 +1,8 @@
 """``headrace bench``: open-loop load against a router or any OpenAI server.
 
 Subcommands: ``headrace bench engine`` (closed-loop throughput at fixed
-concurrency), ``headrace bench roofline`` (memory-bandwidth decode floor),
+concurrency), ``headrace bench router`` (the router's CPU per request and
+rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-bandwidth decode floor),
 ``headrace bench kernels`` (the engine's linear kernels by row count),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
@@ -56,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|spec|roofline|baseline|kernels --help'.")
+                    "'headrace bench engine|router|spec|roofline|baseline|kernels --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -245,13 +246,16 @@ def _sub(name: str) -> Any:
     if name == "kernels":
         from bench import kernels
         return kernels.main
+    if name == "router":
+        from bench import router_bench
+        return router_bench.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

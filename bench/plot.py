@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_engine", "plot_load"]
+__all__ = ["plot_engine", "plot_load", "plot_rate_p99"]
 
 _PANELS = (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"),
            ("e2e_ms", "end-to-end latency"))
@@ -77,4 +77,35 @@ def plot_engine(levels: Sequence[dict[str, Any]], path: str | os.PathLike[str], 
         ax.set_xlabel("concurrency")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_rate_p99(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str], *,
+                  limit_ms: float | None = None,
+                  title: str = "p99 latency against offered load") -> Path:
+    """End-to-end and first-token p99 (ms) against offered req/s, one line per
+    target (e.g. router and direct), with the p99 limit drawn across."""
+    fig, axes = _figure(2, title)
+    labels = sorted({s["label"] for s in summaries})
+    for ax, (metric, name) in zip(axes, (("e2e_ms", "end-to-end p99"),
+                                         ("ttft_ms", "time to first token p99")), strict=True):
+        for i, label in enumerate(labels):
+            runs = sorted((s for s in summaries if s["label"] == label), key=lambda s: s["rate"])
+            pts = [(s["rate"], s[metric]["p99"]) for s in runs if s[metric]["p99"] is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, "-o", color=f"C{i}", label=label)
+            bad = [(s["rate"], s[metric]["p99"] or 0.0) for s in runs if s["counts"]["errors"]]
+            if bad:
+                xs, ys = zip(*bad, strict=True)
+                ax.plot(xs, ys, "x", color=f"C{i}", markersize=10, label=f"{label}: errors")
+        if limit_ms is not None and metric == "e2e_ms":
+            ax.axhline(limit_ms, color="grey", linestyle="--", label=f"{limit_ms:g} ms")
+        ax.set_title(name)
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize="small")
     return _save(fig, path)

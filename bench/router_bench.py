@@ -1,0 +1,505 @@
+"""``headrace bench router``: what the router costs per streamed request, on
+this machine, beside what a bare hypercorn app costs for the same stream.
+
+It starts its own bed on 127.0.0.1 (issue 12's), then measures::
+
+    2 x headrace mock --tpot-ms 0 --max-tokens 20     (20 SSE chunks per answer)
+    headrace serve --workers 1 --backend M1 --backend M2
+    python -m bench.bare_app                           (hypercorn + trio, the same 20 chunks)
+    vllm-router --worker-urls M1 M2                    (when installed)
+
+    (a) closed loop, --concurrency connections for --duration s, HTTP/1.1 and h2c,
+        through the router and against the bare app: req/s, and CPU ms per request
+        of each server process (its own CPU time / requests answered), the mocks'
+        and the client's beside it
+    (b) open loop (Poisson, bench/loadgen.py), h2c: the highest rate with e2e
+        p99 < --p99-ms and no errors, through the router and straight to one
+        mock; then both at half the router's rate: the TTFT the router adds
+    (c) vllm-router through the same closed loop, quoted as ratios
+
+Prints a table, writes JSON (and a PNG of p99 against offered rate) under
+``bench/results/``, always (a run stopped early writes what it has). Every
+phase is bounded: --duration per closed-loop run, --open-steps rates of
+--open-duration s per target. Client: wrk and h2load when installed (they
+cost the client a few us a request), else the Python client, which on two
+cores competes with the servers for CPU (then req/s is a floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from backends.errors import BackendUnavailable, ClientError, HeadraceError
+from bench.cli import LAG_WARN_MS, is_interrupt
+from bench.client import RequestSpec, build_body
+from bench.drivers import native_available, run_driver
+from bench.loadgen import LoadConfig, run_rate
+from bench.procs import Server, cpu_info, start_server
+from bench.report import compare, default_path, summarize_run, write_json
+from bench.schedule import make_prompt
+
+__all__ = ["format_report", "main", "search_max_rate"]
+
+RESULTS_DIR = "bench/results"
+HTTPS = {"1.1": "1.1", "2": "h2c"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="headrace bench router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=32, help="closed-loop connections")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per closed-loop run")
+    p.add_argument("--http", nargs="+", choices=("1.1", "2"), default=["1.1", "2"])
+    p.add_argument("--client", choices=("auto", "native", "python"), default="auto",
+                   help="native: wrk (HTTP/1.1) and h2load (h2c); auto: native when installed")
+    p.add_argument("--open-duration", type=float, default=5.0, help="seconds per open-loop rate")
+    p.add_argument("--open-start", type=float, default=100.0, help="first open-loop rate, req/s")
+    p.add_argument("--open-steps", type=int, default=6, help="rates tried per target, at most")
+    p.add_argument("--p99-ms", type=float, default=500.0, help="open-loop e2e p99 limit")
+    p.add_argument("--no-open-loop", action="store_true")
+    p.add_argument("--max-outstanding", type=int, default=512)
+    p.add_argument("--workers", type=int, default=1, help="router processes (headrace serve --workers)")
+    p.add_argument("--tpot-ms", type=float, default=0.0, help="the mocks' time per token")
+    p.add_argument("--max-tokens", type=int, default=20, help="chunks per answer")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-router", default="auto",
+                   help="path of vllm-router, 'auto' (PATH, $PEERS_DIR/*/bin) or 'none'")
+    p.add_argument("--json", dest="json_path", help="JSON report path")
+    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--results-dir", default=RESULTS_DIR)
+    p.add_argument("--report", metavar="JSON", help="print the table of a saved run; run nothing")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    bad = [args.concurrency < 1, args.duration <= 0, args.open_duration <= 0,
+           args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1]
+    if any(bad):
+        raise ClientError("--concurrency, --duration, --open-*, --max-tokens and --workers "
+                          "must be positive")
+    if args.client == "native" and not native_available():
+        raise ClientError("--client native needs wrk and h2load "
+                          "(apt-get install wrk nghttp2-client)")
+
+
+# ---------------------------------------------------------------- the bed
+
+
+class Bed:
+    def __init__(self) -> None:
+        self.mocks: list[Server] = []
+        self.router: Server | None = None
+        self.bare: Server | None = None
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def serve_has_workers() -> bool:
+    """Whether ``headrace serve`` takes ``--workers`` (older builds do not)."""
+    done = subprocess.run(_python("router.cli", "serve", "--help"), capture_output=True,
+                          text=True, check=False, timeout=60)
+    return "--workers" in done.stdout
+
+
+async def _ready(url: str, path: str, patience: float = 30.0) -> None:
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+        with trio.move_on_after(patience):
+            while True:
+                try:
+                    if (await client.get(path)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.1)
+    raise BackendUnavailable(f"{url}{path} did not answer 200 within {patience:g} s")
+
+
+async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStack) -> Bed:
+    """The mocks first (the router needs their URLs), then the router and the
+    bare app, each group started side by side."""
+    bed = Bed()
+    mock_argv = _python("router.cli", "mock", "--port", "0", "--tpot-ms", f"{args.tpot_ms:g}",
+                        "--max-tokens", str(args.max_tokens))
+    bed.mocks = await _start_all(stack, logdir, [("mock0", mock_argv), ("mock1", mock_argv)])
+    serve = _python("router.cli", "serve", "--port", "0", "--log-level", "WARNING")
+    for mock in bed.mocks:
+        serve += ["--backend", mock.url]
+    if serve_has_workers():
+        serve += ["--workers", str(args.workers)]
+    bed.router, bed.bare = await _start_all(
+        stack, logdir, [("router", serve), ("bare", _python("bench.bare_app", "--port", "0"))])
+    await _ready(bed.router.url, "/ready")
+    return bed
+
+
+async def _start_all(stack: AsyncExitStack, logdir: Path,
+                     wanted: list[tuple[str, list[str]]]) -> list[Server]:
+    started: dict[str, Server] = {}
+
+    async def one(name: str, argv: list[str]) -> None:
+        started[name] = await _started(stack, name, argv, logdir)
+
+    async with trio.open_nursery() as nursery:
+        for name, argv in wanted:
+            nursery.start_soon(one, name, argv)
+    return [started[name] for name, _ in wanted]
+
+
+async def _started(stack: AsyncExitStack, name: str, argv: list[str], logdir: Path) -> Server:
+    server = await start_server(name, argv, logdir)
+
+    async def stop() -> None:
+        with trio.CancelScope(shield=True):
+            await server.stop()
+
+    stack.push_async_callback(stop)
+    return server
+
+
+# ---------------------------------------------------------------- (a) closed loop
+
+
+def _per_request(seconds: float, ok: int) -> float | None:
+    return seconds * 1000 / ok if ok else None
+
+
+async def closed_loop(args: argparse.Namespace, name: str, target: Server, http: str,
+                      mocks: list[Server], files: Path) -> dict[str, Any]:
+    """One closed-loop run at ``target``; CPU of every process around it."""
+    spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
+    prompt = make_prompt(args.seed, 0, args.prompt_tokens)
+    body = files / "body.json"
+    body.write_bytes(msgspec.json.encode(build_body(spec, prompt)))
+    kind = "native" if args.client == "native" or (
+        args.client == "auto" and native_available()) else "python"
+    before = [target.cpu_seconds(), *(m.cpu_seconds() for m in mocks)]
+    run = await run_driver(kind, target.url, http, spec=spec, prompt=prompt, body_file=body,
+                           concurrency=args.concurrency, duration=args.duration,
+                           label=f"{name} {HTTPS[http]}")
+    after = [target.cpu_seconds(), *(m.cpu_seconds() for m in mocks)]
+    ok = run["ok"]
+    return {
+        "target": name, "http": http, "concurrency": args.concurrency,
+        "duration_s": args.duration, **run,
+        "req_s": ok / run["wall_s"] if run["wall_s"] else 0.0,
+        "cpu_ms_per_request": _per_request(after[0] - before[0], ok),
+        "mock_cpu_ms_per_request": (_per_request(sum(after[1:]) - sum(before[1:]), ok)
+                                    if mocks else None),
+        "client_cpu_ms_per_request": _per_request(run["client_cpu_s"], ok),
+    }
+
+
+def cpu_ratios(rows: list[dict[str, Any]], over: str = "bare") -> dict[str, float | None]:
+    """Router CPU per request over ``over``'s, per HTTP version."""
+    out: dict[str, float | None] = {}
+    for http in ("1.1", "2"):
+        by = {r["target"]: r for r in rows if r["http"] == http}
+        a, b = by.get("router"), by.get(over)
+        if a and b and a["cpu_ms_per_request"] and b["cpu_ms_per_request"]:
+            out[http] = a["cpu_ms_per_request"] / b["cpu_ms_per_request"]
+    return out
+
+
+# ---------------------------------------------------------------- (b) open loop
+
+
+def passes(summary: dict[str, Any], p99_ms: float) -> bool:
+    p99 = summary["e2e_ms"]["p99"]
+    return summary["counts"]["errors"] == 0 and p99 is not None and p99 < p99_ms
+
+
+def next_rate(rate: float, ok: bool, best: float | None, worst: float | None) -> float | None:
+    """Double until a rate fails, then bisect; None once within 15%."""
+    if best is not None and worst is not None and worst / best < 1.15:
+        return None
+    if ok:
+        return rate * 2 if worst is None else (rate + worst) / 2
+    return (best + rate) / 2 if best is not None else rate / 2
+
+
+async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: float,
+                          steps: int, duration: float, p99_ms: float, seed: int,
+                          prompt_tokens: int, max_outstanding: int,
+                          runs: list[dict[str, Any]]) -> float | None:
+    """The highest rate tried that passes (appending each run's summary to ``runs``)."""
+    best: float | None = None
+    worst: float | None = None
+    rate: float | None = start
+    for _ in range(steps):
+        if rate is None:
+            break
+        rate = float(f"{rate:.3g}")
+        config = LoadConfig(rate=rate, duration=duration, seed=seed, prompt_tokens=prompt_tokens,
+                            max_outstanding=max_outstanding)
+        run = await run_rate(url, "2", spec, config, label=f"{label} {rate:g} rps")
+        summary = summarize_run(run, label=label)
+        runs.append(summary)
+        ok = passes(summary, p99_ms)
+        if ok:
+            best = rate if best is None else max(best, rate)
+        else:
+            worst = rate if worst is None else min(worst, rate)
+        rate = next_rate(rate, ok, best, worst)
+    return best
+
+
+async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> None:
+    assert bed.router is not None
+    spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
+    common = {"start": args.open_start, "steps": args.open_steps, "duration": args.open_duration,
+              "p99_ms": args.p99_ms, "seed": args.seed, "prompt_tokens": args.prompt_tokens,
+              "max_outstanding": args.max_outstanding}
+    out.update(p99_limit_ms=args.p99_ms, http="2", runs=[])
+    for name, url in (("router", bed.router.url), ("direct", bed.mocks[0].url)):
+        out[f"{name}_max_rate"] = await search_max_rate(url, name, spec, runs=out["runs"],
+                                                        **common)
+    tried = [r["rate"] for r in out["runs"] if r["label"] == "router"]
+    half = 0.5 * (out["router_max_rate"] or min(tried))
+    config = LoadConfig(rate=half, duration=args.open_duration, seed=args.seed + 1,
+                        prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
+    pair = []
+    for name, url in (("router", bed.router.url), ("direct", bed.mocks[0].url)):
+        run = await run_rate(url, "2", spec, config, label=f"{name} {half:g} rps (half)")
+        pair.append(summarize_run(run, label=name))
+    out["at_half"] = {"rate": half, "router": pair[0], "direct": pair[1],
+                      "added": compare(pair[0], pair[1])}
+    out["client_bound"] = client_bound(out)
+
+
+def client_bound(loop: dict[str, Any]) -> str | None:
+    """Why the open-loop numbers may be the client's limit, not the servers'
+    (the Python client costs ~1.3 ms of CPU a streamed request), or None."""
+    direct, router = loop.get("direct_max_rate"), loop.get("router_max_rate")
+    failed = [r for r in loop["runs"] if r["label"] == "direct" and not passes(r, loop["p99_limit_ms"])]
+    lag = max((r["lag_ms"]["p99"] or 0.0 for r in failed), default=0.0)
+    if direct is not None and router is not None and direct <= router * 1.1:
+        return (f"direct to one mock tops out at {direct:g} req/s, no more than through the "
+                f"router: the client (sharing the cores) is the bottleneck")
+    if lag > LAG_WARN_MS:
+        return f"the client sent p99 {lag:.0f} ms late where direct runs failed"
+    return None
+
+
+# ---------------------------------------------------------------- (c) vllm-router
+
+
+def find_vllm_router(choice: str) -> str | None:
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return choice if Path(choice).exists() else None
+    found = shutil.which("vllm-router")
+    if found:
+        return found
+    peers = Path(os.environ.get("PEERS_DIR", "/work/peers"))
+    candidates = sorted(peers.glob("*/bin/vllm-router")) if peers.is_dir() else []
+    return str(candidates[0]) if candidates else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def vllm_router(args: argparse.Namespace, bed: Bed, logdir: Path, stack: AsyncExitStack,
+                      rows: list[dict[str, Any]]) -> dict[str, Any]:
+    path = find_vllm_router(args.vllm_router)
+    if path is None:
+        return {"skipped": "vllm-router is not installed (pip install vllm-router, in a "
+                           "virtualenv of its own: see /work/shared/reference/peers.md)"}
+    port = _free_port()
+    argv = [path, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+            *(m.url for m in bed.mocks), "--policy", "round_robin", "--log-level", "warning"]
+    log = logdir / "vllm-router.log"
+    with log.open("wb") as sink:
+        process = await trio.lowlevel.open_process(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL,
+                                                   start_new_session=True)
+    peer = Server("vllm-router", process, f"http://127.0.0.1:{port}", log)
+
+    async def stop() -> None:
+        with trio.CancelScope(shield=True):
+            await peer.stop()
+
+    stack.push_async_callback(stop)
+    await _ready(peer.url, "/v1/models", patience=60.0)
+    for http in args.http:
+        rows.append(await closed_loop(args, "vllm-router", peer, http, bed.mocks, logdir))
+    return {"path": path, "router_over_vllm_router": cpu_ratios(rows, over="vllm-router"),
+            "req_s_ratio": _req_ratios(rows, "vllm-router")}
+
+
+def _req_ratios(rows: list[dict[str, Any]], over: str) -> dict[str, float]:
+    out = {}
+    for http in ("1.1", "2"):
+        by = {r["target"]: r for r in rows if r["http"] == http}
+        if "router" in by and over in by and by[over]["req_s"]:
+            out[http] = by["router"]["req_s"] / by[over]["req_s"]
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    cpu = doc["cpu"]
+    lines = [f"CPU: {cpu['model']}, {cpu['cores']} cores ({' '.join(cpu['features']) or '-'})",
+             f"bed: 2 x headrace mock --tpot-ms {doc['config']['tpot_ms']:g} --max-tokens "
+             f"{doc['config']['max_tokens']}; router workers {doc['config']['workers']}", ""]
+    rows = doc.get("closed_loop", [])
+    if rows:
+        lines.append(f"closed loop: {rows[0]['concurrency']} connections, "
+                     f"{rows[0]['duration_s']:g} s a run")
+        head = (f"{'target':<12} {'http':<5} {'client':<7} {'req/s':>8} {'ok':>7} "
+                f"{'CPU ms/req':>10} {'mocks ms/req':>12} {'client ms/req':>13}  errors")
+        lines += [head, "-" * len(head)]
+        for r in rows:
+            errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "none"
+            lines.append(
+                f"{r['target']:<12} {HTTPS[r['http']]:<5} {r['client']:<7} {r['req_s']:>8.1f} "
+                f"{r['ok']:>7} {_fmt(r['cpu_ms_per_request'], '10.3f'):>10} "
+                f"{_fmt(r['mock_cpu_ms_per_request'], '12.3f'):>12} "
+                f"{_fmt(r['client_cpu_ms_per_request'], '13.3f'):>13}  {errors}")
+        ratios = doc.get("cpu_ratio_router_over_bare", {})
+        if ratios:
+            lines.append("router CPU per request / bare hypercorn app's: " + ", ".join(
+                f"{HTTPS[h]} {v:.2f}x" for h, v in ratios.items()))
+        lines.append("")
+    lines += _format_open(doc.get("open_loop"))
+    peer = doc.get("vllm_router") or {}
+    if "skipped" in peer:
+        lines.append(f"vllm-router: skipped: {peer['skipped']}")
+    elif peer:
+        cpu_r = ", ".join(f"{HTTPS[h]} {v:.2f}x" for h, v in peer["router_over_vllm_router"].items())
+        req_r = ", ".join(f"{HTTPS[h]} {v:.2f}x" for h, v in peer["req_s_ratio"].items())
+        lines.append(f"vllm-router: router CPU per request / vllm-router's: {cpu_r or '-'}; "
+                     f"router req/s / vllm-router's: {req_r or '-'}")
+    if doc.get("interrupted"):
+        lines.append(f"stopped early: {doc['interrupted']}")
+    return "\n".join(lines)
+
+
+def _format_open(loop: dict[str, Any] | None) -> list[str]:
+    if not loop or "runs" not in loop:
+        return []
+    lines = [f"open loop (Poisson, h2c): highest rate with e2e p99 < {loop['p99_limit_ms']:g} ms "
+             "and no errors"]
+    for name in ("router", "direct"):
+        tried = ", ".join(
+            f"{r['rate']:g}: {_fmt(r['e2e_ms']['p99'], '.0f')} ms"
+            + (f" {r['counts']['errors']} err" if r["counts"]["errors"] else "")
+            for r in loop["runs"] if r["label"] == name)
+        best = loop.get(f"{name}_max_rate")
+        lines.append(f"  {name:<7} {_fmt(best, 'g') if best else 'none':>8} req/s   "
+                     f"(tried rps: e2e p99  {tried})")
+    half = loop.get("at_half")
+    if half:
+        ttft = half["added"]["ttft_ms"]
+        lines.append(f"  router added TTFT at {half['rate']:g} req/s: "
+                     f"p50 {_fmt(ttft['p50']['delta'], '+.2f')} ms, "
+                     f"p99 {_fmt(ttft['p99']['delta'], '+.2f')} ms")
+    if loop.get("client_bound"):
+        lines.append(f"  warning: {loop['client_bound']}")
+    return [*lines, ""]
+
+
+def _plot(doc: dict[str, Any], path: Path) -> Path:
+    from bench.plot import plot_rate_p99
+
+    return plot_rate_p99(doc["open_loop"]["runs"], path, limit_ms=doc["open_loop"]["p99_limit_ms"])
+
+
+# ---------------------------------------------------------------- main
+
+
+async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """Every phase, each filling ``doc`` as it finishes."""
+    with tempfile.TemporaryDirectory(prefix="headrace-bench-router-") as tmp:
+        logdir = Path(tmp)
+        async with AsyncExitStack() as stack:
+            print("starting 2 mocks, the router and the bare app...", file=sys.stderr)
+            bed = await start_bed(args, logdir, stack)
+            assert bed.router is not None and bed.bare is not None
+            doc["servers"] = {s.name: s.url for s in (*bed.mocks, bed.router, bed.bare)}
+            rows: list[dict[str, Any]] = doc.setdefault("closed_loop", [])
+            for http in args.http:
+                rows.append(await closed_loop(args, "router", bed.router, http, bed.mocks, logdir))
+                rows.append(await closed_loop(args, "bare", bed.bare, http, [], logdir))
+            doc["cpu_ratio_router_over_bare"] = cpu_ratios(rows)
+            if not args.no_open_loop:
+                await open_loop(args, bed, doc.setdefault("open_loop", {}))
+            doc["vllm_router"] = await vllm_router(args, bed, logdir, stack, rows)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.report:
+        print(format_report(msgspec.json.decode(Path(args.report).read_bytes())))
+        return 0
+    try:
+        _check(args)
+    except ClientError as exc:
+        print(f"headrace bench router: error: {exc.message}", file=sys.stderr)
+        return 2
+    doc: dict[str, Any] = {
+        "kind": "router", "cpu": cpu_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": {"concurrency": args.concurrency, "duration_s": args.duration,
+                   "http": args.http, "client": args.client, "open_duration_s": args.open_duration,
+                   "p99_limit_ms": args.p99_ms, "tpot_ms": args.tpot_ms,
+                   "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                   "workers": args.workers},
+    }
+    try:
+        trio.run(run, args, doc)
+    except BaseException as exc:  # the report is written whatever happened
+        leaf = exc
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        doc["interrupted"] = f"{type(leaf).__name__}: {leaf}"[:300]
+        _finish(args, doc)
+        if is_interrupt(exc):
+            return 130
+        if isinstance(leaf, HeadraceError):
+            print(f"headrace bench router: error: {leaf.message}", file=sys.stderr)
+            return 1
+        raise
+    _finish(args, doc)
+    return 0
+
+
+def _finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    print(format_report(doc))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = args.json_path or default_path(args.results_dir, "router", stamp, "json")
+    print(f"wrote {write_json(path, doc)}", file=sys.stderr)
+    if not args.no_plot and doc.get("open_loop", {}).get("runs"):
+        png = args.plot_path or default_path(args.results_dir, "router", stamp, "png")
+        print(f"wrote {_plot(doc, Path(png))}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

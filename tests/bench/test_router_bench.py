@@ -1,0 +1,85 @@
+"""``headrace bench router``: a whole run in a tiny configuration (real
+processes on 127.0.0.1), and its pure parts: the rate search and the parsers
+of wrk's and h2load's output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main as bench_main
+from bench.drivers import parse_h2load, parse_wrk
+from bench.router_bench import next_rate, passes
+
+WRK = """Running 3s test @ http://127.0.0.1:1/v1/completions
+  1 threads and 16 connections
+  928 requests in 3.02s, 3.81MB read
+  Non-2xx or 3xx responses: 3
+  Socket errors: connect 0, read 2, write 0, timeout 1
+Requests/sec:    306.90
+incomplete: 4
+"""
+H2LOAD = """finished in 3.00s, 687.00 req/s, 2.74MB/s
+requests: 2080 total, 2096 started, 2080 done, 2074 succeeded, 6 failed, 0 errored, 0 timeout
+status codes: 2072 2xx, 0 3xx, 0 4xx, 2 5xx
+"""
+
+
+def test_wrk_output_counts_bad_statuses_and_bodies_without_done_as_errors() -> None:
+    got = parse_wrk(WRK)
+    assert got["requests"] == 928 and got["ok"] == 928 - 3 - 4
+    assert got["errors"] == {"http_non_2xx": 3, "incomplete": 4, "socket_read": 2,
+                             "socket_timeout": 1}
+
+
+def test_h2load_output_counts_failures_and_non_2xx() -> None:
+    got = parse_h2load(H2LOAD)
+    assert got["ok"] == 2074 - 2 and got["errors"] == {"failed": 6, "http_non_2xx": 2}
+
+
+def test_the_rate_search_doubles_until_a_failure_then_bisects_to_15_percent() -> None:
+    assert next_rate(100, True, 100, None) == 200
+    assert next_rate(400, False, 200, 400) == 300
+    assert next_rate(300, True, 300, 400) == 350
+    assert next_rate(350, True, 350, 400) is None  # 400 / 350 < 1.15
+    assert next_rate(100, False, None, 100) == 50
+
+
+def test_a_rate_passes_only_under_the_p99_limit_and_without_errors() -> None:
+    def run(p99: float | None, errors: int) -> dict[str, object]:
+        return {"e2e_ms": {"p99": p99}, "counts": {"errors": errors}}
+
+    assert passes(run(120.0, 0), 500.0)
+    assert not passes(run(120.0, 1), 500.0)
+    assert not passes(run(650.0, 0), 500.0)
+    assert not passes(run(None, 0), 500.0)
+
+
+def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "router.json"
+    rc = bench_main(["router", "--client", "python", "--concurrency", "2", "--duration", "1",
+                     "--open-duration", "0.5", "--open-steps", "2", "--open-start", "20",
+                     "--vllm-router", "none", "--json", str(out), "--plot",
+                     str(tmp_path / "router.png")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "router" and doc["cpu"]["cores"] >= 1 and "interrupted" not in doc
+    rows = {(r["target"], r["http"]): r for r in doc["closed_loop"]}
+    assert set(rows) == {("router", "1.1"), ("router", "2"), ("bare", "1.1"), ("bare", "2")}
+    for r in rows.values():
+        assert r["ok"] > 0 and r["errors"] == {} and r["req_s"] > 0
+        assert r["cpu_ms_per_request"] > 0 and r["client"] == "python"
+    assert rows["router", "2"]["mock_cpu_ms_per_request"] > 0
+    assert set(doc["cpu_ratio_router_over_bare"]) == {"1.1", "2"}
+    loop = doc["open_loop"]
+    assert {r["label"] for r in loop["runs"]} == {"router", "direct"}
+    assert loop["router_max_rate"] and loop["direct_max_rate"]  # 20-40 req/s pass on any box
+    assert loop["at_half"]["added"]["ttft_ms"]["p50"]["delta"] is not None
+    assert "skipped" in doc["vllm_router"]
+    assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
+    table = capsys.readouterr().out
+    assert "router CPU per request / bare hypercorn app's" in table and "open loop" in table
