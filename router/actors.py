@@ -1,25 +1,34 @@
-"""One actor per backend, and the supervisor that keeps them running.
+"""One actor per backend: a supervised service that owns the backend's state.
 
 A :class:`BackendActor` owns everything the router knows about one backend:
-its client (a :class:`~backends.base.Backend`), its health state (through the
-table in :mod:`router.health`), whether an operator drained it, its in-flight
-count and its counters. Its task tree is the health prober; request streams
-run in the request's own task and pass through :meth:`BackendActor.stream`,
-which counts them. Everything runs on one Trio thread, so there are no locks.
+its client (a :class:`~backends.base.Backend`), its health (one
+:class:`~router.health.BackendHealth`), whether an operator drained it, its
+in-flight count and its counters. Its task tree is the health prober; request
+streams run in the request's own task and pass through
+:meth:`BackendActor.stream`, which counts them. Everything runs on one Trio
+thread, so there are no locks.
 
-The :class:`Supervisor` runs every actor in the router's root nursery. An actor
-whose task crashes (a bug in an adapter, an exception that escaped
-translation) is logged, marked down and restarted with exponential backoff;
-it is never silently dropped::
+Health has one state, moved only by the table in :mod:`router.health`, and two
+sources feed it::
 
-    Supervisor.run ── nursery ─┬─ _supervise(a) ── nursery.start(a.run) ── probe loop
-                               └─ _supervise(b) ── ...   (crash -> log, backoff, restart)
+    prober (run)  ── probe() ──── PROBE_OK / PROBE_FAILED ─────────────┐
+    request task  ── stream() ─── REQUEST_OK / REQUEST_FAILED_EARLY ───┼─> BackendHealth.handle
+                                  / REQUEST_FAILED_LATE                │     (TRANSITIONS)
+    supervisor    ── crashed() ── CRASHED        aclose() ── CLOSE ────┘
+
+Entering SUSPECT (a failed request or a failed probe below the threshold), or
+any failed request, wakes the prober to probe at once.
+
+An actor is a :class:`~router.services.Service`: the
+:class:`~router.services.Supervisor` (re-exported here) starts it, counts it
+started after its first probe, and restarts it with backoff if its task
+crashes (``crashed`` marks it down meanwhile).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -28,7 +37,8 @@ import trio
 from backends.base import Backend, BackendInfo, Event, GenerateRequest
 from backends.errors import BackendUnavailable, HeadraceError, StreamBroken, UpstreamError
 from policies.base import BackendView
-from router.health import HealthEvent, HealthState, next_state
+from router.health import BackendHealth, HealthEvent, HealthState, HealthStatistics
+from router.services import Supervisor
 
 __all__ = ["ActorStatistics", "BackendActor", "Supervisor", "closing_stream"]
 
@@ -50,6 +60,8 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     probe_failures: int
     restarts: int  # times the supervisor restarted this actor after a crash
     detail: str  # the last probe's detail
+    up: bool  # up or suspect: takes requests unless draining
+    health: HealthStatistics
 
 
 class BackendActor:
@@ -66,16 +78,13 @@ class BackendActor:
         unhealthy_threshold: int = 2,
     ) -> None:
         self.name = name
-        # Consecutive failed probes that take an UP backend DOWN: one slow
-        # probe on a loaded box must not eject a healthy backend (Envoy's
-        # unhealthy_threshold). A backend not yet known up goes down at once.
-        self.unhealthy_threshold = unhealthy_threshold
-        self._failed_probes = 0
+        # The threshold of consecutive failed probes that take an up backend
+        # down lives in the health machine (router.health).
+        self.health = BackendHealth(unhealthy_threshold)
         self.backend = backend
         self.weight = weight
         self.probe_interval = probe_interval
         self.probe_timeout = probe_timeout
-        self.state = HealthState.UNKNOWN
         self.draining = False
         self.in_flight = 0
         self.info: BackendInfo | None = None
@@ -100,6 +109,14 @@ class BackendActor:
                 await self.probe()
 
     @property
+    def state(self) -> HealthState:
+        return self.health.state
+
+    @property
+    def unhealthy_threshold(self) -> int:
+        return self.health.unhealthy_threshold
+
+    @property
     def closed(self) -> bool:
         return self.state is HealthState.CLOSED
 
@@ -113,16 +130,15 @@ class BackendActor:
                     await self._refresh_info()
             except HeadraceError as exc:
                 ok, detail = False, exc.message
+        if self.closed:
+            return  # closed while the probe ran: its result no longer matters
         self._counts["probes"] += 1
         self._counts["probe_failures"] += 0 if ok else 1
         self._detail = detail
-        self._failed_probes = 0 if ok else self._failed_probes + 1
-        if not ok and self.state is HealthState.UP and self._failed_probes < self.unhealthy_threshold:
-            log.warning("backend %s: probe failed (%s), %d of %d before down", self.name, detail,
-                        self._failed_probes, self.unhealthy_threshold)
-            self._wake.set()  # probe again now rather than after a full interval
-            return
         self._apply(HealthEvent.PROBE_OK if ok else HealthEvent.PROBE_FAILED)
+        if self.state is HealthState.SUSPECT:
+            log.warning("backend %s: probe failed (%s), %d of %d before down", self.name, detail,
+                        self.health.failed_probes, self.unhealthy_threshold)
 
     async def _refresh_info(self) -> None:
         """Re-read the backend's models (adapters over HTTP fetch them in
@@ -131,24 +147,36 @@ class BackendActor:
         self.info = await refresh() if refresh is not None else self.backend.info()
 
     def _apply(self, event: HealthEvent) -> None:
+        """Feed ``event`` to the health machine, the one place that moves the
+        state; wake the prober when the backend became (or stays) suspect."""
         before = self.state
-        self.state = next_state(self.state, event)
-        if self.state is not before:
-            log.info("backend %s: %s -> %s (%s)", self.name, before.value, self.state.value, self._detail)
+        after = self.health.handle(event)
+        if after is not before:
+            log.info("backend %s: %s -> %s (%s)", self.name, before.value, after.value, self._detail)
+        if after is HealthState.SUSPECT:
+            self._wake.set()  # probe now rather than after a full interval
+
+    def report(self, event: HealthEvent) -> None:
+        """A request outcome (``REQUEST_*``): into the health machine; a
+        failure makes the prober probe at once, whatever the state."""
+        self._apply(event)
+        if event is not HealthEvent.REQUEST_OK and not self.closed:
+            self._wake.set()
 
     def suspect(self) -> None:
-        """A request just failed to reach the backend: probe it now."""
+        """Probe now. :meth:`stream` already reports every outcome to the
+        health machine, so callers need not call this after a failure."""
         self._wake.set()
 
     def crashed(self, exc: BaseException) -> None:
         """Called by the supervisor: the actor's task died with ``exc``."""
         self._counts["restarts"] += 1
         self._detail = f"actor crashed: {exc!r}"
-        if self.state is not HealthState.CLOSED:
-            self._apply(HealthEvent.PROBE_FAILED)
+        if not self.closed:
+            self._apply(HealthEvent.CRASHED)
 
     async def aclose(self) -> None:
-        if self.state is HealthState.CLOSED:
+        if self.closed:
             return
         self._apply(HealthEvent.CLOSE)
         self._wake.set()
@@ -168,8 +196,8 @@ class BackendActor:
         return self.info.models if self.info is not None else ()
 
     def eligible(self, model: str | None) -> bool:
-        """Up, not draining, and serving ``model`` (``None``: any)."""
-        if self.state is not HealthState.UP or self.draining:
+        """Up (or suspect), not draining, and serving ``model`` (``None``: any)."""
+        if not self.state.serving or self.draining:
             return False
         return model is None or not self.models or model in self.models
 
@@ -177,7 +205,7 @@ class BackendActor:
         return BackendView(
             name=self.name,
             in_flight=self.in_flight,
-            healthy=self.state is HealthState.UP,
+            healthy=self.state.serving,
             draining=self.draining,
             weight=self.weight,
             models=frozenset(self.models),
@@ -185,7 +213,11 @@ class BackendActor:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The backend's stream, counted: in-flight drops the moment the
-        consumer stops (finish, error, cancel or close)."""
+        consumer stops (finish, error, cancel or close). Every outcome goes to
+        the health machine: done (or a client error, which the backend
+        answered) is REQUEST_OK; an upstream error is REQUEST_FAILED_EARLY or
+        _LATE by whether an event was relayed. A cancel is the client's doing
+        and says nothing about the backend."""
         self.in_flight += 1
         self._counts["requests"] += 1
         relayed = False
@@ -196,23 +228,30 @@ class BackendActor:
                     relayed = True
                     yield event
         except UpstreamError:
-            self._counts["failures"] += 1
+            self._failed(relayed)
             raise
         except HeadraceError:
+            self.report(HealthEvent.REQUEST_OK)
             raise
         except Exception as exc:
             # An adapter let an error through untranslated: to the router it
             # is an upstream failure like any other (retried before the first
             # token, an in-band error after it), never a silent end.
-            self._counts["failures"] += 1
+            self._failed(relayed)
             log.exception("backend %s: untranslated error from the adapter", self.name)
             error = StreamBroken if relayed else BackendUnavailable
             raise error(f"backend {self.name} failed: {type(exc).__name__}: {exc}") from exc
         except (trio.Cancelled, GeneratorExit):
             self._counts["cancelled"] += 1
             raise
+        else:
+            self.report(HealthEvent.REQUEST_OK)
         finally:
             self.in_flight -= 1
+
+    def _failed(self, relayed: bool) -> None:
+        self._counts["failures"] += 1
+        self.report(HealthEvent.REQUEST_FAILED_LATE if relayed else HealthEvent.REQUEST_FAILED_EARLY)
 
     def statistics(self) -> ActorStatistics:
         return ActorStatistics(
@@ -223,6 +262,8 @@ class BackendActor:
             weight=self.weight,
             models=self.models,
             detail=self._detail,
+            up=self.state.serving,
+            health=self.health.statistics(),
             **self._counts,
         )
 
@@ -246,53 +287,3 @@ class closing_stream:
         if aclose is not None:
             with trio.CancelScope(shield=True):
                 await aclose()
-
-
-class Supervisor:
-    """Runs the actors; restarts a crashed one with exponential backoff."""
-
-    def __init__(self, actors: Sequence[BackendActor], *, backoff: float = 0.1, backoff_max: float = 10.0) -> None:
-        self.actors = list(actors)
-        self.backoff = backoff
-        self.backoff_max = backoff_max
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start every actor concurrently; report started once each has made
-        its first probe (or crashed trying); run until cancelled."""
-        pending = len(self.actors)
-        all_started = trio.Event()
-
-        def one_started() -> None:
-            nonlocal pending
-            pending -= 1
-            if pending == 0:
-                all_started.set()
-
-        async with trio.open_nursery() as nursery:
-            for actor in self.actors:
-                nursery.start_soon(self._supervise, actor, one_started)
-            if self.actors:
-                await all_started.wait()
-            task_status.started()
-
-    async def _supervise(self, actor: BackendActor, started: Callable[[], None]) -> None:
-        delay, first = self.backoff, True
-        while True:
-            began = trio.current_time()
-            try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(actor.run)
-                    if first:
-                        first = False
-                        started()
-                return  # run() returned: the actor was closed on purpose
-            except Exception as exc:  # logged and restarted, never dropped
-                if trio.current_time() - began > self.backoff_max:
-                    delay = self.backoff  # it ran a good while: start the backoff over
-                log.exception("backend actor %s crashed; restarting in %.2fs", actor.name, delay)
-                actor.crashed(exc)
-            if first:
-                first = False
-                started()
-            await trio.sleep(delay)
-            delay = min(delay * 2, self.backoff_max)
