@@ -1,38 +1,130 @@
-"""Find routing policies by name: built-ins and plugins through one table.
+"""Find policies by kind and name, with options: built-ins and plugins through one table.
 
-Plugins register an entry point in the group ``headrace.policies`` whose value
-is a zero-argument factory (usually the class) returning a
-:class:`~policies.base.RoutingPolicy`. Built-ins are declared the same way in
-pyproject.toml and are also known here directly, so a source checkout that was
-never installed still finds them. Discovery is sorted by name; a plugin that
-fails to import, or two packages claiming one name, raises
-:class:`PolicyError` naming the package at fault (as flake8's plugin finder
-does), instead of a bare ImportError deep in startup.
+Each extension point is a *kind* (:data:`KINDS`: routing today; admission,
+priority, rate limiting and circuit breaking declared for the issues that
+bring them), with the protocol an instance must satisfy. Config names a
+policy of a kind and gives its options, which reach the factory as keyword
+arguments::
+
+    [routing]                         create("routing", "prefix_hash", {"replicas": 2})
+    policy = "prefix_hash"     ──>    -> factory(replicas=2), then checked: has pick()
+    [routing.options]
+    replicas = 2
+
+Plugins register an entry point in the group ``headrace.policies.<kind>``
+(``headrace.policies.routing``, ...) whose value is a factory, usually the
+class. The plain group ``headrace.policies`` still means routing, so plugins
+registered before kinds existed keep working. Built-ins are declared in
+pyproject.toml too and are also known here directly (:data:`BUILTINS`), so a
+source checkout that was never installed still finds them.
+
+Options: a factory with an ``Options`` attribute that is a msgspec Struct
+gets the options converted into it (``factory(Options(...))``); any other
+factory is called with them as keyword arguments, after a check that it
+accepts each name. Either way an option the policy rejects (an unknown name, a
+TypeError, a msgspec ValidationError) is a :class:`PolicyError` naming the
+policy and the option.
+
+Discovery is sorted by name; a plugin that fails to import, or two packages
+claiming one name within a kind, raises :class:`PolicyError` naming the
+package at fault (as flake8's plugin finder does), instead of a bare
+ImportError deep in startup.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import msgspec
 
 from policies.base import RoutingPolicy
 from policies.routing import LeastLoaded, RoundRobin
 
-__all__ = ["BUILTINS", "GROUP", "PolicyError", "available", "create_policy", "load_factory"]
+__all__ = [
+    "BUILTINS",
+    "GROUP",
+    "KINDS",
+    "LEGACY_GROUPS",
+    "Kind",
+    "PolicyError",
+    "PolicyInfo",
+    "available",
+    "create",
+    "create_policy",
+    "group",
+    "installed",
+    "load_factory",
+]
 
 GROUP = "headrace.policies"
 
-PolicyFactory = Callable[[], Any]
+PolicyFactory = Callable[..., Any]
+EntryPoints = Iterable[importlib.metadata.EntryPoint]
 
-BUILTINS: dict[str, tuple[str, PolicyFactory]] = {
-    "least_loaded": ("policies.routing:LeastLoaded", LeastLoaded),
-    "round_robin": ("policies.routing:RoundRobin", RoundRobin),
+
+class Kind(NamedTuple):
+    """One extension point. ``protocol`` is what an instance must satisfy
+    (a runtime-checkable Protocol); ``None`` while the kind's interface has
+    not landed, in which case any object is accepted."""
+
+    name: str
+    protocol: type | None
+    requires: str  # the protocol as an error message names it
+    summary: str
+
+
+# Adding a kind is a line here (and its config section where it is used).
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind("routing", RoutingPolicy, "pick(candidates, request, now)", "picks a backend for each request"),
+        Kind("admission", None, "", "admits or sheds a request (503 + Retry-After)"),
+        Kind("priority", None, "", "orders waiting requests (priority, tenant share)"),
+        Kind("ratelimit", None, "", "limits a tenant's request and token rates (429 + Retry-After)"),
+        Kind("breaker", None, "", "opens a backend's circuit after failures"),
+    )
 }
+
+# Groups from before kinds, and the kind they mean.
+LEGACY_GROUPS: dict[str, str] = {GROUP: "routing"}
+
+BUILTINS: dict[str, dict[str, tuple[str, PolicyFactory]]] = {
+    "routing": {
+        "least_loaded": ("policies.routing:LeastLoaded", LeastLoaded),
+        "round_robin": ("policies.routing:RoundRobin", RoundRobin),
+    },
+}
+
+BUILTIN_PACKAGE = "headrace"
 
 
 class PolicyError(Exception):
-    """A policy name that does not resolve, or a plugin that is broken."""
+    """A policy name that does not resolve, options it rejects, or a plugin that is broken."""
+
+
+class PolicyInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One installed policy, as ``headrace policies`` lists it."""
+
+    kind: str
+    name: str
+    package: str
+    value: str  # module:attribute
+    builtin: bool
+
+
+def group(kind: str) -> str:
+    """The entry-point group of ``kind``."""
+    return f"{GROUP}.{_kind(kind).name}"
+
+
+def _kind(kind: str) -> Kind:
+    found = KINDS.get(kind)
+    if found is None:
+        raise PolicyError(f"unknown policy kind {kind!r}; known: {', '.join(KINDS)}")
+    return found
 
 
 def _package(ep: importlib.metadata.EntryPoint) -> str:
@@ -40,49 +132,128 @@ def _package(ep: importlib.metadata.EntryPoint) -> str:
     return dist.name if dist is not None else ep.value.split(":", 1)[0].split(".", 1)[0]
 
 
-def _discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None) -> dict[str, importlib.metadata.EntryPoint]:
-    eps = importlib.metadata.entry_points(group=GROUP) if entry_points is None else entry_points
+def _entry_points(kind: str, entry_points: EntryPoints | None) -> list[importlib.metadata.EntryPoint]:
+    groups = {group(kind), *(g for g, k in LEGACY_GROUPS.items() if k == kind)}
+    if entry_points is None:
+        everything = importlib.metadata.entry_points()
+        return [ep for g in sorted(groups) for ep in everything.select(group=g)]
+    return [ep for ep in entry_points if ep.group in groups]
+
+
+def _discover(kind: str, entry_points: EntryPoints | None) -> dict[str, importlib.metadata.EntryPoint]:
+    builtins = BUILTINS.get(kind, {})
     found: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in sorted(eps, key=lambda e: (e.name, e.value)):
-        builtin = BUILTINS.get(ep.name)
+    for ep in sorted(_entry_points(kind, entry_points), key=lambda e: (e.name, e.value)):
+        builtin = builtins.get(ep.name)
         if builtin is not None and builtin[0] == ep.value:
             continue  # the built-in's own declaration
+        if ep.name in found and found[ep.name].value == ep.value:
+            continue  # one declaration seen twice (legacy and kind group, or a path listed twice)
         if builtin is not None or ep.name in found:
-            other = "headrace (built-in)" if builtin is not None else _package(found[ep.name])
-            raise PolicyError(f"routing policy {ep.name!r} is registered twice: by {other} and by {_package(ep)}")
+            other = f"{BUILTIN_PACKAGE} (built-in)" if builtin is not None else _package(found[ep.name])
+            raise PolicyError(f"{kind} policy {ep.name!r} is registered twice: by {other} and by {_package(ep)}")
         found[ep.name] = ep
     return found
 
 
-def available(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> list[str]:
-    """Every known policy name, sorted."""
-    return sorted({*BUILTINS, *_discover(entry_points)})
+def available(entry_points: EntryPoints | None = None, *, kind: str = "routing") -> list[str]:
+    """Every known policy name of ``kind``, sorted."""
+    return sorted({*BUILTINS.get(_kind(kind).name, {}), *_discover(kind, entry_points)})
 
 
-def load_factory(name: str, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> PolicyFactory:
-    """The factory registered under ``name``."""
-    builtin = BUILTINS.get(name)
-    plugins = _discover(entry_points)
+def installed(entry_points: EntryPoints | None = None) -> list[PolicyInfo]:
+    """Every known policy of every kind (kinds in :data:`KINDS` order, names
+    sorted), with the package that provides it; nothing is imported."""
+    rows: list[PolicyInfo] = []
+    for kind in KINDS:
+        builtins = BUILTINS.get(kind, {})
+        plugins = _discover(kind, entry_points)
+        for name in sorted({*builtins, *plugins}):
+            if name in builtins:
+                rows.append(PolicyInfo(kind=kind, name=name, package=BUILTIN_PACKAGE, value=builtins[name][0], builtin=True))
+            else:
+                ep = plugins[name]
+                rows.append(PolicyInfo(kind=kind, name=name, package=_package(ep), value=ep.value, builtin=False))
+    return rows
+
+
+def load_factory(name: str, entry_points: EntryPoints | None = None, *, kind: str = "routing") -> PolicyFactory:
+    """The factory registered under ``name`` for ``kind``."""
+    _kind(kind)
+    builtin = BUILTINS.get(kind, {}).get(name)
+    plugins = _discover(kind, entry_points)
     if builtin is not None:
         return builtin[1]
     ep = plugins.get(name)
     if ep is None:
-        known = ", ".join(sorted({*BUILTINS, *plugins}))
-        raise PolicyError(f"unknown routing policy {name!r}; known: {known}")
+        known = ", ".join(sorted({*BUILTINS.get(kind, {}), *plugins})) or "none installed"
+        raise PolicyError(f"unknown {kind} policy {name!r}; known: {known}")
     try:
         factory: PolicyFactory = ep.load()
     except Exception as exc:
-        raise PolicyError(f"routing policy {name!r} from package {_package(ep)} failed to load: {exc!r}") from exc
+        raise PolicyError(f"{kind} policy {name!r} from package {_package(ep)} failed to load: {exc!r}") from exc
     return factory
 
 
-def create_policy(name: str, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> RoutingPolicy:
-    """A fresh policy instance; checks it has ``pick``."""
-    factory = load_factory(name, entry_points)
-    try:
-        policy = factory()
-    except Exception as exc:
-        raise PolicyError(f"routing policy {name!r} failed to initialise: {exc!r}") from exc
-    if not isinstance(policy, RoutingPolicy):
-        raise PolicyError(f"routing policy {name!r} has no pick(candidates, request, now) method")
+def create(
+    kind: str,
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    entry_points: EntryPoints | None = None,
+) -> Any:
+    """A fresh policy of ``kind`` built with ``options``; checks it satisfies
+    the kind's protocol."""
+    spec = _kind(kind)
+    factory = load_factory(name, entry_points, kind=kind)
+    policy = _instantiate(f"{kind} policy {name!r}", factory, dict(options or {}))
+    if spec.protocol is not None and not isinstance(policy, spec.protocol):
+        raise PolicyError(f"{kind} policy {name!r} has no {spec.requires} method")
     return policy
+
+
+def create_policy(
+    name: str,
+    entry_points: EntryPoints | None = None,
+    *,
+    options: Mapping[str, Any] | None = None,
+) -> RoutingPolicy:
+    """A fresh routing policy (``[routing] policy`` and ``[routing.options]``)."""
+    policy: RoutingPolicy = create("routing", name, options, entry_points=entry_points)
+    return policy
+
+
+def _instantiate(what: str, factory: PolicyFactory, options: dict[str, Any]) -> Any:
+    declared = getattr(factory, "Options", None)
+    structured = isinstance(declared, type) and issubclass(declared, msgspec.Struct)
+    if not structured:
+        _check_names(what, factory, options)
+    try:
+        return factory(msgspec.convert(options, declared)) if structured else factory(**options)
+    except msgspec.ValidationError as exc:
+        detail = str(exc).replace("`$.", "`").replace(" - at `$`", "")
+        raise PolicyError(f"{what}: bad option: {detail}") from exc
+    except TypeError as exc:
+        if not options:
+            raise PolicyError(f"{what} failed to initialise: {exc!r}") from exc
+        raise PolicyError(f"{what} rejected its options ({', '.join(sorted(options))}): {exc}") from exc
+    except Exception as exc:
+        raise PolicyError(f"{what} failed to initialise: {exc!r}") from exc
+
+
+def _check_names(what: str, factory: PolicyFactory, options: Mapping[str, Any]) -> None:
+    """An option the factory has no keyword for is named before the call
+    (a TypeError from deep inside a constructor names it less clearly)."""
+    if not options:
+        return
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return  # no signature to read (a C callable): the call itself will tell
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        accepted = f"its options: {', '.join(takes)}" if takes else "it takes no options"
+        raise PolicyError(f"{what} has no option {unknown[0]!r} ({accepted})")

@@ -1,18 +1,23 @@
 """``headrace`` command line: one entry point, a subcommand per component.
 
-Each subcommand lives with its component and exposes ``main(argv) -> int``;
-this module only dispatches, importing lazily so ``headrace mock`` never pays
-for importing torch, and holds the one logging setup the subcommands share
-(:func:`configure_logging`).
+Each subcommand lives with its component and exposes ``main(argv) -> int``
+(or the function a ``module:function`` entry names); this module only
+dispatches, importing lazily so ``headrace mock`` never pays for importing
+torch, and holds the one logging setup the subcommands share
+(:func:`configure_logging`). ``headrace policies`` is small enough to live
+here: policies/ stays free of printing, and the registry answers the question.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Iterable
+from importlib.metadata import EntryPoint
 
-__all__ = ["QUIET_LOGGERS", "configure_logging", "main"]
+__all__ = ["QUIET_LOGGERS", "configure_logging", "main", "policies_main"]
 
 # Libraries that log every request at INFO (httpx: each upstream request and
 # health probe): noise for operators and a cost on the hot path.
@@ -26,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("backends.engine.server", "the built-in torch engine as a server"),
     "bench": ("bench.cli", "open-loop load generator and benchmarks"),
     "conformance": ("conformance.cli", "check a backend or router against the API contract"),
+    "policies": ("router.cli:policies_main", "list the installed policies by kind, with their packages"),
 }
 
 
@@ -58,9 +64,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"headrace: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     quiet_libraries()  # also for subcommands that configure no logging of their own
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    result: int = module.main(rest)
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
+    module = importlib.import_module(module_name)
+    result: int = getattr(module, function or "main")(rest)
     return result
+
+
+def policies_main(argv: list[str], entry_points: Iterable[EntryPoint] | None = None) -> int:
+    """``headrace policies``: every kind, then each policy of it with the
+    package that provides it (built-ins: headrace) and its factory."""
+    from policies.registry import KINDS, PolicyError, group, installed
+
+    parser = argparse.ArgumentParser(prog="headrace policies", description=policies_main.__doc__)
+    parser.add_argument("--json", action="store_true", help="one JSON array of {kind, name, package, value, builtin}")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        rows = installed(entry_points)
+    except PolicyError as exc:
+        print(f"headrace policies: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        import msgspec
+
+        print(msgspec.json.encode(rows).decode())
+        return 0
+    width = max((len(r.name) for r in rows), default=0)
+    pkg_width = max((len(r.package) for r in rows), default=0)
+    for kind in KINDS.values():
+        print(f"{kind.name}: {kind.summary} [{group(kind.name)}]")
+        mine = [r for r in rows if r.kind == kind.name]
+        for r in mine:
+            print(f"  {r.name:<{width}}  {r.package:<{pkg_width}}  {r.value}")
+        if not mine:
+            print("  (none installed)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
 
     [routing]
     policy = "least_loaded"      # resolved through policies.registry
+    options = {}                 # its factory's keyword arguments (or a [routing.options] table)
 
     [auth]
     keys = { "sk-team-a" = "tenant-a" }
@@ -73,7 +74,10 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "round_robin"
+    policy: str = "round_robin"  # a routing policy's name in policies.registry
+    # Keyword arguments for the policy's factory ([routing.options]); the
+    # policy validates them (policies.registry.create).
+    options: dict[str, Any] = {}
     max_attempts: PositiveInt = 3  # backends tried before the first token
     retry_after: Positive = 1.0  # seconds suggested to clients when no backend is up
 

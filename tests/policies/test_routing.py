@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import BackendView, RouteRequest, RoutingPolicy
-from policies.registry import PolicyError, available, create_policy
 from policies.routing import LeastLoaded, RoundRobin
 
 REQ = RouteRequest(model="m")
@@ -84,42 +82,3 @@ def test_least_loaded_rotates_among_ties() -> None:
 @pytest.mark.parametrize("policy", [RoundRobin(), LeastLoaded()])
 def test_no_candidates_means_no_pick(policy: RoutingPolicy) -> None:
     assert policy.pick([], REQ, 0.0) is None
-
-
-def test_registry_finds_builtins_by_name() -> None:
-    assert available() == ["least_loaded", "round_robin"]
-    assert isinstance(create_policy("round_robin"), RoundRobin)
-    assert isinstance(create_policy("least_loaded"), LeastLoaded)
-
-
-def test_registry_rejects_unknown_names_listing_known_ones() -> None:
-    with pytest.raises(PolicyError, match="unknown routing policy 'nope'; known: least_loaded, round_robin"):
-        create_policy("nope")
-
-
-def _ep(name: str, value: str) -> importlib.metadata.EntryPoint:
-    return importlib.metadata.EntryPoint(name, value, "headrace.policies")
-
-
-def test_plugin_policy_is_loaded_from_its_entry_point() -> None:
-    eps = [_ep("lucky", "policies.routing:LeastLoaded"), _ep("round_robin", "policies.routing:RoundRobin")]
-    assert available(eps) == ["least_loaded", "lucky", "round_robin"]
-    assert isinstance(create_policy("lucky", eps), LeastLoaded)
-
-
-def test_failing_plugin_raises_an_error_naming_its_package() -> None:
-    eps = [_ep("broken", "acme_routing.missing:Policy")]
-    with pytest.raises(PolicyError, match="'broken' from package acme_routing failed to load"):
-        create_policy("broken", eps)
-
-
-def test_plugin_without_pick_is_rejected() -> None:
-    eps = [_ep("odd", "collections:OrderedDict")]
-    with pytest.raises(PolicyError, match="no pick"):
-        create_policy("odd", eps)
-
-
-def test_two_packages_claiming_one_name_is_an_error() -> None:
-    eps = [_ep("round_robin", "acme.rr:RR")]
-    with pytest.raises(PolicyError, match="registered twice"):
-        available(eps)

@@ -7,6 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from policies.registry import PolicyError
+from router.app import Router
 from router.config import (
     BackendSpec,
     ConfigError,
@@ -91,6 +93,15 @@ def test_command_line_overrides_fields() -> None:
     assert (config.server.port, config.routing.policy, config.server.host) == (0, "least_loaded", "127.0.0.1")
     with pytest.raises(ConfigError, match="no configuration field named 'nope'"):
         with_overrides(RouterConfig(), nope=1)
+
+
+def test_routing_options_table_reaches_the_policy_factory(tmp_path: Path) -> None:
+    """[routing.options] is passed to the factory; one it rejects is named."""
+    config = load_config(write(tmp_path, '[routing]\npolicy = "least_loaded"\n[routing.options]\nspread = 2\n'))
+    assert config.routing.options == {"spread": 2}
+    assert RouterConfig().routing.options == {}
+    with pytest.raises(PolicyError, match="routing policy 'least_loaded' has no option 'spread'"):
+        Router(config, [])
 
 
 def test_config_is_frozen() -> None:
