@@ -98,7 +98,8 @@ class BackendActor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe once, report started, then probe every ``probe_interval``
-        (sooner when :meth:`suspect` is called)."""
+        (at once when a request fails, the backend turns suspect, or
+        :meth:`suspect` is called)."""
         await self.probe()
         task_status.started()
         while not self.closed:
@@ -148,12 +149,13 @@ class BackendActor:
 
     def _apply(self, event: HealthEvent) -> None:
         """Feed ``event`` to the health machine, the one place that moves the
-        state; wake the prober when the backend became (or stays) suspect."""
+        state; wake the prober when the backend became suspect, or stays
+        suspect after a failed probe."""
         before = self.state
         after = self.health.handle(event)
         if after is not before:
             log.info("backend %s: %s -> %s (%s)", self.name, before.value, after.value, self._detail)
-        if after is HealthState.SUSPECT:
+        if after is HealthState.SUSPECT and (after is not before or event is HealthEvent.PROBE_FAILED):
             self._wake.set()  # probe now rather than after a full interval
 
     def report(self, event: HealthEvent) -> None:
