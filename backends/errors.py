@@ -2,7 +2,7 @@
 
 Exceptions from trio, httpx, h2 and torch never escape ``backends/``: adapters
 translate them here, and the HTTP layer maps ``status`` to a response in one
-place (``backends.openai_server.error_response``)::
+place (``frontend.server.error_response``)::
 
     HeadraceError                      status  type
     ├── ClientError                    4xx     invalid_request_error

@@ -44,7 +44,7 @@ import trio
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
 
-from backends.serving import ServeOptions
+from frontend.serving import ServeOptions
 
 __all__ = ["LeanServer", "serve_lean"]
 
@@ -74,7 +74,7 @@ async def serve_lean(
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """:func:`backends.serving.serve`, on the lean server (no TLS)."""
+    """:func:`frontend.serving.serve`, on the lean server (no TLS)."""
     if options.certfile:
         raise ValueError("the lean server does not speak TLS; serve with hypercorn")
     server = LeanServer(app, answer_now=answer_now, graceful_timeout=options.graceful_timeout,

@@ -1,7 +1,7 @@
 """``headrace mock``: the deterministic mock backend as an OpenAI-compatible
 server, with faults injected at the HTTP level.
 
-The wire format is the shared frontend's (``backends.openai_server``), so the
+The wire format is the shared frontend's (``frontend.server``), so the
 mock speaks exactly what the router and the engine speak. Faults live in a
 small ASGI middleware around that app, :class:`FaultInjector`, which watches
 the SSE chunks the frontend sends and, on a request drawn to fail (a
@@ -50,7 +50,7 @@ from backends.base import Event
 from backends.errors import HeadraceError, ModelNotFound
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
-from backends.openai_server import (
+from frontend.server import (
     DEFAULT_MAX_BODY,
     HTTPRequest,
     OpenAIServer,
@@ -58,7 +58,7 @@ from backends.openai_server import (
     error_response,
     json_response,
 )
-from backends.openai_wire import (
+from frontend.wire import (
     Kind,
     decode_request,
     error_body,
@@ -67,7 +67,7 @@ from backends.openai_wire import (
     to_generate_requests,
     usage_payload,
 )
-from backends.serving import ServeOptions, serve, wait_for_signal
+from frontend.serving import ServeOptions, serve, wait_for_signal
 
 __all__ = ["FastPath", "FaultInjector", "build_app", "main"]
 

@@ -24,7 +24,8 @@ A stream refused by the server (GOAWAY raced it, REFUSED_STREAM) was not
 processed and is sent again at once on a new connection. Cancelling the
 consumer closes the HTTP stream at once: RST_STREAM(CANCEL) over HTTP/2, the
 connection over HTTP/1.1. Health probes have an HTTP/2 connection of their
-own, so they never queue behind the streams.
+own, so they never queue behind the streams. Each request carries the
+client request's id as ``x-request-id``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ from backends.errors import (
     UpstreamError,
 )
 from backends.h2client import H2Error, H2Pool, H2Unsupported, RefusedStream
-from backends.sse import SSEParser
 from backends.tally import StreamTally
+from frontend.sse import SSEParser
 
 __all__ = ["HTTPBackendStatistics", "HTTPOptions", "OpenAIHTTPBackend", "status_error"]
 
@@ -364,13 +365,14 @@ class _H2:
         reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
         return reply.status, reply.body
 
-    def open(self, path: str, body: bytes) -> AbstractAsyncContextManager[_Reply]:
-        return self._open(path, body)
+    def open(self, path: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body, request_id)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: bytes) -> AsyncIterator[_Reply]:
+    async def _open(self, path: str, body: bytes, request_id: str) -> AsyncIterator[_Reply]:
+        headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
         for attempt in (1, 2):
-            response = self.pool.stream("POST", path, headers=_POST_HEADERS, body=body)
+            response = self.pool.stream("POST", path, headers=headers, body=body)
             try:
                 await response.__aenter__()
             except RefusedStream:
@@ -423,12 +425,13 @@ class _H1:
         response = await self.client.get(path)
         return response.status_code, response.content
 
-    def open(self, path: str, body: bytes) -> AbstractAsyncContextManager[_Reply]:
-        return self._open(path, body)
+    def open(self, path: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body, request_id)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: bytes) -> AsyncIterator[_Reply]:
-        async with self.client.stream("POST", path, content=body, headers=_POST_HEADERS) as response:
+    async def _open(self, path: str, body: bytes, request_id: str) -> AsyncIterator[_Reply]:
+        headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
+        async with self.client.stream("POST", path, content=body, headers=headers) as response:
             chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
             yield _Reply(response.status_code, response.headers, chunks)
 
@@ -657,7 +660,7 @@ class OpenAIHTTPBackend:
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, payload = self._payload(request)
-        return self._tally.track(self._stream(path, payload))
+        return self._tally.track(self._stream(path, payload, request.request_id))
 
     # ------------------------------------------------------------ internals
 
@@ -702,7 +705,7 @@ class OpenAIHTTPBackend:
         body.update({k: v for k, v in optional.items() if v is not None})
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
-    async def _stream(self, path: str, payload: dict[str, Any]) -> AsyncGenerator[Event, None]:
+    async def _stream(self, path: str, payload: dict[str, Any], request_id: str = "") -> AsyncGenerator[Event, None]:
         """POST and relay the SSE stream as events. Every failure leaves as
         one of our errors; the tokens so far tell a broken stream (after the
         first event: migratable) from an unavailable backend (before it).
@@ -714,7 +717,7 @@ class OpenAIHTTPBackend:
             async with AsyncExitStack() as stack:
                 with trio.move_on_after(self.first_token_timeout) as opening:
                     transport = await self._use()
-                    reply = await stack.enter_async_context(transport.open(path, body))
+                    reply = await stack.enter_async_context(transport.open(path, body, request_id))
                 if opening.cancelled_caught:
                     raise BackendTimeout(f"no response within {self.first_token_timeout}s")
                 if reply.status != 200:

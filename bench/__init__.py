@@ -8,7 +8,7 @@ yardsticks the engine numbers are quoted against.
 
 from __future__ import annotations
 
-from backends.sse import SSEEvent, SSEParser
+from frontend.sse import SSEEvent, SSEParser
 from bench.client import RequestResult, RequestSpec, StreamTimer, build_body, send_request
 from bench.loadgen import LoadConfig, RunResult, run_open_loop, run_rate
 from bench.schedule import make_prompt, poisson_schedule

@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import trio
 
-from backends.sse import SSEParser
+from frontend.sse import SSEParser
 
 __all__ = [
     "Endpoint",

@@ -4,18 +4,20 @@
 
     client ─h2─> hypercorn ─> Router (ASGI)
                                ├─ /health /ready /metrics ─> ops app (no auth)
-                               └─ everything else ────────> api app (auth -> tenant)
-                                    OpenAIServer(Dispatcher) decodes, validates,
-                                    Dispatcher.stream: policy.pick -> BackendActor.stream
+                               └─ everything else ────────> api app (auth -> Principal)
+                                    OpenAIServer: RequestContext, decode once (Call)
+                                    Pipeline.admit(context, call): once per request
+                                    Dispatcher.stream per choice: policy.pick -> BackendActor.stream
                                     -> Backend.stream ; retry before first token
 
-Both apps are :class:`~backends.openai_server.OpenAIServer` over the same
+Both apps are :class:`~frontend.server.OpenAIServer` over the same
 dispatcher; they differ in authentication, so that probes and scrapers need
 no API key while every API and admin call does (when keys are configured).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Sequence
 from typing import Any
@@ -25,13 +27,15 @@ import trio
 
 from backends.base import Backend
 from backends.errors import BadRequest, NotFound, Unauthorized
-from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
+from frontend.context import Principal
+from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from policies.base import RoutingPolicy
 from policies.registry import create_policy
 from router.actors import BackendActor, Supervisor
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
+from router.pipeline import Pipeline
 
 __all__ = ["OPS_PATHS", "NamedBackend", "Router"]
 
@@ -77,7 +81,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(
             self.actors,
-            policy if policy is not None else create_policy(config.routing.policy),
+            policy if policy is not None else create_policy(config.routing.policy, options=config.routing.options),
             max_attempts=config.routing.max_attempts,
             retry_after=config.routing.retry_after,
             recorder=self.metrics,
@@ -85,6 +89,7 @@ class Router:
         self.metrics.add_collector(
             StatisticsCollector(lambda: [a.statistics() for a in self.actors], self.dispatcher.statistics)
         )
+        self.pipeline = Pipeline()
         self.supervisor = Supervisor(self.actors, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
         self.api = OpenAIServer(
@@ -93,6 +98,7 @@ class Router:
             authenticate=self._authenticate if config.auth.keys else None,
             max_body_bytes=limit,
             observe=self.metrics.observe,
+            gate=self.pipeline,
             coalesce=True,
         )
         self.ops = OpenAIServer(
@@ -124,12 +130,13 @@ class Router:
 
     # ------------------------------------------------------------ hooks and routes
 
-    def _authenticate(self, headers: dict[str, str]) -> str:
+    def _authenticate(self, headers: dict[str, str]) -> Principal:
         scheme, _, key = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and key:
             for known, tenant in self.config.auth.keys.items():
                 if hmac.compare_digest(known.encode(), key.strip().encode()):
-                    return tenant
+                    # The key's id: a digest prefix, safe to log and label.
+                    return Principal(tenant, hashlib.sha256(known.encode()).hexdigest()[:12])
         raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
 
     async def _ready(self, request: HTTPRequest) -> Response:

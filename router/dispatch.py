@@ -176,8 +176,8 @@ class Dispatcher:
                 if progress.events:
                     self._counts["failed"] += 1
                     raise  # after the first token: the migration issue resumes here
+                # The actor's stream already told its health (and woke its prober).
                 log.warning("backend %s failed before the first token: %s", actor.name, exc.message)
-                actor.suspect()
                 last = exc
                 self._counts["retries"] += 1
         self._counts["failed"] += 1

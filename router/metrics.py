@@ -72,7 +72,7 @@ class StatisticsCollector(Collector):
         stats = self._actors()
         gauges = {
             "in_flight": GaugeMetricFamily("headrace_backend_in_flight", "Requests in flight per backend", labels=["backend"]),
-            "up": GaugeMetricFamily("headrace_backend_up", "1 when the backend's last probe passed", labels=["backend"]),
+            "up": GaugeMetricFamily("headrace_backend_up", "1 when the backend takes requests (up, or suspect after a failure)", labels=["backend"]),
             "draining": GaugeMetricFamily("headrace_backend_draining", "1 when an operator drained the backend", labels=["backend"]),
         }
         counters = {
@@ -88,7 +88,7 @@ class StatisticsCollector(Collector):
         }
         for s in stats:
             gauges["in_flight"].add_metric([s.name], s.in_flight)
-            gauges["up"].add_metric([s.name], 1.0 if s.state == "up" else 0.0)
+            gauges["up"].add_metric([s.name], 1.0 if s.up else 0.0)
             gauges["draining"].add_metric([s.name], 1.0 if s.draining else 0.0)
             for field, family in counters.items():
                 family.add_metric([s.name], getattr(s, field))

@@ -24,7 +24,7 @@ from functools import partial
 import msgspec
 import trio
 
-from backends.serving import ServeOptions, serve, wait_for_signal
+from frontend.serving import ServeOptions, serve, wait_for_signal
 from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
 from router.app import Router
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
     configure_logging(args.log_level)
     try:
         config = worker_config(args.worker_config) if args.worker_config else config_from_args(args)
-        policy = create_policy(config.routing.policy)
+        policy = create_policy(config.routing.policy, options=config.routing.options)
         build_backends(config)  # validate adapter settings before anything starts
     except (ConfigError, PolicyError) as exc:
         print(f"headrace serve: {exc}", file=sys.stderr)

@@ -43,7 +43,7 @@ import msgspec
 import trio
 from prometheus_client import multiprocess
 
-from backends.serving import reserve_port
+from frontend.serving import reserve_port
 from router.config import RouterConfig, with_overrides
 from router.factory import default_backends
 

@@ -1,6 +1,6 @@
 """``headrace engine``: the built-in engine as an OpenAI-compatible HTTP server.
 
-The OpenAI routes come from the shared frontend (:mod:`backends.openai_server`);
+The OpenAI routes come from the shared frontend (:mod:`frontend.server`);
 this module adds the engine's own::
 
     GET  /v1/models      the shared frontend's list, plus each model's ``sampling_defaults``
@@ -38,8 +38,8 @@ from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
-from backends.openai_server import HTTPRequest, OpenAIServer, Response, json_response
-from backends.serving import ServeOptions, serve
+from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
+from frontend.serving import ServeOptions, serve
 
 __all__ = ["build_app", "main", "run_server"]
 

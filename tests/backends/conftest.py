@@ -16,7 +16,7 @@ import trustme
 from backends.base import Backend, Event, GenerateRequest
 from backends.mock import Fault, MockBackend, MockConfig
 from backends.mock_server import FaultInjector, build_app
-from backends.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, serve
 
 
 async def collect(backend: Backend, request: GenerateRequest) -> list[Event]:

@@ -1,5 +1,5 @@
 """backends.h2client over real HTTP/2 on loopback: hypercorn (through
-backends.serving) for the ordinary paths, and a scripted h2 server on trio
+frontend.serving) for the ordinary paths, and a scripted h2 server on trio
 sockets for the faults (GOAWAY mid-flight, refused and reset streams, a
 server that floods abandoned streams, a server killed mid-stream)."""
 
@@ -38,7 +38,7 @@ from backends.h2client import (
     StreamReset,
     _GoawayFilter,
 )
-from backends.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, serve
 from tests.backends.conftest import TLSFiles, eventually
 
 MiB = 1 << 20
@@ -626,7 +626,7 @@ async def test_a_server_that_dies_mid_stream_raises_connection_lost(tmp_path: Pa
         textwrap.dedent(
             """
             import sys, trio
-            from backends.serving import ServeOptions, serve
+            from frontend.serving import ServeOptions, serve
             from tests.backends.test_h2client import App
 
             async def main():

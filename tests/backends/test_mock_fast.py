@@ -15,7 +15,7 @@ import trio
 from backends.mock import MockBackend, MockConfig
 from backends.mock_http import serve_lean
 from backends.mock_server import FastPath, build_app
-from backends.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, serve
 
 PROMPT = "the river runs under a stone bridge"
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi é ☃"}]

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from backends.mock import MockBackend, MockConfig
 from backends.mock_http import HPACKDecoder, encode_headers, serve_lean
 from backends.mock_server import build_app
-from backends.serving import ServeOptions
+from frontend.serving import ServeOptions
 from conformance import check_http
 from tests.backends.conftest import eventually
 

@@ -22,8 +22,8 @@ from backends.mock import Fault, MockBackend, MockConfig, fault_applies, parse_f
 from backends.mock_http import serve_lean
 from backends.mock_server import build_app, main
 from backends.openai_http import OpenAIHTTPBackend
-from backends.openai_server import OpenAIServer
-from backends.serving import ServeOptions, serve
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
 from tests.backends.conftest import Served, eventually, serve_mock
 
 BODY = {"prompt": "hi", "max_tokens": 8, "stream": True, "return_token_ids": True, "seed": 1}

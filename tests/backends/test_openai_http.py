@@ -284,7 +284,7 @@ async def test_probes_have_their_own_connection_so_full_streams_never_fail_them(
     from hypercorn.config import Config as HypercornConfig
 
     from backends.mock_server import build_app
-    from backends.serving import ServeOptions, serve
+    from frontend.serving import ServeOptions, serve
 
     class FourStreams(ServeOptions):
         def hypercorn_config(self) -> HypercornConfig:

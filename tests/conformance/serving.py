@@ -1,5 +1,5 @@
 """Serve an ASGI app on 127.0.0.1:0 for the length of a block, with the
-project's own HTTP stack (backends.serving)."""
+project's own HTTP stack (frontend.serving)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from backends.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, serve
 
 
 @asynccontextmanager

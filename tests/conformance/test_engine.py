@@ -16,8 +16,8 @@ import trio
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.server import run_server
-from backends.serving import ServeOptions
 from conformance import check_backend, check_http
+from frontend.serving import ServeOptions
 from router.app import Router
 from router.config import decode_config
 from router.factory import build_backends

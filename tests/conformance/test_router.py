@@ -13,8 +13,8 @@ import trio
 
 from backends.mock import MockBackend, MockConfig
 from backends.mock_server import build_app
-from backends.serving import ServeOptions
 from conformance import check_http
+from frontend.serving import ServeOptions
 from router.app import NamedBackend, Router
 from router.config import decode_config
 from router.factory import build_backends

@@ -13,7 +13,7 @@ import trio
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.server import main, run_server
-from backends.serving import ServeOptions
+from frontend.serving import ServeOptions
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import trio.lowlevel
 
 from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
 from backends.errors import StreamBroken
-from backends.openai_server import OpenAIServer
-from backends.serving import ServeOptions, serve
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
 
 # One exception from each layer a stream passes through.
 ERRORS = [

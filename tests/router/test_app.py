@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.mock import MockBackend, MockConfig
-from backends.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, serve
 from router.app import NamedBackend, Router
 from router.config import decode_config
 from tests.router.fakes import FakeBackend

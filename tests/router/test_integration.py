@@ -24,8 +24,8 @@ import trustme
 
 from backends.mock import MockBackend, MockConfig
 from backends.openai_http import OpenAIHTTPBackend
-from backends.openai_server import OpenAIServer
-from backends.serving import ServeOptions, serve
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
 from router.app import NamedBackend, Router
 from router.config import decode_config
 from router.server import options_for, run_router
@@ -61,7 +61,7 @@ async def test_client_going_away_cancels_backend_within_100ms(nursery: trio.Nurs
                ("content-type", "application/json"), ("content-length", str(len(body)))]  # fmt: skip
     conn.send_headers(1, headers)
     await sock.send_all(conn.data_to_send())
-    # Headers and body in separate writes: backends/serving.py's DATA filter
+    # Headers and body in separate writes: frontend/serving.py's DATA filter
     # drops DATA that arrives in the same read as its HEADERS (reported).
     await trio.sleep(0.05)
     conn.send_data(1, body, end_stream=True)
@@ -194,7 +194,7 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_connecti
         assert line.startswith("headrace listening on http://127.0.0.1:")
         url = line.rsplit(" ", 1)[1]
         text = ""
-        # HTTP/1.1: over h2 the request body can be dropped by backends/serving.py (reported)
+        # HTTP/1.1: over h2 the request body can be dropped by frontend/serving.py (reported)
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             body = {"prompt": "x", "max_tokens": 30, "stream": True}
             async with client.stream("POST", "/v1/completions", json=body) as r:

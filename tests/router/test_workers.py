@@ -25,8 +25,8 @@ import pytest
 import trio
 
 from backends.mock import MockBackend, MockConfig
-from backends.openai_server import OpenAIServer
-from backends.serving import ServeOptions, serve
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
 from router import cli
 from router.config import decode_config
 from router.server import worker_count

@@ -13,7 +13,7 @@ holds one connection for as long as it can. ``reuse_port`` binds with
 --workers N``); :func:`reserve_port` holds such a port in the parent.
 
 hypercorn's internals are patched in :func:`_patch_hypercorn`, against the
-0.18 series; tests/backends/test_serving.py checks that each patched method
+0.18 series; tests/frontend/test_serving.py checks that each patched method
 and attribute still has the shape the patches rely on.
 """
 

@@ -1,4 +1,4 @@
-"""backends/serving.py: connections are not recycled after 1,000 requests,
+"""frontend/serving.py: connections are not recycled after 1,000 requests,
 closing a connection waits for a send in progress (hypercorn's send_eof
 outside its send lock), and the hypercorn internals the patches rely on
 still have the shape they had when the patches were written."""
@@ -23,8 +23,8 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from backends import serving
-from backends.serving import ServeOptions, reserve_port, serve
+from frontend import serving
+from frontend.serving import ServeOptions, reserve_port, serve
 
 # ---------------------------------------------------------------- 1,000 requests
 
@@ -270,7 +270,7 @@ def _source(module: object) -> str:
 
 def test_hypercorn_is_the_series_the_patches_were_written_for() -> None:
     """If this fails, hypercorn was upgraded: re-read the internals patched in
-    backends/serving.py (_patch_hypercorn), re-run this file, then move
+    frontend/serving.py (_patch_hypercorn), re-run this file, then move
     TESTED_SERIES and the pin in pyproject.toml together."""
     assert importlib.metadata.version("hypercorn").startswith(TESTED_SERIES)
 

@@ -24,13 +24,13 @@ from backends.errors import (
     UpstreamError,
 )
 from backends.openai_http import _ChunkParser, status_error
-from backends.openai_wire import (
+from frontend.sse import SSEParser
+from frontend.wire import (
     decode_request,
     logprobs_payload,
     text_offsets,
     to_generate_requests,
 )
-from backends.sse import SSEParser
 
 PAYLOADS = ['{"a": 1}', '{"b": "x\\ny"}', "[DONE]"]
 
@@ -178,7 +178,7 @@ def test_status_error_reads_retry_after_in_seconds_or_as_a_date_and_plain_text_b
     assert status_error(502, b"<html>bad gateway</html>").message == "<html>bad gateway</html>"
 
 
-# ---- the wire format (backends.openai_wire): logprob shapes, unset sampling fields
+# ---- the wire format (frontend.wire): logprob shapes, unset sampling fields
 
 
 def _lp(token: str, logprob: float, top: list[tuple[str, float]], raw: bytes | None = None) -> Logprob:

@@ -13,8 +13,8 @@ import trio
 
 from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable
-from backends.openai_server import OpenAIServer
-from backends.serving import ServeOptions, serve
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
 from tests.router.fakes import FakeBackend
 
 

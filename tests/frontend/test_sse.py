@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.sse import SSEEvent, SSEParser
+from frontend.sse import SSEEvent, SSEParser
 
 STREAM = (
     ': keep-alive comment\n\n'

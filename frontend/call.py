@@ -1,0 +1,339 @@
+"""One OpenAI call run against any :class:`~backends.base.Backend`, with no
+HTTP in it: decode a body, check the model, fan out into one backend stream
+per choice, and either collect the answer (JSON) or produce it as SSE.
+
+The HTTP frontend (:mod:`frontend.server`) runs every completions, chat and
+generate request through :func:`prepare_call` and :class:`Call`; the job and
+batch runners run request bodies the same way, without a socket.
+
+Streaming: one pump task per choice iterates that choice's backend stream
+start to end (async generators must not migrate between tasks) and hands its
+events to the producer over a channel; the producer turns them into SSE
+chunks, writing those that are ready together in one write. Any exception
+that ends a choice early ends the answer with the in-band error event and no
+``[DONE]``: a truncated answer never looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from backends.base import Backend, Event, GenerateRequest, Usage
+from backends.errors import HeadraceError, ModelNotFound, StreamBroken, UpstreamError
+from frontend.context import RequestContext
+from frontend.wire import (
+    Kind,
+    WireRequest,
+    chunk_choice,
+    decode_request,
+    error_body,
+    logprobs_payload,
+    new_id,
+    now,
+    to_generate_requests,
+    usage_payload,
+)
+
+__all__ = ["DONE", "Call", "Emit", "Producer", "error_event", "prepare_call", "sse"]
+
+log = logging.getLogger(__name__)
+_encoder = msgspec.json.Encoder()
+
+# ``emit(chunk)``; ``emit(chunk, True)`` sends the body's last chunk (the
+# stream ends with it, in the same write).
+Emit = Callable[..., Awaitable[None]]
+# A streaming body: called with ``emit`` once the headers are out.
+Producer = Callable[[Emit], Awaitable[None]]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def error_event(exc: HeadraceError) -> bytes:
+    """The in-band error that ends a stream (no ``[DONE]`` follows it)."""
+    return sse(error_body(exc.message, exc.type, exc.param, exc.code))
+
+
+def check_model(backend: Backend, model: str | None) -> str:
+    """The model the answer names: the requested one if the backend serves
+    it (404 otherwise), or the backend's first when none was asked for."""
+    models = backend.info().models
+    if model is None or model == "":
+        return models[0] if models else "default"
+    if models and model not in models:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    return model
+
+
+def prepare_call(
+    kind: Kind, body: bytes, backend: Backend, context: RequestContext, *, coalesce: bool = False
+) -> Call:
+    """Decode and validate ``body`` (a :class:`~backends.errors.BadRequest`
+    names the field), check the model, split it into its choices."""
+    wire, extra = decode_request(body, kind)
+    model = check_model(backend, wire.model)
+    rid = new_id(kind)
+    subs = to_generate_requests(wire, extra, request_id=context.request_id, tenant=context.tenant)
+    return Call(kind, rid, model, wire, subs, backend, coalesce=coalesce)
+
+
+class Call:
+    """One OpenAI call: ``n`` sub-generations (``subs``) merged into one
+    response, the OpenAI ``id`` being ``rid``."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        rid: str,
+        model: str,
+        wire: WireRequest,
+        subs: list[GenerateRequest],
+        backend: Backend,
+        *,
+        coalesce: bool = False,
+    ) -> None:
+        self.kind, self.rid, self.model, self.wire, self.subs = kind, rid, model, wire, subs
+        self.backend = backend
+        self.created = now()
+        self.token_ids = wire.return_token_ids or kind == "native"
+        self.coalesce = coalesce
+
+    # -------- non-streaming
+
+    async def collect(self) -> dict[str, Any]:
+        results: list[_Choice] = [_Choice() for _ in self.subs]
+
+        async def run(i: int) -> None:
+            try:
+                async for event in self.backend.stream(self.subs[i]):
+                    results[i].add(event)
+            except HeadraceError:
+                raise
+            except Exception as exc:
+                log.exception("choice %d: the backend stream failed with an untranslated error", i)
+                raise UpstreamError(f"backend stream failed: {type(exc).__name__}") from exc
+            if results[i].finish_reason is None:
+                raise StreamBroken("the backend stream ended before its final event")
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(self.subs)):
+                    nursery.start_soon(run, i)
+        except BaseExceptionGroup as group:
+            # One failed choice fails the call: surface the first error of
+            # ours unwrapped so it keeps its status code.
+            raise _first_headrace_error(group) or group from None
+        usage = _total_usage(results)
+        if self.kind == "native":
+            return results[0].native(self.rid, self.model, usage)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        choices = [r.openai(self.kind, i, self.token_ids) for i, r in enumerate(results)]
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_payload(usage)}
+
+    # -------- streaming
+
+    async def start_stream(self, nursery: trio.Nursery) -> Producer:
+        """Start one pump task per choice in the request's nursery, wait for
+        each choice's first event (an error there raises, so it gets a real
+        status code), and return the producer of the SSE body.
+
+        Each backend stream is iterated start to end by one task (its pump):
+        async generators must not migrate between tasks."""
+        send, recv = trio.open_memory_channel[tuple[int, Event | HeadraceError]](64)
+        async with send:
+            for i, sub in enumerate(self.subs):
+                nursery.start_soon(_pump, i, self.backend.stream(sub), send.clone())
+        pending: list[tuple[int, Event]] = []
+        started: set[int] = set()
+        while len(started) < len(self.subs):
+            try:
+                i, item = await recv.receive()
+            except trio.EndOfChannel:
+                raise UpstreamError("the backend ended the stream without any event") from None
+            if isinstance(item, HeadraceError):
+                raise item
+            started.add(i)
+            pending.append((i, item))
+
+        async def flush(emit: Emit, parts: list[bytes], last: bool = False) -> None:
+            if self.coalesce:
+                await emit(b"".join(parts), last)
+            else:  # one SSE event per write, as fault injectors count them
+                for part in parts:
+                    await emit(part)
+            parts.clear()
+
+        async def produce(emit: Emit) -> None:
+            states = [_Choice() for _ in self.subs]
+            parts = [self._chunk(i, event, states[i]) for i, event in pending]
+            while True:
+                # Chunks that are ready leave in one write (coalesce); a
+                # write goes out as soon as nothing more is ready.
+                try:
+                    i, item = recv.receive_nowait()
+                except trio.WouldBlock:
+                    if parts:
+                        await flush(emit, parts)
+                    try:
+                        i, item = await recv.receive()
+                    except trio.EndOfChannel:
+                        break
+                except trio.EndOfChannel:
+                    break
+                if isinstance(item, HeadraceError):
+                    parts.append(error_event(item))
+                    await flush(emit, parts, True)
+                    return
+                parts.append(self._chunk(i, item, states[i]))
+            if any(state.finish_reason is None for state in states):
+                # Every pump ended, yet some choice never got its final event:
+                # a truncated answer must not look like a complete one.
+                parts.append(error_event(StreamBroken("the backend stream ended before its final event")))
+                await flush(emit, parts, True)
+                return
+            opts = self.wire.stream_options
+            if self.kind != "native" and opts is not None and opts.include_usage:
+                parts.append(sse(self._envelope([], usage_payload(_total_usage(states)))))
+            parts.append(DONE)
+            await flush(emit, parts, True)
+
+        return produce
+
+    def _chunk(self, i: int, event: Event, state: _Choice) -> bytes:
+        first = state.events == 0
+        offset = len(state.text)
+        state.add(event)
+        if self.kind == "native":
+            payload: dict[str, Any] = {"id": self.rid, "text": event.text, "token_ids": event.token_ids}
+            if event.prompt_token_ids is not None:
+                payload["prompt_token_ids"] = event.prompt_token_ids
+            if event.seed is not None:
+                payload["seed"] = event.seed
+            if event.logprobs:
+                payload["logprobs"] = logprobs_payload("completion", event.logprobs, offset)
+            if event.finish_reason is not None:
+                payload["finish_reason"] = event.finish_reason
+                payload["usage"] = usage_payload(state.usage)
+            return sse(payload)
+        choice = chunk_choice(self.kind, i, event, token_ids=self.token_ids, first=first, text_offset=offset)
+        return sse(self._envelope([choice], None))
+
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        out: dict[str, Any] = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[tuple[int, Event | HeadraceError]]) -> None:
+    """Relay one backend stream into the call's channel. Whatever ends the
+    stream early is sent as an error, never as a plain end of channel: the
+    producer answers ``[DONE]`` only after every choice's final event."""
+    async with send:
+        try:
+            async for event in it:
+                # Without a checkpoint while the channel has room: the events
+                # of one upstream read reach the producer together.
+                try:
+                    send.send_nowait((i, event))
+                except trio.WouldBlock:
+                    await send.send((i, event))
+        except HeadraceError as exc:
+            await send.send((i, exc))
+        except Exception as exc:
+            log.exception("choice %d: the backend stream failed with an untranslated error", i)
+            await send.send((i, UpstreamError(f"backend stream failed: {type(exc).__name__}")))
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _first_headrace_error(group: BaseExceptionGroup[BaseException]) -> HeadraceError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, HeadraceError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_headrace_error(exc)
+            if found is not None:
+                return found
+    return None
+
+
+class _Choice:
+    """Accumulates one choice's events."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.seed: int | None = None
+        self.finish_reason: str | None = None
+        self.usage = Usage()
+
+    def add(self, event: Event) -> None:
+        self.events += 1
+        self.text += event.text
+        self.token_ids += event.token_ids
+        if event.logprobs:
+            self.logprobs += event.logprobs
+        if event.prompt_token_ids is not None:
+            self.prompt_token_ids = event.prompt_token_ids
+        if event.seed is not None:
+            self.seed = event.seed
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+        if event.usage is not None:
+            self.usage = event.usage
+
+    def openai(self, kind: Kind, index: int, token_ids: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        choice["logprobs"] = logprobs_payload(kind, self.logprobs) if self.logprobs else None
+        choice["finish_reason"] = self.finish_reason
+        if token_ids:
+            choice["token_ids"] = self.token_ids
+            choice["prompt_token_ids"] = self.prompt_token_ids
+            choice["seed"] = self.seed
+        return choice
+
+    def native(self, rid: str, model: str, usage: Usage) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": rid,
+            "model": model,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_token_ids": self.prompt_token_ids,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "usage": usage_payload(usage),
+        }
+        if self.logprobs:
+            out["logprobs"] = logprobs_payload("completion", self.logprobs)
+        return out
+
+
+def _total_usage(choices: list[_Choice]) -> Usage:
+    # The prompt is shared by the n choices of one prompt; count it once per
+    # distinct prompt as OpenAI does (here: the max, since n shares one prompt).
+    prompt = max((c.usage.prompt_tokens for c in choices), default=0)
+    cached = max((c.usage.cached_tokens for c in choices), default=0)
+    completion = sum(c.usage.completion_tokens for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+

@@ -1,0 +1,81 @@
+"""What the frontend knows about one client request, created once per HTTP
+request and passed explicitly (never through a ContextVar), and the gate a
+request passes through once, after decoding and before it fans out into its
+``n`` choices.
+
+::
+
+    HTTP request ──> RequestContext (id, tenant, key id, class, arrival, deadline, trace)
+        decode body ──> Call (kind, model, choices)
+        gate.admit(context, call) ── rate limits, admission, queueing (the router's pipeline)
+            └─> fan out: one backend stream per choice ──> SSE / JSON
+
+The gate is a context manager held for the whole call (a streamed answer
+holds it until its last byte), so a concurrency limit counts requests in
+flight, not requests started. Raising a :class:`~backends.errors.HeadraceError`
+from it refuses the request with that error's status.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    from frontend.call import Call
+
+__all__ = ["OPEN_GATE", "Gate", "Principal", "RequestContext", "request_id_from"]
+
+# Priority classes, highest first; the admission issue gives them meaning.
+PRIORITY_CLASSES = ("interactive", "default", "batch")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class Principal(msgspec.Struct, frozen=True):
+    """Who is calling: the tenant, and an id for the API key (a digest prefix,
+    never the key itself); ``key_id`` is None without authentication."""
+
+    tenant: str = "default"
+    key_id: str | None = None
+
+
+class RequestContext(msgspec.Struct, kw_only=True):
+    """One client request. ``arrival`` and ``deadline`` are on trio's clock."""
+
+    request_id: str
+    tenant: str = "default"
+    key_id: str | None = None
+    priority: str = "default"  # one of PRIORITY_CLASSES
+    arrival: float = 0.0
+    deadline: float | None = None
+    trace_id: str | None = None
+
+
+def request_id_from(headers: dict[str, str]) -> str:
+    """The client's ``x-request-id`` when it is a sane token, else a new one."""
+    given = headers.get("x-request-id", "")
+    if _SAFE_ID.fullmatch(given):
+        return given
+    return secrets.token_hex(12)
+
+
+class Gate(Protocol):
+    """Runs once per client request, around the whole call."""
+
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]: ...
+
+
+class _OpenGate:
+    """Lets everything through: the engine's and the mock's servers."""
+
+    @asynccontextmanager
+    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+        yield
+
+
+OPEN_GATE: Gate = _OpenGate()

@@ -1,0 +1,333 @@
+"""Serve any :class:`~backends.base.Backend` as an OpenAI-compatible HTTP API.
+
+One ASGI app used three times: by the mock server, by the engine server, and
+by the router (whose "backend" is its dispatcher: routing, retries,
+migration, and whose gate is its request pipeline). Routes::
+
+    POST /v1/completions        OpenAI completions, SSE or JSON
+    POST /v1/chat/completions   OpenAI chat completions, SSE or JSON
+    POST /v1/generate           native: text + token ids out, SSE or JSON
+    GET  /v1/models
+    GET  /health
+    + extra routes given by the embedding server (metrics, admin, tokenize,
+      jobs...), which may take path parameters: ``/v1/jobs/{id}``
+
+The path of one request::
+
+    ASGI scope ─> RequestContext (id, tenant: authenticate(headers), arrival)
+      body ─> route ─> handler(HTTPRequest)
+        completions/chat/generate: prepare_call (decode once) ─> gate.admit ─> Call
+      ─> Response (JSON, or SSE from the call's producer) ─> observe(route, status, tenant, s)
+
+Each request runs in its own nursery beside a task that watches for the
+client's ``http.disconnect``: a client that goes away (or resets its HTTP/2
+stream) cancels the backend stream at once, which frees its slot.
+
+Errors: every :class:`~backends.errors.HeadraceError` becomes an OpenAI error
+body with its status here, in :func:`error_response`, and nowhere else. Once a
+stream has started, an error is sent as a final ``data: {"error": ...}`` event
+and the stream ends without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import msgspec
+import trio
+
+from backends.base import Backend
+from backends.errors import BadRequest, HeadraceError, PayloadTooLarge
+from frontend.call import Emit, Producer, prepare_call
+from frontend.context import OPEN_GATE, Gate, Principal, RequestContext, request_id_from
+from frontend.routes import RouteTable
+from frontend.wire import Kind, error_body
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "Authenticate",
+    "Emit",
+    "HTTPRequest",
+    "Handler",
+    "OpenAIServer",
+    "Producer",
+    "Response",
+    "error_response",
+    "json_response",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+_encoder = msgspec.json.Encoder()
+
+
+class HTTPRequest:
+    """What a route handler sees: method, path, path parameters, query,
+    headers, body, the request's context, and ``defer`` (an exit stack closed
+    once the response has been sent: a streamed answer's resources live until
+    its last byte)."""
+
+    def __init__(
+        self,
+        scope: dict[str, Any],
+        body: bytes,
+        context: RequestContext,
+        nursery: trio.Nursery,
+        *,
+        headers: dict[str, str],
+        params: dict[str, str],
+        defer: AsyncExitStack,
+    ) -> None:
+        self.scope = scope
+        self.nursery = nursery  # lives as long as the response; cancelled on disconnect
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.query: bytes = scope.get("query_string", b"")
+        self.headers = headers
+        self.params = params
+        self.body = body
+        self.context = context
+        self.defer = defer
+
+    @property
+    def tenant(self) -> str:
+        return self.context.tenant
+
+
+class Response:
+    """A complete response, or a streaming one when ``stream`` is set."""
+
+    def __init__(
+        self,
+        status: int = 200,
+        body: bytes = b"",
+        *,
+        content_type: str = "application/json",
+        headers: Iterable[tuple[str, str]] = (),
+        stream: Producer | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = list(headers)
+        self.stream = stream
+
+
+Handler = Callable[[HTTPRequest], Awaitable[Response]]
+# ``authenticate(headers) -> Principal``; raises Unauthorized.
+Authenticate = Callable[[dict[str, str]], Principal]
+
+
+def json_response(obj: Any, status: int = 200, headers: Iterable[tuple[str, str]] = ()) -> Response:
+    return Response(status, _encoder.encode(obj), headers=headers)
+
+
+def error_response(exc: HeadraceError) -> Response:
+    """The one place an error becomes an HTTP response."""
+    headers = []
+    if exc.retry_after is not None:
+        headers.append(("retry-after", str(max(1, math.ceil(exc.retry_after)))))
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return json_response(body, exc.status, headers)
+
+
+class OpenAIServer:
+    """ASGI app serving ``backend`` with the OpenAI API.
+
+    ``authenticate(headers) -> Principal`` runs first and may raise
+    :class:`~backends.errors.Unauthorized`; ``extra_routes`` maps
+    ``(method, path)`` to handlers (they take precedence over built-ins; a
+    path may hold ``{name}`` parameters). ``gate`` admits each completions,
+    chat or generate call once, before its fan-out into choices (the router's
+    request pipeline; open by default). ``observe(route, status, tenant,
+    seconds)`` is called once per request, however it ended, with the route
+    template. ``coalesce``: SSE events that are ready together leave in one
+    write (one socket send and one HTTP/2 DATA frame instead of one per
+    token); off, every event is its own write, which fault injectors that
+    count tokens per write rely on.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        extra_routes: dict[tuple[str, str], Handler] | None = None,
+        authenticate: Authenticate | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
+        observe: Callable[[str, int, str, float], None] | None = None,
+        gate: Gate = OPEN_GATE,
+        coalesce: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.authenticate = authenticate
+        self.max_body_bytes = max_body_bytes
+        self.observe = observe
+        self.gate = gate
+        self.coalesce = coalesce
+        self.routes: RouteTable[Handler] = RouteTable()
+        builtins: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/generate"): self._generate,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+        }
+        for (method, path), handler in {**builtins, **(extra_routes or {})}.items():
+            self.routes.add(method, path, handler)
+
+    # ------------------------------------------------------------ ASGI entry
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        context = RequestContext(
+            request_id=request_id_from(headers),
+            tenant="anonymous" if self.authenticate is not None else "default",
+            arrival=trio.current_time(),
+        )
+        exchange = _Exchange()
+        route = "other"
+        try:
+            async with AsyncExitStack() as defer, trio.open_nursery() as nursery:
+                try:
+                    body = await self._read_body(headers, receive)
+                    # Only now watch for disconnect: the body has been consumed.
+                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+                    found = self.routes.match(scope["method"], scope["path"])
+                    route = found.template if found is not None else "other"
+                    if self.authenticate is not None:
+                        principal = self.authenticate(headers)
+                        context.tenant, context.key_id = principal.tenant, principal.key_id
+                    # No route: 404 or 405, told only to an authenticated client.
+                    match = found or self.routes.resolve(scope["method"], scope["path"])
+                    request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)
+                    response = await match.handler(request)
+                except HeadraceError as exc:
+                    response = error_response(exc)
+                except Exception:
+                    log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                    response = json_response(error_body("internal error", "server_error", None, None), 500)
+                await _send_response(send, response, exchange)
+                nursery.cancel_scope.cancel()
+        finally:
+            # Once per request, however it ended: the status actually sent,
+            # 499 when the body never completed (the client left).
+            if self.observe is not None:
+                status = exchange.status if exchange.complete else 499
+                self.observe(route, status, context.tenant, trio.current_time() - context.arrival)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _read_body(self, headers: dict[str, str], receive: Any) -> bytes:
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise PayloadTooLarge(f"request body over {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("client went away before sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLarge(f"request body over {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # ------------------------------------------------------------ routes
+
+    async def _models(self, request: HTTPRequest) -> Response:
+        info = self.backend.info()
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": info.name, "max_model_len": info.max_context}
+            for m in info.models
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def _health(self, request: HTTPRequest) -> Response:
+        health = await self.backend.health()
+        return json_response({"status": "ok" if health.ok else "down", "detail": health.detail}, 200 if health.ok else 503)
+
+    async def _completions(self, request: HTTPRequest) -> Response:
+        return await self._openai(request, "completion")
+
+    async def _chat(self, request: HTTPRequest) -> Response:
+        return await self._openai(request, "chat")
+
+    async def _generate(self, request: HTTPRequest) -> Response:
+        return await self._openai(request, "native")
+
+    async def _openai(self, request: HTTPRequest, kind: Kind) -> Response:
+        call = prepare_call(kind, request.body, self.backend, request.context, coalesce=self.coalesce)
+        # Once per client request, whatever its n: held until the last byte.
+        await request.defer.enter_async_context(self.gate.admit(request.context, call))
+        if call.wire.stream:
+            # Pull the first event before answering 200, so errors that happen
+            # before any token (overload, bad prompt) get a real status code.
+            stream = await call.start_stream(request.nursery)
+            return Response(200, content_type="text/event-stream", headers=[("cache-control", "no-cache")], stream=stream)
+        return json_response(await call.collect())
+
+
+class _Exchange:
+    """How far the response got. Once the last message is handed to the
+    server, a disconnect no longer cancels anything (hypercorn reports
+    ``http.disconnect`` as soon as a response completes)."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.complete = False
+
+
+async def _send_response(send: Any, response: Response, exchange: _Exchange) -> None:
+    exchange.status = response.status
+    headers = [(b"content-type", response.content_type.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in response.headers]
+    if response.stream is None:
+        headers.append((b"content-length", str(len(response.body)).encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        exchange.complete = True
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+
+    ended = False
+
+    async def emit(chunk: bytes, last: bool = False) -> None:
+        nonlocal ended
+        if ended:
+            raise RuntimeError("the response body has already ended")
+        if last:
+            ended = exchange.complete = True
+        await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+
+    await response.stream(emit)
+    if not ended:
+        exchange.complete = True
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope, exchange: _Exchange) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not exchange.complete:
+                scope.cancel()
+            return

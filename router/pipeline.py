@@ -1,0 +1,66 @@
+"""The router's request pipeline: the gate every client request passes once,
+after decoding and before its fan-out into choices (:mod:`frontend.context`).
+
+::
+
+    RequestContext + Call ──> stage 1 ──> stage 2 ──> ... ──> fan out
+                              (rate limit) (admission) (queue)
+
+A stage is anything with ``admit(context, call)`` returning an async context
+manager: entered in order, exited in reverse once the answer's last byte is
+out, so a stage that holds a slot holds it for the whole call. A stage
+refuses by raising a :class:`~backends.errors.HeadraceError` (429, 503...),
+counted here by its ``code``. Today the pipeline has no stages: it is a
+counted pass-through, with the slots that rate limiting, admission and
+queueing fill (issue 15). The policies that decide stay sans-I/O in
+``policies/``; stages own the clocks and the waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import msgspec
+
+from backends.errors import HeadraceError
+from frontend.call import Call
+from frontend.context import Gate, RequestContext
+
+__all__ = ["Pipeline", "PipelineStatistics"]
+
+
+class PipelineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    admitted: int  # client requests let through (each counted once, whatever its n)
+    in_flight: int  # admitted and not yet finished
+    rejected: dict[str, int]  # refused, by error code (or type when it has none)
+
+
+class Pipeline:
+    """The stages in order; a :class:`~frontend.context.Gate` itself."""
+
+    def __init__(self, stages: Sequence[Gate] = ()) -> None:
+        self.stages = list(stages)
+        self._admitted = 0
+        self._in_flight = 0
+        self._rejected: dict[str, int] = {}
+
+    @asynccontextmanager
+    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            try:
+                for stage in self.stages:
+                    await stack.enter_async_context(stage.admit(context, call))
+            except HeadraceError as exc:
+                reason = exc.code or exc.type
+                self._rejected[reason] = self._rejected.get(reason, 0) + 1
+                raise
+            self._admitted += 1
+            self._in_flight += 1
+            try:
+                yield
+            finally:
+                self._in_flight -= 1
+
+    def statistics(self) -> PipelineStatistics:
+        return PipelineStatistics(admitted=self._admitted, in_flight=self._in_flight, rejected=dict(self._rejected))
