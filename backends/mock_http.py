@@ -7,13 +7,15 @@ hypercorn an app that answers with one ready 4 KB body costs 0.65 ms of CPU
 per request over h2c and 0.53 ms over HTTP/1.1 (h2load / wrk, 8 connections),
 twice the mock's whole budget of 0.3 ms: every message crosses hypercorn's
 protocol, stream and event layers and is written on its own. Here an HTTP/2
-stream is one task, an HTTP/1.1 request a call in its connection's task, and
-a response head with the body that follows it goes out in one write::
+stream is one task (or none: see ``answer_now``), an HTTP/1.1 request a call in
+its connection's task, and a response head with the body that follows it goes
+out in one write. HTTP/1.1 is parsed here, HTTP/2 framed by
+``backends.mock_h2`` (h11 and h2 cost ~80 and ~150 us a request)::
 
-    accept ── sniff the preface ─┬─ h11: request ─> app(scope, receive, send) ─> next request
-                                 └─ h2:  read ─> h2 events ─┬─ stream task: app(...)
-                                                            │     send ─> h2 state, wake writer
-                                         writer task <──────┘ one send_all per wake-up
+    accept ── sniff the preface ─┬─ HTTP/1.1: head, body ─> answer_now() or app(...) inline
+                                 └─ h2c: read ─> H2Core events ─┬─ body complete: answer_now()
+                                                                └─ else a task: app(...)
+                                      whoever queued bytes writes them (one write in flight)
 
 Behaviour matches what the mock relies on from hypercorn: ``http.disconnect``
 once the response is complete or the client leaves; an app that ends before
@@ -23,6 +25,10 @@ cap on requests per connection. Graceful shutdown: stop accepting, and close
 each connection once it is idle (HTTP/2: then GOAWAY, as hypercorn does), for
 at most ``graceful_timeout``.
 
+One module for both protocols (~850 lines): their connections share the
+accept loop, the scope, ``answer_now`` and the drain; HTTP/2's framing, the
+part that stands alone, is ``backends.mock_h2``.
+
 Not supported (``headrace mock --server hypercorn`` has them): TLS, the h2c
 ``Upgrade`` from HTTP/1.1 (such a request is answered over HTTP/1.1, as RFC
 9113 allows), lifespan events, trailers.
@@ -31,22 +37,28 @@ Not supported (``headrace mock --server hypercorn`` has them): TLS, the h2c
 from __future__ import annotations
 
 import logging
-import struct
-from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote
 
-import hpack
 import trio
-from hpack.huffman_table import decode_huffman
-from hpack.table import HeaderTable
 
-from frontend.serving import ServeOptions
+from backends.mock_h2 import (
+    CLOSED,
+    DATA,
+    END,
+    INTERNAL_ERROR,
+    PREFACE,
+    REQUEST,
+    RESET,
+    WINDOW,
+    H2Core,
+    StreamGone,
+)
 
-__all__ = ["LeanServer", "serve_lean"]
+__all__ = ["Answer", "AnswerNow", "LeanServer", "serve_lean"]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +67,7 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 AnswerNow = Callable[[dict[str, Any], bytes], Answer | None]
 DEFER_BODY = 65536  # a body buffered past this size goes to the app as it comes
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 READ_SIZE = 65536
-MAX_STREAMS = 1000
 HIGH_WATER = 256 * 1024  # bytes queued on a connection before a sender waits for the write
 WRITE_TIMEOUT = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -66,15 +76,25 @@ _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
+class Options(Protocol):
+    """What :func:`serve_lean` reads of ``frontend.serving.ServeOptions``."""
+
+    host: str
+    port: int
+    certfile: str | None
+    graceful_timeout: float
+    keep_alive_timeout: float
+
+
 async def serve_lean(
     app: ASGIApp,
-    options: ServeOptions,
+    options: Options,
     *,
     answer_now: AnswerNow | None = None,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """:func:`frontend.serving.serve`, on the lean server (no TLS)."""
+    """``frontend.serving.serve``, on the lean server (no TLS)."""
     if options.certfile:
         raise ValueError("the lean server does not speak TLS; serve with hypercorn")
     server = LeanServer(app, answer_now=answer_now, graceful_timeout=options.graceful_timeout,
@@ -521,434 +541,6 @@ class _H1Exchange:
             lines.append(b"connection: keep-alive")
         lines.append(b"\r\n")
         return b"\r\n".join(lines)
-
-
-# ---------------------------------------------------------------- HTTP/2: the frames
-
-# The h2 library costs ~150 us per request here (events, a state machine per
-# stream, frame objects, logging calls), half the mock's budget; what the mock
-# needs of HTTP/2 is small, so this is it, sans-I/O in the style of h2's own
-# H2Connection: bytes in, events out; calls in, bytes to send. Header blocks
-# are decoded here too (hpack's tables for the static entries and Huffman);
-# responses are encoded as literals without indexing: no encoder state.
-_DATA, _HEADERS, _PRIORITY, _RST, _SETTINGS, _PUSH, _PING, _GOAWAY, _WINDOW, _CONT = range(10)
-_END_STREAM = _ACK = 0x1
-_END_HEADERS, _PADDED, _PRIO = 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 5, 6, 7, 9
-_FRAME_HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
-_MAX_WINDOW = 2**31 - 1
-RECV_FRAME = 16384  # the largest frame we accept (the default; we do not raise it)
-STREAM_WINDOW = 1 << 20  # what each stream may send us before we credit it
-CONN_WINDOW = 1 << 24
-_STATIC: tuple[tuple[bytes, bytes], ...] = HeaderTable.STATIC_TABLE
-_STATUS_INDEX = {b"200": 8, b"204": 9, b"206": 10, b"304": 11, b"400": 12, b"404": 13, b"500": 14}
-
-# events of H2Core.receive: (kind, stream id, ...)
-REQUEST, DATA, END, RESET, WINDOW, CLOSED = range(6)
-
-
-class HPACKDecoder:
-    """RFC 7541 decoding with its dynamic table (hpack's Decoder, at ~40 us a
-    block, was the largest single cost of an HTTP/2 request here). Huffman
-    strings are decoded by hpack's table and remembered: clients repeat them."""
-
-    def __init__(self, max_size: int = 4096) -> None:
-        self.limit = self.max_size = max_size  # our SETTINGS_HEADER_TABLE_SIZE
-        self.table: deque[tuple[bytes, bytes]] = deque()
-        self.size = 0
-        self._huffman: dict[bytes, bytes] = {}
-
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        try:
-            return self._decode(block)
-        except IndexError:
-            raise hpack.HPACKDecodingError("truncated header block") from None
-
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
-        pos, end = 0, len(block)
-        while pos < end:
-            first = block[pos]
-            if first & 0x80:  # indexed field
-                index, pos = _int(block, pos, 7)
-                out.append(self._entry(index))
-                continue
-            if not first & 0x40 and first & 0x20:  # dynamic table size update
-                size, pos = _int(block, pos, 5)
-                if size > self.limit:
-                    raise hpack.HPACKDecodingError("table size over the limit")
-                self.max_size = size
-                self._evict(0)
-                continue
-            indexing = bool(first & 0x40)  # else without indexing / never indexed
-            index, pos = _int(block, pos, 6 if indexing else 4)
-            if index:
-                name = self._entry(index)[0]
-            else:
-                name, pos = self._string(block, pos)
-            value, pos = self._string(block, pos)
-            out.append((name, value))
-            if indexing:
-                self._add(name, value)
-        return out
-
-    def _entry(self, index: int) -> tuple[bytes, bytes]:
-        if 0 < index <= len(_STATIC):
-            return _STATIC[index - 1]
-        if len(_STATIC) < index <= len(_STATIC) + len(self.table):
-            return self.table[index - len(_STATIC) - 1]
-        raise hpack.HPACKDecodingError(f"no header table entry {index}")
-
-    def _string(self, block: bytes, pos: int) -> tuple[bytes, int]:
-        huffman = block[pos] & 0x80
-        length, pos = _int(block, pos, 7)
-        raw = block[pos : pos + length]
-        if len(raw) != length:
-            raise hpack.HPACKDecodingError("truncated string")
-        if not huffman:
-            return raw, pos + length
-        text = self._huffman.get(raw)
-        if text is None:
-            text = decode_huffman(raw)
-            if len(self._huffman) >= 1024:
-                self._huffman.clear()
-            self._huffman[raw] = text
-        return text, pos + length
-
-    def _add(self, name: bytes, value: bytes) -> None:
-        size = 32 + len(name) + len(value)
-        self._evict(size)
-        if size <= self.max_size:
-            self.table.appendleft((name, value))
-            self.size += size
-
-    def _evict(self, room: int) -> None:
-        while self.table and self.size + room > self.max_size:
-            name, value = self.table.pop()
-            self.size -= 32 + len(name) + len(value)
-
-
-def _int(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
-    """An HPACK integer with a ``prefix``-bit prefix at ``pos``; (value, next pos)."""
-    mask = (1 << prefix) - 1
-    value = block[pos] & mask
-    pos += 1
-    if value < mask:
-        return value, pos
-    shift = 0
-    while True:
-        byte = block[pos]
-        pos += 1
-        value += (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
-        if shift > 28:
-            raise hpack.HPACKDecodingError("integer too large")
-
-
-class H2Error(Exception):
-    """A connection error: answered with GOAWAY(code) and the end of the connection."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-class StreamGone(Exception):
-    """The stream was reset (or never existed): nothing more may be sent on it."""
-
-
-class _Stream:
-    __slots__ = ("local_done", "remote_done", "window")
-
-    def __init__(self, window: int, remote_done: bool) -> None:
-        self.window, self.remote_done, self.local_done = window, remote_done, False
-
-
-def _hpack_int(out: bytearray, n: int) -> None:
-    """An HPACK integer with a 7-bit prefix (a string length, no Huffman)."""
-    if n < 127:
-        out.append(n)
-        return
-    out.append(127)
-    n -= 127
-    while n >= 128:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-
-
-def encode_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """A header block of literals without indexing (``:status`` from the static table)."""
-    out = bytearray()
-    for name, value in headers:
-        if name == b":status":
-            index = _STATUS_INDEX.get(value)
-            if index is not None:
-                out.append(0x80 | index)
-                continue
-            out.append(0x08)  # literal without indexing, name: static entry 8
-        else:
-            out.append(0)
-            _hpack_int(out, len(name))
-            out += name
-        _hpack_int(out, len(value))
-        out += value
-    return bytes(out)
-
-
-class H2Core:
-    """The server side of one cleartext HTTP/2 connection, without I/O."""
-
-    def __init__(self, *, max_streams: int = MAX_STREAMS) -> None:
-        self.max_streams = max_streams
-        self.out = bytearray()
-        self.buf = bytearray()
-        self.preface = False
-        self.decoder = HPACKDecoder()
-        self.streams: dict[int, _Stream] = {}
-        self.last_sid = 0
-        self.peer_window = 65535  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
-        self.max_frame = 16384  # the peer's SETTINGS_MAX_FRAME_SIZE
-        self.conn_window = 65535  # what we may still send on the connection
-        self.unacked = 0  # bytes consumed on the connection and not yet credited
-        self.block: bytearray | None = None  # a header block awaiting CONTINUATION
-        self.block_sid, self.block_end = 0, False
-        self.closed = False
-        settings = struct.pack(">HIHIHI", 3, max_streams, 4, STREAM_WINDOW, 6, 65536)
-        self._frame(_SETTINGS, 0, 0, settings)
-        self._frame(_WINDOW, 0, 0, struct.pack(">I", CONN_WINDOW - 65535))
-
-    def data_to_send(self) -> bytes:
-        data = bytes(self.out)
-        self.out.clear()
-        return data
-
-    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes = b"") -> None:
-        self.out += _FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, sid)
-        self.out += payload
-
-    # -------- receiving
-
-    def receive(self, data: bytes) -> list[tuple[Any, ...]]:
-        events: list[tuple[Any, ...]] = []
-        if self.closed:
-            return events
-        self.buf += data
-        try:
-            self._frames(events)
-        except H2Error as exc:
-            self.goaway(exc.code)
-            events.append((CLOSED, 0))
-        return events
-
-    def _frames(self, events: list[tuple[Any, ...]]) -> None:
-        buf = self.buf
-        if not self.preface:
-            if len(buf) < len(PREFACE):
-                return
-            if buf[: len(PREFACE)] != PREFACE:
-                raise H2Error(PROTOCOL_ERROR)
-            del buf[: len(PREFACE)]
-            self.preface = True
-        pos, window = 0, False
-        while len(buf) - pos >= 9:
-            head, flags, sid = _FRAME_HEAD.unpack_from(buf, pos)
-            length, ftype, sid = head >> 8, head & 0xFF, sid & 0x7FFFFFFF
-            if length > RECV_FRAME:
-                raise H2Error(FRAME_SIZE_ERROR)
-            if len(buf) - pos - 9 < length:
-                break
-            payload = bytes(buf[pos + 9 : pos + 9 + length])
-            pos += 9 + length
-            if self.block is not None and (ftype != _CONT or sid != self.block_sid):
-                raise H2Error(PROTOCOL_ERROR)  # a header block must not be interrupted
-            if ftype == _DATA:
-                self._data(flags, sid, payload, events)
-            elif ftype in (_HEADERS, _CONT):
-                self._headers(ftype, flags, sid, payload, events)
-            elif ftype in (_WINDOW, _SETTINGS):
-                window |= self._control(ftype, flags, sid, payload)
-            elif ftype == _RST:
-                if sid == 0:
-                    raise H2Error(PROTOCOL_ERROR)
-                if self.streams.pop(sid, None) is not None:
-                    events.append((RESET, sid))
-            elif ftype == _PING:
-                if len(payload) != 8:
-                    raise H2Error(FRAME_SIZE_ERROR)
-                if not flags & _ACK:
-                    self._frame(_PING, _ACK, 0, payload)
-            elif ftype == _PUSH:
-                raise H2Error(PROTOCOL_ERROR)
-            # PRIORITY, GOAWAY (the client stops opening streams; it closes later)
-            # and unknown frames need nothing
-        del buf[:pos]
-        if window:
-            events.append((WINDOW, 0))
-
-    @staticmethod
-    def _unpad(flags: int, payload: bytes) -> bytes:
-        if not flags & _PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            raise H2Error(PROTOCOL_ERROR)
-        return payload[1 : len(payload) - payload[0]]
-
-    def _data(self, flags: int, sid: int, payload: bytes, events: list[tuple[Any, ...]]) -> None:
-        if sid == 0:
-            raise H2Error(PROTOCOL_ERROR)
-        data = self._unpad(flags, payload)
-        stream = self.streams.get(sid)
-        if stream is None or stream.remote_done:
-            if sid > self.last_sid:
-                raise H2Error(PROTOCOL_ERROR)  # DATA on a stream never opened
-            self.credit(0, len(payload))  # a stream we stopped reading: credit it now
-            return
-        end = bool(flags & _END_STREAM)
-        stream.remote_done = end
-        events.append((DATA, sid, data, len(payload), end))
-        if end and stream.local_done:
-            del self.streams[sid]
-
-    def _headers(self, ftype: int, flags: int, sid: int, payload: bytes,
-                 events: list[tuple[Any, ...]]) -> None:
-        if ftype == _HEADERS:
-            if sid == 0 or sid % 2 == 0:
-                raise H2Error(PROTOCOL_ERROR)
-            payload = self._unpad(flags, payload)
-            if flags & _PRIO:
-                payload = payload[5:]
-            self.block, self.block_sid = bytearray(payload), sid
-            self.block_end = bool(flags & _END_STREAM)
-        else:
-            assert self.block is not None
-            self.block += payload
-        if not flags & _END_HEADERS:
-            if len(self.block) > 65536 + 16384:
-                raise H2Error(PROTOCOL_ERROR)
-            return
-        block, end, self.block = bytes(self.block), self.block_end, None
-        try:
-            headers = self.decoder.decode(block)
-        except hpack.HPACKError:
-            raise H2Error(COMPRESSION_ERROR) from None
-        self._opened(sid, headers, end, events)
-
-    def _opened(self, sid: int, headers: list[tuple[bytes, bytes]], end: bool,
-                events: list[tuple[Any, ...]]) -> None:
-        stream = self.streams.get(sid)
-        if stream is not None:  # trailers
-            if not end or stream.remote_done:
-                raise H2Error(PROTOCOL_ERROR)
-            stream.remote_done = True
-            events.append((END, sid))
-            if stream.local_done:
-                del self.streams[sid]
-            return
-        if sid <= self.last_sid:
-            raise H2Error(STREAM_CLOSED)
-        self.last_sid = sid
-        if len(self.streams) >= self.max_streams:
-            self._frame(_RST, 0, sid, struct.pack(">I", REFUSED_STREAM))
-            return
-        self.streams[sid] = _Stream(self.peer_window, end)
-        events.append((REQUEST, sid, headers, end))
-
-    def _control(self, ftype: int, flags: int, sid: int, payload: bytes) -> bool:
-        """WINDOW_UPDATE and SETTINGS; True when send windows may have grown."""
-        if ftype == _WINDOW:
-            if len(payload) != 4:
-                raise H2Error(FRAME_SIZE_ERROR)
-            increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.conn_window += increment
-                if self.conn_window > _MAX_WINDOW:
-                    raise H2Error(FLOW_CONTROL_ERROR)
-            elif (stream := self.streams.get(sid)) is not None:
-                stream.window += increment
-            return True
-        if flags & _ACK:
-            return False
-        if sid != 0 or len(payload) % 6:
-            raise H2Error(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR)
-        for offset in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, offset)
-            if key == 4:  # INITIAL_WINDOW_SIZE: applies to the open streams too
-                if value > _MAX_WINDOW:
-                    raise H2Error(FLOW_CONTROL_ERROR)
-                for stream in self.streams.values():
-                    stream.window += value - self.peer_window
-                self.peer_window = value
-            elif key == 5:  # MAX_FRAME_SIZE
-                if not 16384 <= value <= 2**24 - 1:
-                    raise H2Error(PROTOCOL_ERROR)
-                self.max_frame = value
-        self._frame(_SETTINGS, _ACK, 0)
-        return True
-
-    # -------- sending
-
-    def window(self, sid: int) -> int:
-        """How much DATA may go out on ``sid`` now; raises StreamGone."""
-        stream = self.streams.get(sid)
-        if stream is None or stream.local_done:
-            raise StreamGone(sid)
-        return min(self.conn_window, stream.window)
-
-    def send_headers(self, sid: int, headers: list[tuple[bytes, bytes]], end: bool) -> None:
-        self.window(sid)
-        block = encode_headers(headers)
-        first, block = block[: self.max_frame], block[self.max_frame :]
-        flags = (_END_STREAM if end else 0) | (0 if block else _END_HEADERS)
-        self._frame(_HEADERS, flags, sid, first)
-        while block:
-            piece, block = block[: self.max_frame], block[self.max_frame :]
-            self._frame(_CONT, 0 if block else _END_HEADERS, sid, piece)
-        if end:
-            self._ended(sid)
-
-    def send_data(self, sid: int, data: bytes, end: bool) -> None:
-        """``data`` must fit :meth:`window`; split into frames of the peer's size."""
-        stream = self.streams[sid]
-        stream.window -= len(data)
-        self.conn_window -= len(data)
-        step = self.max_frame
-        for offset in range(0, len(data), step):
-            last = end and offset + step >= len(data)
-            self._frame(_DATA, _END_STREAM if last else 0, sid, data[offset : offset + step])
-        if end and not data:
-            self._frame(_DATA, _END_STREAM, sid)
-        if end:
-            self._ended(sid)
-
-    def _ended(self, sid: int) -> None:
-        stream = self.streams[sid]
-        stream.local_done = True
-        if not stream.remote_done:  # answered before the request ended: stop its body
-            self._frame(_RST, 0, sid, struct.pack(">I", NO_ERROR))
-        del self.streams[sid]
-
-    def reset(self, sid: int, code: int) -> None:
-        if self.streams.pop(sid, None) is not None:
-            self._frame(_RST, 0, sid, struct.pack(">I", code))
-
-    def credit(self, sid: int, n: int) -> None:
-        """``n`` flow-controlled bytes of ``sid`` were consumed: let the peer send more."""
-        self.unacked += n
-        if self.unacked >= CONN_WINDOW // 2:
-            self._frame(_WINDOW, 0, 0, struct.pack(">I", self.unacked))
-            self.unacked = 0
-        stream = self.streams.get(sid)
-        if n and stream is not None and not stream.remote_done:
-            self._frame(_WINDOW, 0, sid, struct.pack(">I", n))
-
-    def goaway(self, code: int = NO_ERROR) -> None:
-        if not self.closed:
-            self.closed = True
-            self._frame(_GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code))
 
 
 # ---------------------------------------------------------------- HTTP/2: the connection

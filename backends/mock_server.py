@@ -58,6 +58,7 @@ from frontend.server import (
     error_response,
     json_response,
 )
+from frontend.serving import ServeOptions, serve, wait_for_signal
 from frontend.wire import (
     Kind,
     decode_request,
@@ -67,7 +68,6 @@ from frontend.wire import (
     to_generate_requests,
     usage_payload,
 )
-from frontend.serving import ServeOptions, serve, wait_for_signal
 
 __all__ = ["FastPath", "FaultInjector", "build_app", "main"]
 

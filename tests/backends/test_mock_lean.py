@@ -22,10 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.mock import MockBackend, MockConfig
-from backends.mock_http import HPACKDecoder, encode_headers, serve_lean
+from backends.mock_h2 import HPACKDecoder, encode_headers
+from backends.mock_http import serve_lean
 from backends.mock_server import build_app
-from frontend.serving import ServeOptions
 from conformance import check_http
+from frontend.serving import ServeOptions
 from tests.backends.conftest import eventually
 
 BODY = {"prompt": "hi", "max_tokens": 8, "stream": True, "seed": 1}
