@@ -8,11 +8,11 @@ yardsticks the engine numbers are quoted against.
 
 from __future__ import annotations
 
-from frontend.sse import SSEEvent, SSEParser
 from bench.client import RequestResult, RequestSpec, StreamTimer, build_body, send_request
 from bench.loadgen import LoadConfig, RunResult, run_open_loop, run_rate
 from bench.schedule import make_prompt, poisson_schedule
 from bench.stats import Summary, percentile, percentiles, summarize
+from frontend.sse import SSEEvent, SSEParser
 
 __all__ = [
     "LoadConfig",

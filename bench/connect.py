@@ -9,14 +9,17 @@ ALPN. The probe is ``GET /v1/models``, which also names the default model.
 
 from __future__ import annotations
 
+import ssl
 from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
 
 from backends.errors import BackendUnavailable, BadRequest
+from backends.h2client import H2Pool
 
-__all__ = ["HttpVersion", "Target", "discover", "make_client"]
+__all__ = ["HttpVersion", "Target", "discover", "make_client", "make_pool"]
 
 HttpVersion = Literal["auto", "2", "1.1"]
 FALLBACK_MODEL = "default"
@@ -45,6 +48,21 @@ def make_client(url: str, http: Literal["2", "1.1", "alpn"], *, max_connections:
                             max_keepalive_connections=max_connections),
         trust_env=False,
     )
+
+
+def make_pool(url: str, *, max_connections: int, api_key: str | None,
+              timeout: float) -> H2Pool:
+    """The lean HTTP/2 client (``backends.h2client``) for ``url``: prior
+    knowledge on http://, ALPN on https://."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadRequest(f"target must be an http:// or https:// URL, got {url!r}", param="target")
+    context = ssl.create_default_context() if parts.scheme == "https" else None
+    port = parts.port or (443 if context else 80)
+    headers = [("authorization", f"Bearer {api_key}")] if api_key else []
+    return H2Pool(parts.hostname, port, ssl_context=context, headers=headers,
+                  connect_timeout=min(timeout, 10.0), pool_timeout=timeout,
+                  max_connections=max_connections)
 
 
 def _model_ids(response: httpx.Response) -> tuple[str, ...]:

@@ -19,12 +19,14 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import httpx
 import trio
 
+from backends.h2client import H2Pool
 from bench.client import RequestResult, RequestSpec, send_request
-from bench.connect import make_client
+from bench.connect import make_client, make_pool
 from bench.engine_bench import run_closed_loop
 from bench.progress import ProgressBar, run_progress
 
@@ -117,9 +119,14 @@ async def _native(url: str, http: str, body_file: Path, concurrency: int, durati
 
 async def _python(url: str, http: str, spec: RequestSpec, prompt: str, concurrency: int,
                   duration: float, label: str) -> dict[str, Any]:
-    version: Literal["2", "1.1"] = "2" if http == "2" else "1.1"
-    async with make_client(url, version, max_connections=concurrency, api_key=None,
-                           timeout=spec.timeout) as client:
+    """httpx over HTTP/1.1; the lean client (backends.h2client) over h2c."""
+    client: httpx.AsyncClient | H2Pool
+    if http == "2":
+        client = make_pool(url, max_connections=concurrency, api_key=None, timeout=spec.timeout)
+    else:
+        client = make_client(url, "1.1", max_connections=concurrency, api_key=None,
+                             timeout=spec.timeout)
+    async with client:
         async def send(index: int, _: str, planned: float, run_start: float) -> RequestResult:
             return await send_request(client, spec, prompt, index=index, start=planned,
                                       run_start=run_start)

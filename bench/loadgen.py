@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import httpx
 import msgspec
 import trio
 
 from backends.errors import BadRequest
+from backends.h2client import H2Pool
 from bench.client import RequestResult, RequestSpec, send_request
-from bench.connect import make_client
+from bench.connect import make_client, make_pool
 from bench.progress import ProgressBar, run_progress
 from bench.schedule import make_prompt, poisson_schedule
 
@@ -122,11 +124,18 @@ async def run_open_loop(config: LoadConfig, send: Sender, *,
 
 async def run_rate(url: str, http: str, spec: RequestSpec, config: LoadConfig, *,
                    api_key: str | None = None, label: str = "bench",
-                   results: list[RequestResult] | None = None) -> RunResult:
-    """:func:`run_open_loop` against a real server at ``url``."""
+                   results: list[RequestResult] | None = None,
+                   lean: bool = False) -> RunResult:
+    """:func:`run_open_loop` against a real server at ``url``; ``lean`` (HTTP/2
+    only): with the lean client, ~4x less client CPU a request than httpx."""
     limit = config.max_outstanding
-    async with make_client(url, "2" if http == "2" else "1.1", max_connections=limit,
-                           api_key=api_key, timeout=spec.timeout) as client:
+    client: httpx.AsyncClient | H2Pool
+    if lean and http == "2":
+        client = make_pool(url, max_connections=8, api_key=api_key, timeout=spec.timeout)
+    else:
+        client = make_client(url, "2" if http == "2" else "1.1", max_connections=limit,
+                             api_key=api_key, timeout=spec.timeout)
+    async with client:
         async def send(index: int, prompt: str, planned: float, run_start: float) -> RequestResult:
             return await send_request(client, spec, prompt, index=index, start=planned,
                                       run_start=run_start)

@@ -17,6 +17,8 @@ import pytest
 import trio
 
 import bench.loadgen
+from backends.h2client import H2Pool
+from backends.mock import parse_fault
 from bench.cli import main
 from bench.client import RequestResult, RequestSpec, send_request
 from bench.loadgen import LoadConfig, run_open_loop
@@ -29,7 +31,7 @@ def _client(handler: httpx.MockTransport) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url="http://test", transport=handler)
 
 
-async def _send(client: httpx.AsyncClient, spec: RequestSpec = SPEC) -> RequestResult:
+async def _send(client: httpx.AsyncClient | H2Pool, spec: RequestSpec = SPEC) -> RequestResult:
     now = trio.current_time()
     return await send_request(client, spec, "hi", index=0, start=now, run_start=now)
 
@@ -114,3 +116,25 @@ def test_the_cli_writes_its_report_when_the_run_stops_early(
     assert run["partial"] is True and run["counts"]["ok"] >= 1
     assert type(exc).__name__ in doc["interrupted"]
     assert "stopped early" in capsys.readouterr().err
+
+
+async def test_the_lean_http2_client_times_a_stream_and_counts_a_reset_by_type() -> None:
+    from backends.mock import MockBackend, MockConfig
+    from backends.mock_http import serve_lean
+    from backends.mock_server import build_app
+    from bench.connect import make_pool
+    from frontend.serving import ServeOptions
+
+    async with trio.open_nursery() as nursery:
+        fine = build_app(MockBackend(MockConfig(max_tokens=5)))
+        url = await nursery.start(serve_lean, fine, ServeOptions())
+        cut = build_app(MockBackend(), [parse_fault("cut-after=2")])
+        cut_url = await nursery.start(serve_lean, cut, ServeOptions())
+        spec = RequestSpec(model="mock", max_tokens=5, timeout=5.0)
+        async with make_pool(url, max_connections=1, api_key=None, timeout=5.0) as pool:
+            result = await _send(pool, spec)
+        assert result.ok and result.output_tokens == 5 and result.ttft is not None
+        async with make_pool(cut_url, max_connections=1, api_key=None, timeout=5.0) as pool:
+            result = await _send(pool, spec)
+        assert result.error == "StreamReset" and result.e2e is not None
+        nursery.cancel_scope.cancel()
