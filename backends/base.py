@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import msgspec
 
 __all__ = [
+    "SAMPLING_FIELDS",
     "Backend",
     "BackendInfo",
     "ChatMessage",
@@ -26,6 +27,7 @@ __all__ = [
     "Health",
     "KVEvent",
     "Logprob",
+    "Sampling",
     "TopLogprob",
     "Usage",
 ]
@@ -37,24 +39,22 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One generation, already validated. Exactly one of ``prompt``,
-    ``prompt_token_ids`` or ``messages`` is the input; ``prompt_token_ids``
-    wins when several are set (a resumed request keeps the original text for
-    logs but continues from the ids)."""
+class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one generation: the sampling fields, declared once here
+    and derived everywhere else (adding one is one edit here, plus the code
+    that implements it). :class:`GenerateRequest` inherits them; the wire
+    layer maps the client's spelling onto them (``frontend.wire``); the HTTP
+    adapter forwards the ones that are set (``backends.openai_http``); the
+    engine resolves the unset ones (``SamplingParams.from_request``).
 
-    request_id: str = ""
-    model: str | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    ``None`` is "not given by the client". A backend fills it with its own
+    default: the engine with the model's recommended sampling (its generation
+    config), an OpenAI-style backend with OpenAI's (1.0, 1.0, off, off, 1.0).
+    An HTTP adapter forwards only the fields that differ from these defaults,
+    so the server it calls applies its defaults in turn."""
+
     max_tokens: int | None = None
     min_tokens: int = 0
-    # Sampling: ``None`` is "not given by the client". A backend fills it with
-    # its own default: the engine with the model's recommended sampling (its
-    # generation config), an OpenAI-style backend with OpenAI's (1.0, 1.0,
-    # off, off, 1.0). An HTTP adapter forwards only the fields that are set,
-    # so the server it calls applies its defaults in turn.
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # 0: off
@@ -67,6 +67,23 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token plus n alternatives
+
+
+SAMPLING_FIELDS: tuple[msgspec.structs.FieldInfo, ...] = msgspec.structs.fields(Sampling)
+
+
+class GenerateRequest(Sampling, kw_only=True, omit_defaults=True):
+    """One generation, already validated: its input, its :class:`Sampling`,
+    and who asked. Exactly one of ``prompt``, ``prompt_token_ids`` or
+    ``messages`` is the input; ``prompt_token_ids`` wins when several are set
+    (a resumed request keeps the original text for logs but continues from
+    the ids)."""
+
+    request_id: str = ""
+    model: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
     priority: int = 0  # higher runs first
     tenant: str = "default"
     # OpenAI fields we do not interpret; passed through to HTTP backends.

@@ -44,7 +44,16 @@ import httpx
 import msgspec
 import trio
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, Logprob, TopLogprob, Usage
+from backends.base import (
+    SAMPLING_FIELDS,
+    BackendInfo,
+    Event,
+    GenerateRequest,
+    Health,
+    Logprob,
+    TopLogprob,
+    Usage,
+)
 from backends.errors import (
     BackendProtocolError,
     BackendTimeout,
@@ -677,32 +686,18 @@ class OpenAIHTTPBackend:
         if model:
             body["model"] = model
         body.update(stream=True, stream_options={"include_usage": True})
-        # Sampling fields the client left unset (None) stay unset upstream,
-        # so the backend applies its model's defaults.
-        optional: dict[str, Any] = {
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "max_tokens": req.max_tokens,
-            "seed": req.seed,
-            "stop": req.stop or None,
-            "top_k": req.top_k,
-            "min_p": req.min_p,
-            "repetition_penalty": req.repetition_penalty,
-            "presence_penalty": req.presence_penalty or None,
-            "frequency_penalty": req.frequency_penalty or None,
-            "min_tokens": req.min_tokens or None,
-            "stop_token_ids": req.stop_token_ids or None,
-            "ignore_eos": req.ignore_eos or None,
-            "priority": req.priority or None,
-            "return_token_ids": True if self.token_ids is not False else None,
-        }
+        # Sampling fields the client left unset stay unset upstream, so the
+        # backend applies its model's defaults.
+        for name, default in _SAMPLING_DEFAULTS:
+            value = getattr(req, name)
+            if value is not None and value != default:
+                body[name] = value
         if req.logprobs is not None:
-            optional.update(
-                {"logprobs": True, "top_logprobs": req.logprobs}
-                if chat
-                else {"logprobs": req.logprobs}
-            )
-        body.update({k: v for k, v in optional.items() if v is not None})
+            body.update({"logprobs": True, "top_logprobs": req.logprobs} if chat else {"logprobs": req.logprobs})
+        if req.priority:
+            body["priority"] = req.priority
+        if self.token_ids is not False:
+            body["return_token_ids"] = True
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
     async def _stream(self, path: str, payload: dict[str, Any], request_id: str = "") -> AsyncGenerator[Event, None]:
@@ -766,6 +761,12 @@ class OpenAIHTTPBackend:
 
 
 _json = msgspec.json.Encoder()
+# Each sampling field but logprobs (spelt per endpoint) with its default.
+_SAMPLING_DEFAULTS = [
+    (f.name, f.default_factory() if f.default is msgspec.NODEFAULT else f.default)
+    for f in SAMPLING_FIELDS
+    if f.name != "logprobs"
+]
 
 
 async def _status_error(reply: _Reply) -> HeadraceError:

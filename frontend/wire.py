@@ -21,7 +21,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from backends.base import ChatMessage, Event, GenerateRequest, Logprob, TopLogprob, Usage
+from backends.base import (
+    SAMPLING_FIELDS,
+    ChatMessage,
+    Event,
+    GenerateRequest,
+    Logprob,
+    TopLogprob,
+    Usage,
+)
 from backends.errors import BadRequest
 
 __all__ = [
@@ -274,25 +282,23 @@ def _common_fields(w: WireRequest) -> dict[str, Any]:
         if isinstance(w, CompletionRequest) and max_tokens is None:
             max_tokens = 16  # OpenAI's default for completions
     fields: dict[str, Any] = {
+        # Each Sampling field the client gave, as the wire spells it (the
+        # seed is per choice: to_generate_requests)...
+        **{
+            f.name: getattr(w, f.name)
+            for f in SAMPLING_FIELDS
+            if f.name != "seed" and getattr(w, f.name, None) is not None
+        },
+        # ...and the fields whose spelling differs.
         "model": w.model or None,  # "" is no model, as the front end reads it: any backend
         "max_tokens": max_tokens,
-        "min_tokens": w.min_tokens,
         "stop": _stops(w.stop),
         "stop_token_ids": list(w.stop_token_ids or []),
-        "ignore_eos": w.ignore_eos,
         "logprobs": logprobs,
         "priority": w.priority,
     }
-    optional = {
-        "temperature": w.temperature,
-        "top_p": w.top_p,
-        "top_k": w.top_k if w.top_k != -1 else 0,
-        "min_p": w.min_p,
-        "repetition_penalty": w.repetition_penalty,
-        "presence_penalty": w.presence_penalty,
-        "frequency_penalty": w.frequency_penalty,
-    }
-    fields.update({k: v for k, v in optional.items() if v is not None})
+    if w.top_k == -1:
+        fields["top_k"] = 0  # vLLM's spelling of "off"
     return fields
 
 

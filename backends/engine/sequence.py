@@ -25,7 +25,7 @@ from typing import Annotated
 
 import msgspec
 
-from backends.base import GenerateRequest
+from backends.base import SAMPLING_FIELDS, GenerateRequest
 from backends.engine.config import SamplingDefaults
 from backends.errors import BadRequest
 
@@ -135,27 +135,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         A sampling field the request leaves unset (``None``) takes ``defaults``
         (the model's recommended sampling), else OpenAI's default."""
         d = defaults or SamplingDefaults()
-
-        def pick(value: float | None, default: float | None, openai: float) -> float:
-            return value if value is not None else default if default is not None else openai
-
-        return cls(
-            temperature=float(pick(req.temperature, d.temperature, 1.0)),
-            top_p=float(pick(req.top_p, d.top_p, 1.0)),
-            top_k=int(pick(req.top_k, d.top_k, 0)),
-            min_p=float(pick(req.min_p, d.min_p, 0.0)),
-            repetition_penalty=float(pick(req.repetition_penalty, d.repetition_penalty, 1.0)),
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            seed=req.seed,
-            max_tokens=default_max_tokens if req.max_tokens is None else req.max_tokens,
-            min_tokens=req.min_tokens,
-            stop_token_ids=tuple(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs,
-        )
+        # Every sampling field the engine implements, by name (declared once
+        # in backends.base.Sampling): the request's value; if unset, the
+        # model's default; if none, ours (OpenAI's, the field defaults here).
+        values: dict[str, object] = {}
+        for field in msgspec.structs.fields(cls):
+            if field.name not in _REQUEST_FIELDS:
+                continue
+            value = getattr(req, field.name)
+            if value is None:
+                value = getattr(d, field.name, None)
+            if value is not None:
+                values[field.name] = tuple(value) if isinstance(value, list) else value
+        if req.max_tokens is None:
+            values["max_tokens"] = default_max_tokens
+        return cls(**values)  # type: ignore[arg-type]
 
 
+_REQUEST_FIELDS = frozenset(f.name for f in SAMPLING_FIELDS)
 _MAX_LOGPROBS = 20
 
 
