@@ -371,7 +371,10 @@ class _H2:
         self.pool, self.probes = pool(max_connections), pool(1)
 
     async def get(self, path: str) -> tuple[int, bytes]:
-        reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
+        try:
+            reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
+        except RefusedStream:  # not processed (a GOAWAY raced it): once more, on a new connection
+            reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
         return reply.status, reply.body
 
     def open(self, path: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[_Reply]:

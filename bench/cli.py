@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ask for exactly max_tokens (vLLM/headrace extension)")
     p.add_argument("--max-outstanding", type=int, default=512,
                    help="arrivals beyond this many in flight are dropped (counted as errors)")
+    p.add_argument("--client", choices=("httpx", "lean"), default="httpx",
+                   help="lean: the router's own HTTP/2 client (h2 targets only; ~4x less client "
+                        "CPU a request, so a two-core box measures the server, not the client)")
     p.add_argument("--compare-direct", metavar="URL",
                    help="also run the same schedule straight at this backend")
     return p
@@ -158,12 +161,14 @@ async def run_load(args: argparse.Namespace, partial: Partial | None = None) -> 
                             prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
         label = "routed" if direct else "target"
         run = await run_rate(target.url, target.http, spec, config, api_key=args.api_key,
-                             label=f"{label} {rate:g} rps", results=partial.begin(label, config))
+                             label=f"{label} {rate:g} rps", results=partial.begin(label, config),
+                             lean=args.client == "lean")
         routed = partial.end(run, label)
         if direct is not None:
             run = await run_rate(direct.url, direct.http, spec, config, api_key=args.api_key,
                                  label=f"direct {rate:g} rps",
-                                 results=partial.begin("direct", config))
+                                 results=partial.begin("direct", config),
+                                 lean=args.client == "lean")
             comparisons.append(compare(routed, partial.end(run, "direct")))
     return partial.document
 

@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-open-loop", action="store_true")
     p.add_argument("--max-outstanding", type=int, default=512)
     p.add_argument("--workers", type=int, default=1, help="router processes (headrace serve --workers)")
+    p.add_argument("--router-src", type=Path, metavar="DIR",
+                   help="run the router from this source checkout (e.g. a git worktree of an older "
+                        "commit) for a before/after comparison in one run of the same bed")
     p.add_argument("--tpot-ms", type=float, default=0.0, help="the mocks' time per token")
     p.add_argument("--max-tokens", type=int, default=20, help="chunks per answer")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -112,10 +115,19 @@ def _python(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
-def serve_has_workers() -> bool:
+def _source(path: Path | None) -> dict[str, str] | None:
+    """Where the router ran from, and its commit (None: this checkout)."""
+    if path is None:
+        return None
+    done = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return {"path": str(path), "commit": done.stdout.strip()}
+
+
+def serve_has_workers(cwd: Path | None = None) -> bool:
     """Whether ``headrace serve`` takes ``--workers`` (older builds do not)."""
     done = subprocess.run(_python("router.cli", "serve", "--help"), capture_output=True,
-                          text=True, check=False, timeout=60)
+                          text=True, check=False, timeout=60, cwd=cwd)
     return "--workers" in done.stdout
 
 
@@ -142,20 +154,22 @@ async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStac
     serve = _python("router.cli", "serve", "--port", "0", "--log-level", "WARNING")
     for mock in bed.mocks:
         serve += ["--backend", mock.url]
-    if serve_has_workers():
+    if serve_has_workers(args.router_src):
         serve += ["--workers", str(args.workers)]
     bed.router, bed.bare = await _start_all(
-        stack, logdir, [("router", serve), ("bare", _python("bench.bare_app", "--port", "0"))])
+        stack, logdir, [("router", serve), ("bare", _python("bench.bare_app", "--port", "0"))],
+        cwd={"router": args.router_src})
     await _ready(bed.router.url, "/ready")
     return bed
 
 
 async def _start_all(stack: AsyncExitStack, logdir: Path,
-                     wanted: list[tuple[str, list[str]]]) -> list[Server]:
+                     wanted: list[tuple[str, list[str]]],
+                     cwd: dict[str, Path | None] | None = None) -> list[Server]:
     started: dict[str, Server] = {}
 
     async def one(name: str, argv: list[str]) -> None:
-        started[name] = await _started(stack, name, argv, logdir)
+        started[name] = await _started(stack, name, argv, logdir, (cwd or {}).get(name))
 
     async with trio.open_nursery() as nursery:
         for name, argv in wanted:
@@ -163,8 +177,9 @@ async def _start_all(stack: AsyncExitStack, logdir: Path,
     return [started[name] for name, _ in wanted]
 
 
-async def _started(stack: AsyncExitStack, name: str, argv: list[str], logdir: Path) -> Server:
-    server = await start_server(name, argv, logdir)
+async def _started(stack: AsyncExitStack, name: str, argv: list[str], logdir: Path,
+                   cwd: Path | None = None) -> Server:
+    server = await start_server(name, argv, logdir, cwd=cwd)
 
     async def stop() -> None:
         with trio.CancelScope(shield=True):
@@ -472,7 +487,7 @@ def main(argv: list[str]) -> int:
                    "http": args.http, "client": args.client, "open_duration_s": args.open_duration,
                    "p99_limit_ms": args.p99_ms, "tpot_ms": args.tpot_ms,
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-                   "workers": args.workers},
+                   "workers": args.workers, "router_src": _source(args.router_src)},
     }
     try:
         trio.run(run, args, doc)

@@ -149,9 +149,11 @@ class ServerConn:
         if sid in self.resets or self.closed.is_set():
             raise Gone
 
-    async def respond(self, sid: int, status: int = 200, *, end: bool = False) -> None:
+    async def respond(
+        self, sid: int, status: int = 200, *, end: bool = False, headers: list[tuple[bytes, bytes]] = ()  # type: ignore[assignment]
+    ) -> None:
         self._check(sid)
-        self.h2.send_headers(sid, [(b":status", str(status).encode())], end_stream=end)
+        self.h2.send_headers(sid, [(b":status", str(status).encode()), *headers], end_stream=end)
         await self.flush()
 
     async def send(self, sid: int, data: bytes, *, end: bool = False) -> None:

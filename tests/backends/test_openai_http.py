@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import msgspec
 import pytest
 import trio
 
@@ -321,5 +322,53 @@ async def test_probes_have_their_own_connection_so_full_streams_never_fail_them(
             assert health.ok, health.detail
             assert trio.current_time() - start < 0.5
             streams.cancel_scope.cancel()
+    finally:
+        await client.aclose()
+
+
+async def test_a_goaway_never_fails_a_request(nursery: trio.Nursery) -> None:
+    """Issue 12, bug 1: a backend that closes a connection (GOAWAY, as
+    hypercorn did after 1,000 requests) must not fail a request: streams up to
+    last_stream_id finish on the old connection, and the one it refused is
+    sent again at once on a new connection, before any byte reached the client."""
+    from tests.backends.test_h2client import ScriptedServer, ServerConn
+
+    sse = [(b"content-type", b"text/event-stream")]
+    three, finish = trio.Event(), trio.Event()
+
+    def chunk(text: str, final: bool = False) -> bytes:
+        choice = {"index": 0, "text": text, "token_ids": [1], "finish_reason": "stop" if final else None}
+        body = b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n"
+        return body + (b"data: [DONE]\n\n" if final else b"")
+
+    async def handler(conn: ServerConn, sid: int, _: dict[bytes, bytes]) -> None:
+        if conn is server.conns[0] and sid == 5:
+            three.set()
+            return  # above the GOAWAY's last stream id: never processed
+        await conn.respond(sid, headers=sse)
+        await conn.send(sid, chunk(" a"))
+        if conn is server.conns[0]:
+            await finish.wait()
+        await conn.send(sid, chunk(" b", final=True), end=True)
+
+    server = await ScriptedServer(handler).start(nursery)
+    client = OpenAIHTTPBackend(f"http://127.0.0.1:{server.port}", http="2")
+    texts: list[str] = []
+
+    async def one() -> None:
+        texts.append(text_of(await collect(client, GenerateRequest(prompt="x", max_tokens=2))))
+
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as inner:
+                for n in (1, 2, 3):
+                    inner.start_soon(one)
+                    await eventually(lambda n=n: server.requests == n, 2)  # type: ignore[misc]
+                await three.wait()
+                await server.conns[0].goaway(3)
+                await eventually(lambda: len(texts) == 1, 2)  # the refused one, resent
+                assert len(server.conns) == 2
+                finish.set()
+        assert texts == [" a b"] * 3
     finally:
         await client.aclose()

@@ -88,3 +88,15 @@ async def test_non_streaming_requests_over_http1_are_timed_end_to_end() -> None:
         assert r.ok and r.ttft is None and r.output_tokens == 5
         assert r.e2e is not None and r.e2e > TTFT
     assert all(b["stream"] is False and "stream_options" not in b for b in app.bodies)
+
+
+def test_the_cli_runs_the_lean_client_over_h2(tmp_path: Path) -> None:
+    fake = FakeOpenAI(ttft=TTFT, gap=0.002)
+    out_json = tmp_path / "lean.json"
+    with serve_in_thread(fake) as url:
+        rc = main(["--target", url, "--http", "2", "--client", "lean", "--rps", "8", "--duration", "0.6",
+                   "--max-tokens", "4", "--seed", "5", "--json", str(out_json), "--no-plot"])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    n = len(poisson_schedule(8.0, 0.6, seed=5))
+    assert doc["runs"][0]["counts"]["ok"] == n == fake.requests

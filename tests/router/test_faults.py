@@ -20,20 +20,14 @@ import trio
 from backends.openai_http import OpenAIHTTPBackend
 from router.app import NamedBackend, Router
 from router.config import decode_config
+from tests.backends.test_mock_server import _read_url
 from tests.router.test_integration import serve_router
 
 
 async def start_mock(*args: str) -> tuple[trio.Process, str]:
     command = [sys.executable, "-m", "router.cli", "mock", "--port", "0", "--model", "m", *args]
     proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    buffer = b""
-    with trio.fail_after(30):
-        while b"\n" not in buffer:
-            chunk = await proc.stdout.receive_some()
-            assert chunk, "the mock exited before printing its URL"
-            buffer += chunk
-    return proc, buffer.split(b"\n", 1)[0].decode().rsplit(" ", 1)[1]
+    return proc, await _read_url(proc)
 
 
 @pytest.fixture

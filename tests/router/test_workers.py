@@ -31,6 +31,7 @@ from router import cli
 from router.config import decode_config
 from router.server import worker_count
 from router.workers import serve_workers
+from tests.router.test_replicas import _children
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETION = {"prompt": "x", "max_tokens": 2}
@@ -46,17 +47,7 @@ def samples(text: str, name: str) -> dict[str, float]:
     return found
 
 
-def children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
+children = _children  # the processes whose parent is pid
 
 
 def alive(pid: int) -> bool:
