@@ -128,6 +128,8 @@ def decode_request(body: bytes, kind: Kind) -> tuple[WireRequest, dict[str, Any]
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested ~1,000 deep, even in an unknown field
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise BadRequest("request body must be a JSON object")
     struct = _STRUCTS[kind]

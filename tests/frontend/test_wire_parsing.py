@@ -269,3 +269,12 @@ def test_escaped_bytes_in_a_token_text_count_as_those_bytes() -> None:
     assert out["text_offset"] == [0, 1, 1, 2]  # " 日!"
     chat = logprobs_payload("chat", entries)["content"]
     assert [e["bytes"] for e in chat] == [[32, 0xE6], [0x97], [0xA5], [33]]
+
+
+@pytest.mark.parametrize("opening,closing", [(b"[", b"]"), (b'{"a":', b"}")])
+def test_a_body_nested_a_thousand_deep_is_a_400_not_a_recursion_error(opening: bytes, closing: bytes) -> None:
+    """Issue 17: even inside a field we do not know, deep nesting raised
+    RecursionError out of the decoder (a 500 with a traceback per request)."""
+    body = b'{"prompt": "x", "junk": ' + opening * 5000 + b"1" + closing * 5000 + b"}"
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        decode_request(body, "completion")
