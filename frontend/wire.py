@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 from typing import Any, Literal
 
 import msgspec
@@ -31,6 +30,7 @@ from backends.base import (
     Usage,
 )
 from backends.errors import BadRequest
+from frontend.context import new_request_id
 
 __all__ = [
     "ChatRequest",
@@ -118,7 +118,7 @@ _STRUCTS: dict[Kind, type[WireRequest]] = {
 
 def new_id(kind: Kind) -> str:
     prefix = {"completion": "cmpl", "chat": "chatcmpl", "native": "gen"}[kind]
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{new_request_id()}"
 
 
 def decode_request(body: bytes, kind: Kind) -> tuple[WireRequest, dict[str, Any]]:
