@@ -33,6 +33,7 @@ import h2.events
 import h2.exceptions
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed
 from hypercorn.protocol import h2 as hypercorn_h2
 from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -66,7 +67,8 @@ def _patch_hypercorn() -> None:
     4. Closing a connection sent EOF outside the send lock, so a send that
        started meanwhile raised ``BusyResourceError`` (see :func:`_close_under_send_lock`).
 
-    And one for cost: :func:`_end_stream_with_the_last_data`.
+    And one for cost, :func:`_end_stream_with_the_last_data`, and one for
+    shutdown, :func:`_release_buffers_when_the_connection_closes`.
     """
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_headrace_patched", False):
@@ -208,8 +210,29 @@ def _end_stream_with_the_last_data() -> None:
     protocol._send_data = _send_data  # type: ignore[method-assign]
 
 
+def _release_buffers_when_the_connection_closes() -> None:
+    """hypercorn 0.18's H2Protocol stops its send task when the connection
+    closes but leaves the streams' buffers open, so an app waiting in
+    ``send`` for its last body to drain (or for room in a full buffer) waits
+    on, holding its stream's task, until the server's graceful deadline: a
+    SIGTERM after clients cut streams took the whole 30 s drain. Close every
+    buffer with the connection, which wakes those waiters (their sends then
+    go nowhere: the stream is closed)."""
+    protocol = hypercorn_h2.H2Protocol
+    handle = protocol.handle
+
+    async def _handle(self: Any, event: Any) -> None:
+        await handle(self, event)
+        if isinstance(event, Closed):
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
+
+    protocol.handle = _handle  # type: ignore[method-assign]
+
+
 _patch_hypercorn()
 _end_stream_with_the_last_data()
+_release_buffers_when_the_connection_closes()
 
 
 class _Config(HypercornConfig):

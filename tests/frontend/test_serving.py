@@ -9,12 +9,14 @@ import ast
 import importlib.metadata
 import inspect
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import httpx
 import pytest
 import trio
@@ -285,6 +287,7 @@ def test_the_h2_protocol_internals_the_patches_use_are_unchanged() -> None:
     assert methods["_flush"] == ["self"]
     assert methods["_window_updated"] == ["self", "stream_id"]
     assert methods["_send_data"] == ["self", "stream_id"]
+    assert methods["handle"] == ["self", "event"]  # Closed: the buffers are closed after it
     assert {"stream_buffers", "priority"} <= _self_attributes(cls)
     # the original _send_data we replace: pop, send_data, then end_stream when complete
     original = ast.get_source_segment(_source(hypercorn_h2), next(
@@ -444,3 +447,46 @@ def test_the_date_header_is_cached_per_second_and_still_correct() -> None:
     assert (b"server", b"hypercorn-h2") in first
     config.include_date_header = False
     assert not [k for k, _ in config.response_headers("h2") if k == b"date"]
+
+
+async def test_a_stream_waiting_to_drain_when_its_connection_closes_does_not_hold_up_shutdown() -> None:
+    """The app sent its last body, which waits on the client's flow-control
+    window (16 bytes, never widened); the client then closes the connection.
+    hypercorn 0.18 left the app waiting on that buffer until the graceful
+    deadline: a SIGTERM after clients cut streams took the whole drain_timeout."""
+    sent_last = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        sent_last.set()
+        await send({"type": "http.response.body", "body": b"x" * 4096})
+
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(serve, app, ServeOptions(graceful_timeout=20), shutdown=shutdown))
+        stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.local_settings = h2.settings.Settings(client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 16})
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x")], end_stream=True)
+        await stream.send_all(conn.data_to_send())
+        with trio.fail_after(5):
+            await sent_last.wait()
+            got = b""
+            while len(got) < 16:  # the first 16 bytes: the window is full
+                for event in conn.receive_data(await stream.receive_some(65536)):
+                    if isinstance(event, h2.events.DataReceived):
+                        got += event.data
+                await stream.send_all(conn.data_to_send())
+        await trio.sleep(0.05)
+        await stream.aclose()
+        await trio.sleep(0.05)
+        start = trio.current_time()
+        shutdown.set()
+        with trio.fail_after(5):  # not the 20 s graceful deadline
+            while nursery.child_tasks:
+                await trio.sleep(0.01)
+        assert trio.current_time() - start < 2
