@@ -58,7 +58,7 @@ FALLBACKS, ERRORS = 5, 6
 
 
 def _normal(text: str) -> str:
-    text = re.sub(r'"id":"(cmpl|chatcmpl|gen)-[0-9a-f]{32}(-\d+)?"', r'"id":"\1-X\2"', text)
+    text = re.sub(r'"id":"(cmpl|chatcmpl|gen)-[0-9a-f]+(-\d+)?"', r'"id":"\1-X\2"', text)
     return re.sub(r'"created":\d+', '"created":0', text)
 
 
