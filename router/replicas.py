@@ -19,7 +19,7 @@ from functools import partial
 
 import trio
 
-__all__ = ["EngineReplica"]
+__all__ = ["EngineReplica", "echo_until", "relay", "terminate"]
 
 log = logging.getLogger(__name__)
 
@@ -72,43 +72,68 @@ class EngineReplica:
                     stdout=subprocess.PIPE,
                     check=False,
                     env=env,
-                    deliver_cancel=_terminate,
+                    deliver_cancel=terminate,
                 )
             )
-            assert process.stdout is not None
             url = await self._wait_ready(process)
             if task_status is not None:
                 task_status.started(url)
-            # Keep relaying stdout so the child never blocks on a full pipe.
-            async for chunk in process.stdout:
-                _echo(chunk)
+            await relay(process)
             await process.wait()
         return url
 
     async def _wait_ready(self, process: trio.Process) -> str:
         assert process.stdout is not None
-        buffer = b""
         with trio.fail_after(self.startup_timeout):
-            async for chunk in process.stdout:
-                _echo(chunk)
-                buffer += bytes(chunk)
-                for line in buffer.decode(errors="replace").splitlines():
-                    if line.startswith(_READY_PREFIX) and " on " in line:
-                        url = line.rsplit(" on ", 1)[1].strip()
-                        self.port = int(url.rsplit(":", 1)[1])
-                        return url
-        raise RuntimeError(f"engine replica {self.name} exited before serving (exit code {process.returncode})")
+            line = await echo_until(process.stdout, _READY_PREFIX)
+        if line is None or " on " not in line:
+            raise RuntimeError(f"engine replica {self.name} exited before serving (exit code {process.returncode})")
+        url = line.rsplit(" on ", 1)[1].strip()
+        self.port = int(url.rsplit(":", 1)[1])
+        return url
+
+
+# Shared with router/workers.py: a supervisor's child processes, their output and their end.
+
+
+async def echo_until(stdout: trio.abc.ReceiveStream, prefix: str, *, echo_match: bool = True) -> str | None:
+    """Copy a child's ``stdout`` to ours, line by line, until a line starts
+    with ``prefix``: the rest of that line (None at end of file). Only whole
+    lines are matched, so a line split across reads is never taken half."""
+    buffer = b""
+    async for chunk in stdout:
+        buffer += bytes(chunk)
+        *lines, buffer = buffer.split(b"\n")
+        for i, line in enumerate(lines):
+            text = line.decode(errors="replace")
+            if text.startswith(prefix):
+                after = lines[i + 1 :] if not echo_match else lines[i:]
+                _echo(b"".join(rest + b"\n" for rest in after) + buffer)
+                return text[len(prefix) :]
+            _echo(line + b"\n")
+    _echo(buffer)
+    return None
+
+
+async def relay(process: trio.Process) -> None:
+    """Keep copying the child's stdout, so it never blocks on a full pipe."""
+    assert process.stdout is not None
+    async for chunk in process.stdout:
+        _echo(chunk)
 
 
 def _echo(chunk: bytes | bytearray) -> None:
-    sys.stdout.buffer.write(chunk)
-    sys.stdout.flush()
+    if chunk:
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
 
 
-async def _terminate(process: trio.Process) -> None:
-    """SIGTERM, then SIGKILL after 5 s."""
-    process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(5):
+async def terminate(process: trio.Process, *, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(grace):
         await process.wait()
         return
+    log.error("child process %d still running %.0f s after SIGTERM: killing it", process.pid, grace)
     process.kill()

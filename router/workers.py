@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from prometheus_client import multiprocess
 from frontend.serving import reserve_port
 from router.config import RouterConfig, with_overrides
 from router.factory import default_backends
+from router.replicas import echo_until, relay, terminate
 
 __all__ = ["KILL_GRACE", "LISTENING", "Worker", "WorkerFailed", "serve_workers", "watch_parent"]
 
@@ -116,7 +116,7 @@ class Worker:
                     check=False,
                     env=self.env,
                     start_new_session=True,
-                    deliver_cancel=partial(_terminate, grace=5.0),
+                    deliver_cancel=terminate,
                 )
             )
             self.pid = process.pid
@@ -129,7 +129,7 @@ class Worker:
             else:
                 if task_status is not None:
                     task_status.started(url)
-                nursery.start_soon(_relay, process)
+                nursery.start_soon(relay, process)
                 # Only now: a worker has installed its SIGTERM handler before it listens.
                 nursery.start_soon(self._drain_on, shutdown, process)
             await process.wait()
@@ -139,23 +139,17 @@ class Worker:
 
     async def _wait_listening(self, process: trio.Process) -> str:
         assert process.stdout is not None
-        buffer = b""
         with trio.move_on_after(self.startup_timeout):
-            async for chunk in process.stdout:
-                buffer += bytes(chunk)
-                *lines, rest = buffer.split(b"\n")
-                for line in lines:
-                    text = line.decode(errors="replace")
-                    if text.startswith(LISTENING):
-                        return text[len(LISTENING):].strip()
-                    _echo(line + b"\n")
-                buffer = rest
+            # Not echoed: the supervisor prints its own line once all listen.
+            url = await echo_until(process.stdout, LISTENING, echo_match=False)
+            if url is not None:
+                return url.strip()
         process.kill()
         raise WorkerFailed(f"router worker {self.index} exited before listening (exit status {process.returncode})")
 
     async def _drain_on(self, shutdown: trio.Event, process: trio.Process) -> None:
         await shutdown.wait()
-        await _terminate(process, grace=self.drain_timeout + KILL_GRACE)
+        await terminate(process, grace=self.drain_timeout + KILL_GRACE)
 
 
 async def serve_workers(
@@ -227,26 +221,3 @@ async def watch_parent(shutdown: trio.Event) -> None:
             pass
     log.warning("the worker supervisor is gone: draining")
     shutdown.set()
-
-
-async def _relay(process: trio.Process) -> None:
-    """Keep copying the worker's stdout, so it never blocks on a full pipe."""
-    assert process.stdout is not None
-    async for chunk in process.stdout:
-        _echo(chunk)
-
-
-def _echo(chunk: bytes | bytearray) -> None:
-    sys.stdout.buffer.write(chunk)
-    sys.stdout.flush()
-
-
-async def _terminate(process: trio.Process, *, grace: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(grace):
-        await process.wait()
-        return
-    log.error("router worker (pid %d) still running %.0f s after SIGTERM: killing it", process.pid, grace)
-    process.kill()
