@@ -261,17 +261,15 @@ class _Stream:
     """The state one request's task and the connection's reader share."""
 
     __slots__ = (
-        "buffered", "chunks", "credit", "ended", "error", "flag", "flow_pending",
-        "headers", "sent_end", "sid", "status", "task", "trailers",
+        "chunks", "credit", "ended", "error", "flag", "flow_pending",
+        "headers", "sent_end", "sid", "status", "task",
     )  # fmt: skip
 
     def __init__(self, sid: int) -> None:
         self.sid = sid
         self.status: int | None = None
         self.headers: list[tuple[bytes, bytes]] = []
-        self.trailers: list[tuple[bytes, bytes]] = []
-        self.chunks: list[bytes] = []
-        self.buffered = 0  # bytes in chunks
+        self.chunks: list[bytes] = []  # received, not yet taken
         self.flow_pending = 0  # flow-controlled bytes in chunks (padding included)
         self.credit = 0  # taken by the consumer, not yet credited to the stream window
         self.ended = False  # END_STREAM received
@@ -279,6 +277,10 @@ class _Stream:
         self.error: H2Error | None = None
         self.flag = False  # news since the task last looked
         self.task: trio.lowlevel.Task | None = None  # parked, waiting for news
+
+    @property
+    def buffered(self) -> int:
+        return sum(map(len, self.chunks))
 
     def abort(self, _raise_cancel: object) -> trio.lowlevel.Abort:
         self.task = None
@@ -316,7 +318,6 @@ class H2Connection:
         self._conn_credit = 0
         self._conn_threshold = pool.connection_window // 4
         self._stream_threshold = pool.stream_window // 2
-        self.reserved = 0
         self.max_streams = 1
         self.goaway_id: int | None = None
         self.error: H2Error | None = None
@@ -328,7 +329,7 @@ class H2Connection:
         return (
             self.error is None
             and self.goaway_id is None
-            and len(self._streams) + self.reserved < self.max_streams
+            and len(self._streams) < self.max_streams
             and self._h2.highest_outbound_stream_id < _LAST_STREAM_ID - 2
         )
 
@@ -371,8 +372,9 @@ class H2Connection:
 
     def open(self, headers: list[tuple[bytes, bytes]], body: bytes) -> _Stream:
         """Put HEADERS for a new stream into h2's buffer (the caller sends
-        the body and flushes). Takes the slot :meth:`H2Pool._acquire` reserved."""
-        self.reserved -= 1
+        the body and flushes). Called right after :meth:`H2Pool._acquire`
+        returned this connection, with no checkpoint between: nobody else can
+        take the slot it found, so no reservation is needed."""
         h2c = self._h2
         try:
             sid = h2c.get_next_available_stream_id()
@@ -489,7 +491,6 @@ class H2Connection:
                     continue
                 if ev.data:
                     s.chunks.append(ev.data)
-                    s.buffered += len(ev.data)
                     s.flow_pending += n
                     self._wake(s)
                 else:
@@ -504,19 +505,15 @@ class H2Connection:
             elif isinstance(ev, h2.events.StreamReset):
                 self._on_reset(ev)
             elif isinstance(ev, h2.events.WindowUpdated):
-                for s in tuple(self._senders):
+                for s in self._senders:  # _wake leaves _senders alone
                     if not ev.stream_id or s.sid == ev.stream_id:
                         self._wake(s)
             elif isinstance(ev, h2.events.RemoteSettingsChanged):
                 self.max_streams = self._h2.remote_settings.max_concurrent_streams
                 self._settled = True
                 self._pool._slots_changed()
-            elif isinstance(ev, h2.events.TrailersReceived):
-                s = streams.get(ev.stream_id or 0)
-                if s is not None:
-                    s.trailers = list(ev.headers or ())
-            elif isinstance(ev, h2.events.ConnectionTerminated):  # not reached: filtered
-                self._on_goaway(ev.last_stream_id or 0, int(ev.error_code or 0))
+            # Trailers are dropped (nobody reads them); ConnectionTerminated
+            # never comes: _GoawayFilter takes GOAWAY frames out before h2.
 
     def _on_response(self, ev: h2.events.ResponseReceived) -> None:
         s = self._streams.get(ev.stream_id or 0)
@@ -599,7 +596,7 @@ class H2Connection:
         """The consumer took everything buffered: owe the stream window for
         it; True when a WINDOW_UPDATE was queued (the caller flushes)."""
         s.credit += s.flow_pending
-        s.flow_pending = s.buffered = 0
+        s.flow_pending = 0
         if s.credit < self._stream_threshold or s.ended or s.error is not None:
             return False
         try:
@@ -628,7 +625,7 @@ class H2Connection:
         self._pool._slots_changed()
 
     def close_if_idle(self) -> None:
-        if self.goaway_id is not None and not self._streams and not self.reserved:
+        if self.goaway_id is not None and not self._streams:
             self.fail(ConnectionLost, "connection closed after GOAWAY")
 
     def fail(self, kind: type[H2Error], message: str) -> None:
@@ -641,11 +638,7 @@ class H2Connection:
             if not s.ended and s.error is None:
                 s.error = kind(message)
             self._wake(s)
-        transport: object = self._transport
-        if isinstance(transport, trio.SSLStream):
-            transport = transport.transport_stream
-        if isinstance(transport, trio.SocketStream):
-            transport.socket.close()
+        _close_now(self._transport)
         self._pool._forget(self)
 
     async def aclose(self) -> None:
@@ -657,6 +650,15 @@ class H2Connection:
                 pass
             await self._flush()
         self.fail(PoolClosed, "the pool was closed")
+
+
+def _close_now(transport: trio.abc.Stream) -> None:
+    """Close the socket under ``transport`` without awaiting (so cancellation
+    cannot skip it); a task blocked on it gets ClosedResourceError."""
+    if isinstance(transport, trio.SSLStream):
+        transport = transport.transport_stream
+    if isinstance(transport, trio.SocketStream):
+        transport.socket.close()
 
 
 # ---------------------------------------------------------------- one response
@@ -925,12 +927,9 @@ class H2Pool:
     # ------------------------------------------------------------ connections
 
     async def _acquire(self) -> H2Connection:
-        """A connection with a stream slot reserved for the caller."""
-        conn = self._pick()
-        if conn is None:
-            conn = await self._acquire_slow()
-        conn.reserved += 1
-        return conn
+        """A connection with a free stream slot; the caller opens its stream
+        before its next checkpoint (see :meth:`H2Connection.open`)."""
+        return self._pick() or await self._acquire_slow()
 
     def _pick(self) -> H2Connection | None:
         for conn in self._conns:
@@ -1004,11 +1003,16 @@ class H2Pool:
             error = ConnectError(f"HTTP/2 handshake with {where} failed: {exc}")
         except (*_TRANSPORT_ERRORS, ssl.SSLError) as exc:
             error = ConnectError(f"cannot connect to {where}: {exc!r}")
+        except BaseException:  # cancelled: still close the socket
+            if transport is not None:
+                _close_now(transport)
+            raise
         if transport is not None:
-            await trio.aclose_forcefully(transport)
+            _close_now(transport)
         raise error
 
     async def _tls(self, tcp: trio.SocketStream) -> trio.SSLStream[trio.SocketStream]:
+        """TLS over ``tcp`` with h2 by ALPN; on failure the caller closes ``tcp``."""
         assert self.ssl_context is not None
         stream = trio.SSLStream(
             tcp, self.ssl_context, server_hostname=self.server_hostname, https_compatible=True
@@ -1016,12 +1020,10 @@ class H2Pool:
         try:
             await stream.do_handshake()
         except trio.BrokenResourceError as exc:
-            await trio.aclose_forcefully(stream)
             raise ConnectError(
                 f"TLS handshake with {self.host}:{self.port} failed: {exc.__cause__!r}"
             ) from None
         if stream.selected_alpn_protocol() != "h2":
-            await trio.aclose_forcefully(stream)
             raise H2Unsupported(
                 f"{self.host}:{self.port} chose {stream.selected_alpn_protocol()!r} by ALPN, not h2"
             )
