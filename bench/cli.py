@@ -19,13 +19,13 @@ from typing import Any
 import trio
 
 from backends.errors import ClientError, HeadraceError
-from bench.client import RequestResult, RequestSpec
+from bench.client import RequestResult, RequestSpec, leaf
 from bench.connect import FALLBACK_MODEL, HttpVersion, Target, discover
 from bench.loadgen import LoadConfig, RunResult, run_rate
 from bench.report import compare, default_path, format_compare, format_table, summarize_run
 from bench.report import write_json as write_report
 
-__all__ = ["Partial", "add_common_arguments", "is_interrupt", "main", "pick_model", "run_load"]
+__all__ = ["Partial", "add_common_arguments", "describe_stop", "is_interrupt", "main", "pick_model", "run_load"]
 
 RESULTS_DIR = "bench/results"
 
@@ -129,10 +129,7 @@ class Partial:
             run = RunResult(config=config, wall=time.monotonic() - started,
                             results=sorted(results, key=lambda r: r.index))
             self.end(run, label)["partial"] = True
-        leaf = exc
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        self.document["interrupted"] = f"{type(leaf).__name__}: {leaf}"[:300]
+        self.document["interrupted"] = describe_stop(exc)
         return self.document
 
 
@@ -221,6 +218,12 @@ def _load_main(argv: list[str]) -> int:
     _print_load(document)
     finish(args, "load", document, _plot_load)
     return 0
+
+
+def describe_stop(exc: BaseException) -> str:
+    """Why a run stopped early, for the report's ``interrupted``."""
+    inner = leaf(exc)
+    return f"{type(inner).__name__}: {inner}"[:300]
 
 
 def is_interrupt(exc: BaseException) -> bool:

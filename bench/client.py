@@ -32,6 +32,7 @@ __all__ = [
     "StreamTimer",
     "build_body",
     "classify",
+    "leaf",
     "send_request",
 ]
 
@@ -167,7 +168,7 @@ class StreamTimer:
         self._chunks += 1
 
 
-def _leaf(exc: BaseException) -> BaseException:
+def leaf(exc: BaseException) -> BaseException:
     """The exception inside a group of one (trio wraps errors from nurseries)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -176,7 +177,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 def classify(exc: BaseException) -> str:
     """The error kind a failed request is counted under."""
-    exc = _leaf(exc)
+    exc = leaf(exc)
     if not isinstance(exc, httpx.HTTPError):
         return type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
@@ -265,8 +266,8 @@ async def send_request(client: httpx.AsyncClient | H2Pool, spec: RequestSpec, pr
             else:
                 await (_stream if spec.stream else _unary)(client, spec, body, result, start)
         except Exception as exc:  # any failure is a result, never the end of the run
-            leaf = _leaf(exc)
-            result.error, result.detail = classify(leaf), f"{type(leaf).__name__}: {leaf}"[:200]
+            inner = leaf(exc)
+            result.error, result.detail = classify(inner), f"{type(inner).__name__}: {inner}"[:200]
             result.e2e = trio.current_time() - start
     if scope.cancelled_caught:
         result.error, result.detail = "timeout", f"no complete answer within {spec.timeout} s"

@@ -47,12 +47,7 @@ def plot_load(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str],
                 if pts:
                     xs, ys = zip(*pts, strict=True)
                     ax.plot(xs, ys, style, marker="o", color=f"C{i}", label=f"{label} {q}")
-        ax.set_title(name)
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("ms")
-        ax.grid(True, alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize="small")
+        _rate_axes(ax, name)
     return _save(fig, path)
 
 
@@ -101,11 +96,16 @@ def plot_rate_p99(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[s
                 ax.plot(xs, ys, "x", color=f"C{i}", markersize=10, label=f"{label}: errors")
         if limit_ms is not None and metric == "e2e_ms":
             ax.axhline(limit_ms, color="grey", linestyle="--", label=f"{limit_ms:g} ms")
-        ax.set_title(name)
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("ms")
         ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize="small")
+        _rate_axes(ax, name)
     return _save(fig, path)
+
+
+def _rate_axes(ax: Any, title: str) -> None:
+    """Titles, labels, grid and legend of a panel of ms against offered req/s."""
+    ax.set_title(title)
+    ax.set_xlabel("offered load (req/s)")
+    ax.set_ylabel("ms")
+    ax.grid(True, alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize="small")

@@ -44,8 +44,8 @@ import msgspec
 import trio
 
 from backends.errors import BackendUnavailable, ClientError, HeadraceError
-from bench.cli import LAG_WARN_MS, is_interrupt
-from bench.client import RequestSpec, build_body
+from bench.cli import LAG_WARN_MS, RESULTS_DIR, describe_stop, is_interrupt
+from bench.client import RequestSpec, build_body, leaf
 from bench.drivers import native_available, run_driver
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info, start_server
@@ -54,7 +54,6 @@ from bench.schedule import make_prompt
 
 __all__ = ["format_report", "main", "search_max_rate"]
 
-RESULTS_DIR = "bench/results"
 HTTPS = {"1.1": "1.1", "2": "h2c"}
 
 
@@ -179,7 +178,11 @@ async def _start_all(stack: AsyncExitStack, logdir: Path,
 
 async def _started(stack: AsyncExitStack, name: str, argv: list[str], logdir: Path,
                    cwd: Path | None = None) -> Server:
-    server = await start_server(name, argv, logdir, cwd=cwd)
+    return _stopped_on_exit(stack, await start_server(name, argv, logdir, cwd=cwd))
+
+
+def _stopped_on_exit(stack: AsyncExitStack, server: Server) -> Server:
+    """``server``, stopped (shielded from cancellation) when ``stack`` closes."""
 
     async def stop() -> None:
         with trio.CancelScope(shield=True):
@@ -222,14 +225,19 @@ async def closed_loop(args: argparse.Namespace, name: str, target: Server, http:
     }
 
 
-def cpu_ratios(rows: list[dict[str, Any]], over: str = "bare") -> dict[str, float | None]:
+def cpu_ratios(rows: list[dict[str, Any]], over: str = "bare") -> dict[str, float]:
     """Router CPU per request over ``over``'s, per HTTP version."""
-    out: dict[str, float | None] = {}
+    return _ratios(rows, "cpu_ms_per_request", over)
+
+
+def _ratios(rows: list[dict[str, Any]], key: str, over: str) -> dict[str, float]:
+    """The router's ``key`` over ``over``'s, per HTTP version both ran."""
+    out: dict[str, float] = {}
     for http in ("1.1", "2"):
         by = {r["target"]: r for r in rows if r["http"] == http}
         a, b = by.get("router"), by.get(over)
-        if a and b and a["cpu_ms_per_request"] and b["cpu_ms_per_request"]:
-            out[http] = a["cpu_ms_per_request"] / b["cpu_ms_per_request"]
+        if a and b and a[key] is not None and b[key]:
+            out[http] = a[key] / b[key]
     return out
 
 
@@ -351,27 +359,12 @@ async def vllm_router(args: argparse.Namespace, bed: Bed, logdir: Path, stack: A
         process = await trio.lowlevel.open_process(argv, stdout=sink, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL,
                                                    start_new_session=True)
-    peer = Server("vllm-router", process, f"http://127.0.0.1:{port}", log)
-
-    async def stop() -> None:
-        with trio.CancelScope(shield=True):
-            await peer.stop()
-
-    stack.push_async_callback(stop)
+    peer = _stopped_on_exit(stack, Server("vllm-router", process, f"http://127.0.0.1:{port}", log))
     await _ready(peer.url, "/v1/models", patience=60.0)
     for http in args.http:
         rows.append(await closed_loop(args, "vllm-router", peer, http, bed.mocks, logdir))
     return {"path": path, "router_over_vllm_router": cpu_ratios(rows, over="vllm-router"),
-            "req_s_ratio": _req_ratios(rows, "vllm-router")}
-
-
-def _req_ratios(rows: list[dict[str, Any]], over: str) -> dict[str, float]:
-    out = {}
-    for http in ("1.1", "2"):
-        by = {r["target"]: r for r in rows if r["http"] == http}
-        if "router" in by and over in by and by[over]["req_s"]:
-            out[http] = by["router"]["req_s"] / by[over]["req_s"]
-    return out
+            "req_s_ratio": _ratios(rows, "req_s", "vllm-router")}
 
 
 # ---------------------------------------------------------------- report
@@ -492,15 +485,12 @@ def main(argv: list[str]) -> int:
     try:
         trio.run(run, args, doc)
     except BaseException as exc:  # the report is written whatever happened
-        leaf = exc
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        doc["interrupted"] = f"{type(leaf).__name__}: {leaf}"[:300]
+        doc["interrupted"] = describe_stop(exc)
         _finish(args, doc)
         if is_interrupt(exc):
             return 130
-        if isinstance(leaf, HeadraceError):
-            print(f"headrace bench router: error: {leaf.message}", file=sys.stderr)
+        if isinstance(inner := leaf(exc), HeadraceError):
+            print(f"headrace bench router: error: {inner.message}", file=sys.stderr)
             return 1
         raise
     _finish(args, doc)
