@@ -360,10 +360,10 @@ class MockRun:
     *cancelled* when left before that."""
 
     def __init__(
-        self, backend: MockBackend, prompt: list[int], seed: int, gen: _Generation,
+        self, tally: StreamTally, prompt: list[int], seed: int, gen: _Generation,
         faults: list[Fault],
     ) -> None:
-        self._tally = backend._tally
+        self._tally = tally
         self.prompt, self.seed, self.faults = prompt, seed, faults
         self._gen = gen
         self.finished = False  # the final event has been produced
@@ -414,21 +414,16 @@ class MockRun:
         self._delivered = self.finished
 
     def __enter__(self) -> MockRun:
-        self._tally.in_flight += 1
-        self._tally.started += 1
+        self._tally.begin()
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        t = self._tally
-        t.in_flight -= 1
         if self._delivered:
-            t.completed += 1
-        elif isinstance(exc, HeadraceError):
-            t.failed += 1
+            self._tally.end("completed")
         else:
-            t.cancelled += 1
+            self._tally.end("failed" if isinstance(exc, HeadraceError) else "cancelled")
 
 
 # ---------------------------------------------------------------- the backend
@@ -509,7 +504,7 @@ class MockBackend:
             raise
         seed = self._seed(request)
         gen = _Generation(prompt, seed, limit, request, self.config.vocab)
-        return MockRun(self, prompt, seed, gen, self._draw_faults())
+        return MockRun(self._tally, prompt, seed, gen, self._draw_faults())
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         run = self.admit(request)

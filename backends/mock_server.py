@@ -56,9 +56,11 @@ import msgspec
 import trio
 
 from backends.base import Event
-from backends.errors import HeadraceError, ModelNotFound
+from backends.errors import HeadraceError
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
+from frontend.call import Call, prepare_call
+from frontend.context import RequestContext, new_request_id
 from frontend.server import (
     DEFAULT_MAX_BODY,
     HTTPRequest,
@@ -68,15 +70,7 @@ from frontend.server import (
     json_response,
 )
 from frontend.serving import ServeOptions, serve, wait_for_signal
-from frontend.wire import (
-    Kind,
-    decode_request,
-    error_body,
-    new_id,
-    now,
-    to_generate_requests,
-    usage_payload,
-)
+from frontend.wire import Kind, error_body, usage_payload
 
 __all__ = ["FastPath", "FaultInjector", "build_app", "main"]
 
@@ -289,8 +283,9 @@ class FastPath:
             await self.fallback(scope, _replay(messages, receive), send)
             return
         renderer, run = call
+        config = self.backend.config
         with run:
-            if self.backend.config.ttft_s == 0 and self.backend.config.tpot_s == 0:
+            if config.ttft_s == 0 and config.tpot_s == 0:
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 await send({"type": "http.response.body", "body": renderer.burst(run)})
                 run.sent()
@@ -321,50 +316,35 @@ class FastPath:
     def _admit(self, kind: Kind, body: bytes) -> tuple[_Renderer, MockRun] | None:
         """What the frontend does up to the first event, in its order (so
         errors are the same); None for shapes the fast path leaves alone."""
-        wire, extra = decode_request(body, kind)
-        if not wire.stream or wire.n != 1:
+        call = prepare_call(kind, body, self.backend, RequestContext(request_id=new_request_id()))
+        if not call.wire.stream or len(call.subs) != 1 or call.subs[0].logprobs is not None:
             return None
-        model = self._model(wire.model)
-        rid = new_id(kind)
-        subs = to_generate_requests(wire, extra, request_id=rid)
-        if len(subs) != 1 or subs[0].logprobs is not None:
-            return None
-        options = wire.stream_options
-        usage = kind != "native" and options is not None and options.include_usage
-        token_ids = wire.return_token_ids or kind == "native"
-        renderer = _Renderer(kind, rid, model, now(), token_ids=token_ids, include_usage=usage)
-        return renderer, self.backend.admit(subs[0])
-
-    def _model(self, model: str | None) -> str:
-        """The model named in the response, as ``OpenAIServer`` picks it."""
-        models = self.backend.info().models
-        if not model:
-            return models[0] if models else "default"
-        if models and model not in models:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        return model
+        return _Renderer(call), self.backend.admit(call.subs[0])
 
     async def _paced(self, renderer: _Renderer, run: MockRun, receive: Any, send: Any) -> None:
         """First token after ``ttft``, one per ``tpot`` after it; a client that
         leaves cancels the run (counted as cancelled)."""
         config = self.backend.config
-        done = [False]  # the last message is handed over: a disconnect is no news then
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, done)
-            await trio.sleep(config.ttft_s)
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            while True:
-                parts = [renderer.chunk(run.step())]
-                while not run.finished and config.tpot_s == 0:
-                    parts.append(renderer.chunk(run.step()))
-                if run.finished:
-                    done[0] = True
-                    parts.append(renderer.tail())
-                    await send({"type": "http.response.body", "body": b"".join(parts)})
-                    run.sent()
-                    break
-                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-                await trio.sleep(config.tpot_s)
+            # Cancelled when the client leaves. The last message is sent
+            # outside it: once that is handed over, a disconnect is no news.
+            with trio.CancelScope() as live:
+                nursery.start_soon(_watch_disconnect, receive, live)
+                await trio.sleep(config.ttft_s)
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                while True:
+                    parts = [renderer.chunk(run.step())]
+                    while not run.finished and config.tpot_s == 0:
+                        parts.append(renderer.chunk(run.step()))
+                    if run.finished:
+                        break
+                    await send({"type": "http.response.body", "body": b"".join(parts),
+                                "more_body": True})
+                    await trio.sleep(config.tpot_s)
+            if run.finished:
+                parts.append(renderer.tail())
+                await send({"type": "http.response.body", "body": b"".join(parts)})
+                run.sent()
             nursery.cancel_scope.cancel()
 
 
@@ -372,11 +352,11 @@ class _Renderer:
     """One call's SSE chunks, laid out as ``OpenAIServer`` lays them out
     (msgspec, keys in the frontend's order, no spaces)."""
 
-    def __init__(
-        self, kind: Kind, rid: str, model: str, created: int, *, token_ids: bool,
-        include_usage: bool,
-    ) -> None:
-        self.kind, self.token_ids, self.include_usage = kind, token_ids, include_usage
+    def __init__(self, call: Call) -> None:
+        kind, rid, model, created = call.kind, call.rid, call.model, call.created
+        options = call.wire.stream_options
+        self.kind, self.token_ids = kind, call.token_ids
+        self.include_usage = kind != "native" and options is not None and options.include_usage
         self.first = True
         self.usage = b""
         if kind == "native":
@@ -397,16 +377,7 @@ class _Renderer:
 
     def burst(self, run: MockRun) -> bytes:
         """Every chunk of ``run``, usage and ``[DONE]``: one body."""
-        events = run.rest()
-        parts = [self.chunk(events[0])]
-        if len(events) > 2 and not self.token_ids:  # the middle: one template, no branches
-            before, after, encode = self.before, self.after, _encode
-            parts += [before + encode(e.text) + after for e in events[1:-1]]
-            self.first = False
-        else:
-            parts += [self.chunk(e) for e in events[1:-1]]
-        if len(events) > 1:
-            parts.append(self.chunk(events[-1]))
+        parts = [self.chunk(e) for e in run.rest()]
         parts.append(self.tail())
         return b"".join(parts)
 
@@ -495,11 +466,10 @@ async def _send_error(send: Any, exc: HeadraceError) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope, done: list[bool]) -> None:
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    if not done[0]:
-        scope.cancel()
+    scope.cancel()
 
 
 # ---------------------------------------------------------------- command line
