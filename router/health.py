@@ -84,9 +84,6 @@ TRANSITIONS: dict[tuple[HealthState, HealthEvent], HealthState] = {
     (S.UNKNOWN, E.PROBE_OK): S.UP,
     (S.UNKNOWN, E.PROBE_FAILED): S.DOWN,  # not known up: down at once
     (S.UNKNOWN, E.PROBE_THRESHOLD): S.DOWN,
-    (S.UNKNOWN, E.REQUEST_OK): S.UNKNOWN,
-    (S.UNKNOWN, E.REQUEST_FAILED_EARLY): S.UNKNOWN,
-    (S.UNKNOWN, E.REQUEST_FAILED_LATE): S.UNKNOWN,
     (S.UP, E.PROBE_OK): S.UP,
     (S.UP, E.PROBE_FAILED): S.SUSPECT,
     (S.UP, E.PROBE_THRESHOLD): S.DOWN,  # threshold 1
@@ -96,19 +93,15 @@ TRANSITIONS: dict[tuple[HealthState, HealthEvent], HealthState] = {
     (S.SUSPECT, E.PROBE_OK): S.UP,
     (S.SUSPECT, E.PROBE_FAILED): S.SUSPECT,
     (S.SUSPECT, E.PROBE_THRESHOLD): S.DOWN,
-    (S.SUSPECT, E.REQUEST_OK): S.SUSPECT,  # probes decide
-    (S.SUSPECT, E.REQUEST_FAILED_EARLY): S.SUSPECT,
-    (S.SUSPECT, E.REQUEST_FAILED_LATE): S.SUSPECT,
     (S.DOWN, E.PROBE_OK): S.UP,
     (S.DOWN, E.PROBE_FAILED): S.DOWN,
     (S.DOWN, E.PROBE_THRESHOLD): S.DOWN,
-    # A stream that started while up may end after the backend went down.
-    (S.DOWN, E.REQUEST_OK): S.DOWN,
-    (S.DOWN, E.REQUEST_FAILED_EARLY): S.DOWN,
-    (S.DOWN, E.REQUEST_FAILED_LATE): S.DOWN,
+    # Only in UP does a request outcome move the state. In SUSPECT probes
+    # decide; a stream that started while up may end after the backend went
+    # down or the actor closed.
+    **{(s, e): s for s in (S.UNKNOWN, S.SUSPECT, S.DOWN, S.CLOSED) for e in _REQUESTS},
     **{(s, E.CRASHED): S.DOWN for s in _OPEN},
     **{(s, E.CLOSE): S.CLOSED for s in _OPEN},
-    **{(S.CLOSED, e): S.CLOSED for e in _REQUESTS},
 }
 
 
