@@ -89,9 +89,9 @@ class BackendActor:
         self.in_flight = 0
         self.info: BackendInfo | None = None
         self._wake = trio.Event()
-        self._counts = dict.fromkeys(
-            ("requests", "failures", "cancelled", "tokens", "probes", "probe_failures", "restarts"), 0
-        )
+        # Probe and failure counts are not kept here: statistics() derives
+        # them from the events the health machine counted.
+        self._counts = dict.fromkeys(("requests", "cancelled", "tokens", "restarts"), 0)
         self._detail = ""
 
     # ------------------------------------------------------------ lifecycle
@@ -133,13 +133,12 @@ class BackendActor:
                 ok, detail = False, exc.message
         if self.closed:
             return  # closed while the probe ran: its result no longer matters
-        self._counts["probes"] += 1
-        self._counts["probe_failures"] += 0 if ok else 1
         self._detail = detail
         self._apply(HealthEvent.PROBE_OK if ok else HealthEvent.PROBE_FAILED)
-        if self.state is HealthState.SUSPECT:
+        if self.state is HealthState.SUSPECT:  # a failed probe below the threshold
             log.warning("backend %s: probe failed (%s), %d of %d before down", self.name, detail,
                         self.health.failed_probes, self.unhealthy_threshold)
+            self._wake.set()  # probe again now rather than after a full interval
 
     async def _refresh_info(self) -> None:
         """Re-read the backend's models (adapters over HTTP fetch them in
@@ -148,15 +147,11 @@ class BackendActor:
         self.info = await refresh() if refresh is not None else self.backend.info()
 
     def _apply(self, event: HealthEvent) -> None:
-        """Feed ``event`` to the health machine, the one place that moves the
-        state; wake the prober when the backend became suspect, or stays
-        suspect after a failed probe."""
+        """Feed ``event`` to the health machine, the one place that moves the state."""
         before = self.state
         after = self.health.handle(event)
         if after is not before:
             log.info("backend %s: %s -> %s (%s)", self.name, before.value, after.value, self._detail)
-        if after is HealthState.SUSPECT and (after is not before or event is HealthEvent.PROBE_FAILED):
-            self._wake.set()  # probe now rather than after a full interval
 
     def report(self, event: HealthEvent) -> None:
         """A request outcome (``REQUEST_*``): into the health machine; a
@@ -252,10 +247,12 @@ class BackendActor:
             self.in_flight -= 1
 
     def _failed(self, relayed: bool) -> None:
-        self._counts["failures"] += 1
         self.report(HealthEvent.REQUEST_FAILED_LATE if relayed else HealthEvent.REQUEST_FAILED_EARLY)
 
     def statistics(self) -> ActorStatistics:
+        health = self.health.statistics()
+        events = health.events
+        failed_probes = events["probe_failed"] + events["probe_threshold"]
         return ActorStatistics(
             name=self.name,
             state=self.state.value,
@@ -265,7 +262,10 @@ class BackendActor:
             models=self.models,
             detail=self._detail,
             up=self.state.serving,
-            health=self.health.statistics(),
+            health=health,
+            probes=events["probe_ok"] + failed_probes,
+            probe_failures=failed_probes,
+            failures=events["request_failed_early"] + events["request_failed_late"],
             **self._counts,
         )
 
