@@ -156,9 +156,13 @@ def _discover(kind: str, entry_points: EntryPoints | None) -> dict[str, importli
     return found
 
 
+def _names(kind: str, plugins: Mapping[str, importlib.metadata.EntryPoint]) -> list[str]:
+    return sorted({*BUILTINS.get(kind, {}), *plugins})
+
+
 def available(entry_points: EntryPoints | None = None, *, kind: str = "routing") -> list[str]:
     """Every known policy name of ``kind``, sorted."""
-    return sorted({*BUILTINS.get(_kind(kind).name, {}), *_discover(kind, entry_points)})
+    return _names(kind, _discover(kind, entry_points))
 
 
 def installed(entry_points: EntryPoints | None = None) -> list[PolicyInfo]:
@@ -168,7 +172,7 @@ def installed(entry_points: EntryPoints | None = None) -> list[PolicyInfo]:
     for kind in KINDS:
         builtins = BUILTINS.get(kind, {})
         plugins = _discover(kind, entry_points)
-        for name in sorted({*builtins, *plugins}):
+        for name in _names(kind, plugins):
             if name in builtins:
                 rows.append(PolicyInfo(kind=kind, name=name, package=BUILTIN_PACKAGE, value=builtins[name][0], builtin=True))
             else:
@@ -179,14 +183,13 @@ def installed(entry_points: EntryPoints | None = None) -> list[PolicyInfo]:
 
 def load_factory(name: str, entry_points: EntryPoints | None = None, *, kind: str = "routing") -> PolicyFactory:
     """The factory registered under ``name`` for ``kind``."""
-    _kind(kind)
     builtin = BUILTINS.get(kind, {}).get(name)
     plugins = _discover(kind, entry_points)
     if builtin is not None:
         return builtin[1]
     ep = plugins.get(name)
     if ep is None:
-        known = ", ".join(sorted({*BUILTINS.get(kind, {}), *plugins})) or "none installed"
+        known = ", ".join(_names(kind, plugins)) or "none installed"
         raise PolicyError(f"unknown {kind} policy {name!r}; known: {known}")
     try:
         factory: PolicyFactory = ep.load()
