@@ -29,7 +29,7 @@ from hpack.table import HeaderTable
 
 __all__ = [
     "CLOSED", "DATA", "END", "INTERNAL_ERROR", "PREFACE", "REQUEST", "RESET", "WINDOW",
-    "H2Core", "H2Error", "HPACKDecoder", "StreamGone", "encode_headers",
+    "H2Core", "HPACKDecoder", "StreamGone", "encode_headers",
 ]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -151,7 +151,7 @@ def _int(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
             raise hpack.HPACKDecodingError("integer too large")
 
 
-class H2Error(Exception):
+class _GoAway(Exception):
     """A connection error: answered with GOAWAY(code) and the end of the connection."""
 
     def __init__(self, code: int) -> None:
@@ -242,7 +242,7 @@ class H2Core:
         self.buf += data
         try:
             self._frames(events)
-        except H2Error as exc:
+        except _GoAway as exc:
             self.goaway(exc.code)
             events.append((CLOSED, 0))
         return events
@@ -253,7 +253,7 @@ class H2Core:
             if len(buf) < len(PREFACE):
                 return
             if buf[: len(PREFACE)] != PREFACE:
-                raise H2Error(PROTOCOL_ERROR)
+                raise _GoAway(PROTOCOL_ERROR)
             del buf[: len(PREFACE)]
             self.preface = True
         pos, window = 0, False
@@ -261,13 +261,13 @@ class H2Core:
             head, flags, sid = _FRAME_HEAD.unpack_from(buf, pos)
             length, ftype, sid = head >> 8, head & 0xFF, sid & 0x7FFFFFFF
             if length > RECV_FRAME:
-                raise H2Error(FRAME_SIZE_ERROR)
+                raise _GoAway(FRAME_SIZE_ERROR)
             if len(buf) - pos - 9 < length:
                 break
             payload = bytes(buf[pos + 9 : pos + 9 + length])
             pos += 9 + length
             if self.block is not None and (ftype != _CONT or sid != self.block_sid):
-                raise H2Error(PROTOCOL_ERROR)  # a header block must not be interrupted
+                raise _GoAway(PROTOCOL_ERROR)  # a header block must not be interrupted
             if ftype == _DATA:
                 self._data(flags, sid, payload, events)
             elif ftype in (_HEADERS, _CONT):
@@ -276,16 +276,16 @@ class H2Core:
                 window |= self._control(ftype, flags, sid, payload)
             elif ftype == _RST:
                 if sid == 0:
-                    raise H2Error(PROTOCOL_ERROR)
+                    raise _GoAway(PROTOCOL_ERROR)
                 if self.streams.pop(sid, None) is not None:
                     events.append((RESET, sid))
             elif ftype == _PING:
                 if len(payload) != 8:
-                    raise H2Error(FRAME_SIZE_ERROR)
+                    raise _GoAway(FRAME_SIZE_ERROR)
                 if not flags & _ACK:
                     self._frame(_PING, _ACK, 0, payload)
             elif ftype == _PUSH:
-                raise H2Error(PROTOCOL_ERROR)
+                raise _GoAway(PROTOCOL_ERROR)
             # PRIORITY, GOAWAY (the client stops opening streams; it closes later)
             # and unknown frames need nothing
         del buf[:pos]
@@ -297,17 +297,17 @@ class H2Core:
         if not flags & _PADDED:
             return payload
         if not payload or payload[0] >= len(payload):
-            raise H2Error(PROTOCOL_ERROR)
+            raise _GoAway(PROTOCOL_ERROR)
         return payload[1 : len(payload) - payload[0]]
 
     def _data(self, flags: int, sid: int, payload: bytes, events: list[tuple[Any, ...]]) -> None:
         if sid == 0:
-            raise H2Error(PROTOCOL_ERROR)
+            raise _GoAway(PROTOCOL_ERROR)
         data = self._unpad(flags, payload)
         stream = self.streams.get(sid)
         if stream is None or stream.remote_done:
             if sid > self.last_sid:
-                raise H2Error(PROTOCOL_ERROR)  # DATA on a stream never opened
+                raise _GoAway(PROTOCOL_ERROR)  # DATA on a stream never opened
             self.credit(0, len(payload))  # a stream we stopped reading: credit it now
             return
         end = bool(flags & _END_STREAM)
@@ -320,7 +320,7 @@ class H2Core:
                  events: list[tuple[Any, ...]]) -> None:
         if ftype == _HEADERS:
             if sid == 0 or sid % 2 == 0:
-                raise H2Error(PROTOCOL_ERROR)
+                raise _GoAway(PROTOCOL_ERROR)
             payload = self._unpad(flags, payload)
             if flags & _PRIO:
                 payload = payload[5:]
@@ -331,13 +331,13 @@ class H2Core:
             self.block += payload
         if not flags & _END_HEADERS:
             if len(self.block) > 65536 + 16384:
-                raise H2Error(PROTOCOL_ERROR)
+                raise _GoAway(PROTOCOL_ERROR)
             return
         block, end, self.block = bytes(self.block), self.block_end, None
         try:
             headers = self.decoder.decode(block)
         except hpack.HPACKError:
-            raise H2Error(COMPRESSION_ERROR) from None
+            raise _GoAway(COMPRESSION_ERROR) from None
         self._opened(sid, headers, end, events)
 
     def _opened(self, sid: int, headers: list[tuple[bytes, bytes]], end: bool,
@@ -345,14 +345,14 @@ class H2Core:
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
             if not end or stream.remote_done:
-                raise H2Error(PROTOCOL_ERROR)
+                raise _GoAway(PROTOCOL_ERROR)
             stream.remote_done = True
             events.append((END, sid))
             if stream.local_done:
                 del self.streams[sid]
             return
         if sid <= self.last_sid:
-            raise H2Error(STREAM_CLOSED)
+            raise _GoAway(STREAM_CLOSED)
         self.last_sid = sid
         if len(self.streams) >= self.max_streams:
             self._frame(_RST, 0, sid, struct.pack(">I", REFUSED_STREAM))
@@ -364,30 +364,30 @@ class H2Core:
         """WINDOW_UPDATE and SETTINGS; True when send windows may have grown."""
         if ftype == _WINDOW:
             if len(payload) != 4:
-                raise H2Error(FRAME_SIZE_ERROR)
+                raise _GoAway(FRAME_SIZE_ERROR)
             increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
             if sid == 0:
                 self.conn_window += increment
                 if self.conn_window > _MAX_WINDOW:
-                    raise H2Error(FLOW_CONTROL_ERROR)
+                    raise _GoAway(FLOW_CONTROL_ERROR)
             elif (stream := self.streams.get(sid)) is not None:
                 stream.window += increment
             return True
         if flags & _ACK:
             return False
         if sid != 0 or len(payload) % 6:
-            raise H2Error(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR)
+            raise _GoAway(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR)
         for offset in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, offset)
             if key == 4:  # INITIAL_WINDOW_SIZE: applies to the open streams too
                 if value > _MAX_WINDOW:
-                    raise H2Error(FLOW_CONTROL_ERROR)
+                    raise _GoAway(FLOW_CONTROL_ERROR)
                 for stream in self.streams.values():
                     stream.window += value - self.peer_window
                 self.peer_window = value
             elif key == 5:  # MAX_FRAME_SIZE
                 if not 16384 <= value <= 2**24 - 1:
-                    raise H2Error(PROTOCOL_ERROR)
+                    raise _GoAway(PROTOCOL_ERROR)
                 self.max_frame = value
         self._frame(_SETTINGS, _ACK, 0)
         return True

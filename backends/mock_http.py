@@ -372,6 +372,7 @@ class _H1Exchange:
         self.chunk_done = True  # chunked: between chunks
         self.continue_ = fields.get(b"expect", b"").lower() == b"100-continue"
         self.body_done = not self.chunked and self.remaining == 0
+        self.delivered = False  # the last http.request message went to the app
         self.status = 200
         self.headers: list[tuple[bytes, bytes]] = []
         self.started = self.complete = self.disconnected = False
@@ -404,8 +405,6 @@ class _H1Exchange:
             return _DISCONNECT
         self.delivered = self.body_done
         return {"type": "http.request", "body": body, "more_body": not self.body_done}
-
-    delivered = False
 
     async def _body(self) -> bytes:
         """What of the body is buffered (reading when nothing is)."""
