@@ -35,9 +35,9 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import h2.exceptions
 import httpx
@@ -69,13 +69,14 @@ from backends.errors import (
     Unauthorized,
     UpstreamError,
 )
-from backends.h2client import H2Error, H2Pool, H2Unsupported, RefusedStream
+from backends.h2client import H2Error, H2Pool, H2Response, H2Unsupported, RefusedStream
 from backends.tally import StreamTally
 from frontend.sse import SSEParser
 
 __all__ = ["HTTPBackendStatistics", "HTTPOptions", "OpenAIHTTPBackend", "status_error"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_ERROR_BODY = 64 * 1024
 _TRANSPORT_ERRORS = (
@@ -371,34 +372,24 @@ class _H2:
         self.pool, self.probes = pool(max_connections), pool(1)
 
     async def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
-        except RefusedStream:  # not processed (a GOAWAY raced it): once more, on a new connection
-            reply = await self.probes.request("GET", path, limit=4 * 1024 * 1024)
+        reply = await _resend_if_refused(lambda: self.probes.request("GET", path, limit=4 * 1024 * 1024))
         return reply.status, reply.body
 
-    def open(self, path: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[_Reply]:
-        return self._open(path, body, request_id)
+    def open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body, headers)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: bytes, request_id: str) -> AsyncIterator[_Reply]:
-        headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
-        for attempt in (1, 2):
+    async def _open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AsyncIterator[_Reply]:
+        async def start() -> H2Response:
             response = self.pool.stream("POST", path, headers=headers, body=body)
-            try:
-                await response.__aenter__()
-            except RefusedStream:
-                # Not processed (a GOAWAY raced the request): safe to send
-                # again at once, on a new connection.
-                if attempt == 2:
-                    raise
-                continue
-            try:
-                yield _Reply(response.status, response.headers, response)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await response.aclose()
-            return
+            return await response.__aenter__()  # a failed start closes its stream itself
+
+        response = await _resend_if_refused(start)
+        try:
+            yield _Reply(response.status, response.headers, response)
+        finally:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
 
     async def aclose(self) -> None:
         await self.pool.aclose()
@@ -437,12 +428,11 @@ class _H1:
         response = await self.client.get(path)
         return response.status_code, response.content
 
-    def open(self, path: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[_Reply]:
-        return self._open(path, body, request_id)
+    def open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AbstractAsyncContextManager[_Reply]:
+        return self._open(path, body, headers)
 
     @asynccontextmanager
-    async def _open(self, path: str, body: bytes, request_id: str) -> AsyncIterator[_Reply]:
-        headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
+    async def _open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AsyncIterator[_Reply]:
         async with self.client.stream("POST", path, content=body, headers=headers) as response:
             chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
             yield _Reply(response.status_code, response.headers, chunks)
@@ -451,11 +441,17 @@ class _H1:
         await self.client.aclose()
 
 
+async def _resend_if_refused(send: Callable[[], Awaitable[T]]) -> T:
+    """``send()``, and once more if the server refused it unprocessed (a
+    GOAWAY raced it, or REFUSED_STREAM): the pool then uses a new connection."""
+    try:
+        return await send()
+    except RefusedStream:
+        return await send()
+
+
 _Transport = _H1 | _H2
 _POST_HEADERS = [("content-type", "application/json"), ("accept", "text/event-stream")]
-# Errors that mean "this server does not speak HTTP/2" (ALPN chose
-# http/1.1, or it answered the prior-knowledge preface in HTTP/1.1).
-_NOT_H2 = (H2Unsupported,)
 _ERRORS = (*_TRANSPORT_ERRORS, H2Error)
 
 
@@ -599,7 +595,7 @@ class OpenAIHTTPBackend:
         h2, h1 = self._transports["2"], self._transports["1.1"]
         try:
             await h2.get("/health")
-        except _NOT_H2 as exc:
+        except H2Unsupported as exc:  # ALPN chose http/1.1, or an HTTP/1.1 answer to the preface
             try:
                 await h1.get("/health")
             except Exception:  # neither answered: decide on a later try
@@ -715,7 +711,8 @@ class OpenAIHTTPBackend:
             async with AsyncExitStack() as stack:
                 with trio.move_on_after(self.first_token_timeout) as opening:
                     transport = await self._use()
-                    reply = await stack.enter_async_context(transport.open(path, body, request_id))
+                    headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
+                    reply = await stack.enter_async_context(transport.open(path, body, headers))
                 if opening.cancelled_caught:
                     raise BackendTimeout(f"no response within {self.first_token_timeout}s")
                 if reply.status != 200:
