@@ -118,10 +118,9 @@ class Call:
             except HeadraceError:
                 raise
             except Exception as exc:
-                log.exception("choice %d: the backend stream failed with an untranslated error", i)
-                raise UpstreamError(f"backend stream failed: {type(exc).__name__}") from exc
+                raise _untranslated(i, exc) from exc
             if results[i].finish_reason is None:
-                raise StreamBroken("the backend stream ended before its final event")
+                raise _cut_short()
 
         try:
             async with trio.open_nursery() as nursery:
@@ -196,7 +195,7 @@ class Call:
             if any(state.finish_reason is None for state in states):
                 # Every pump ended, yet some choice never got its final event:
                 # a truncated answer must not look like a complete one.
-                parts.append(error_event(StreamBroken("the backend stream ended before its final event")))
+                parts.append(error_event(_cut_short()))
                 await flush(emit, parts, True)
                 return
             opts = self.wire.stream_options
@@ -250,13 +249,24 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
         except HeadraceError as exc:
             await send.send((i, exc))
         except Exception as exc:
-            log.exception("choice %d: the backend stream failed with an untranslated error", i)
-            await send.send((i, UpstreamError(f"backend stream failed: {type(exc).__name__}")))
+            await send.send((i, _untranslated(i, exc)))
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+
+def _untranslated(i: int, exc: Exception) -> UpstreamError:
+    """A backend stream ended by an exception that is not one of ours (a bug
+    in an adapter): logged with its traceback, answered as an upstream error."""
+    log.error("choice %d: the backend stream failed with an untranslated error", i, exc_info=exc)
+    return UpstreamError(f"backend stream failed: {type(exc).__name__}")
+
+
+def _cut_short() -> StreamBroken:
+    """Every pump ended, yet a choice never got its final event."""
+    return StreamBroken("the backend stream ended before its final event")
 
 
 def _first_headrace_error(group: BaseExceptionGroup[BaseException]) -> HeadraceError | None:

@@ -23,17 +23,17 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
 if TYPE_CHECKING:
     from frontend.call import Call
 
-__all__ = ["OPEN_GATE", "Gate", "Principal", "RequestContext", "new_request_id", "request_id_from"]
+__all__ = ["OPEN_GATE", "Gate", "Principal", "PriorityClass", "RequestContext", "new_request_id", "request_id_from"]
 
 # Priority classes, highest first; the admission issue gives them meaning.
-PRIORITY_CLASSES = ("interactive", "default", "batch")
+PriorityClass = Literal["interactive", "default", "batch"]
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -51,7 +51,7 @@ class RequestContext(msgspec.Struct, kw_only=True):
     request_id: str
     tenant: str = "default"
     key_id: str | None = None
-    priority: str = "default"  # one of PRIORITY_CLASSES
+    priority: PriorityClass = "default"
     arrival: float = 0.0
     deadline: float | None = None
     trace_id: str | None = None

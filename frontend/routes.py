@@ -11,7 +11,6 @@ is 404.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from backends.errors import MethodNotAllowed, NotFound
@@ -39,17 +38,16 @@ class RouteTable(Generic[H]):
         if "{" not in path:
             self._static[(method, path)] = handler
             return
-        pattern = re.compile("^" + _PARAM.sub(r"(?P<\1>[^/]+)", re.escape(path).replace(r"\{", "{").replace(r"\}", "}")) + "$")
+        # Literal pieces escaped, each {name} one segment: split gives them in turn.
+        pieces = _PARAM.split(path)
+        pattern = re.compile("".join(
+            re.escape(piece) if i % 2 == 0 else f"(?P<{piece}>[^/]+)" for i, piece in enumerate(pieces)
+        ) + "$")
         self._templates = [t for t in self._templates if (t[0], t[1]) != (method, path)]
         self._templates.append((method, path, pattern, handler))
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self._static or any((m, t) == key for m, t, _, _ in self._templates)
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        yield from self._static
-        for method, template, _, _ in self._templates:
-            yield method, template
 
     def match(self, method: str, path: str) -> Match[H] | None:
         """The route for this request, or None (no 404/405 decision)."""

@@ -94,10 +94,6 @@ class HTTPRequest:
         self.context = context
         self.defer = defer
 
-    @property
-    def tenant(self) -> str:
-        return self.context.tenant
-
 
 class Response:
     """A complete response, or a streaming one when ``stream`` is set."""
