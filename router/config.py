@@ -161,8 +161,8 @@ def apply_settings(config: RouterConfig, settings: list[str]) -> RouterConfig:
         except tomllib.TOMLDecodeError:
             value = text
         node: Any = doc
-        for i, key in enumerate(keys[:-1]):
-            node = _step(node, key, setting, create=i > 0 or key != "backends")
+        for key in keys[:-1]:
+            node = _step(node, key, setting)
         last = keys[-1]
         if isinstance(node, list):
             node[_index(node, last, setting)] = value
@@ -179,16 +179,14 @@ def _index(node: list[Any], key: str, setting: str) -> int:
     return int(key)
 
 
-def _step(node: Any, key: str, setting: str, *, create: bool) -> Any:
+def _step(node: Any, key: str, setting: str) -> Any:
+    """One step down the path; a section not there yet is made (decoding then
+    names it if the config has no such field)."""
     if isinstance(node, list):
         return node[_index(node, key, setting)]
     if not isinstance(node, dict):
         raise ConfigError(f"--set {setting!r}: {key!r} is inside a value, not a section")
-    if key not in node:
-        if not create:
-            raise ConfigError(f"--set {setting!r}: no section {key!r}")
-        node[key] = {}
-    return node[key]
+    return node.setdefault(key, {})
 
 
 def with_overrides(config: RouterConfig, **fields: Any) -> RouterConfig:
