@@ -12,7 +12,7 @@ Errors are raised as :mod:`backends.errors` exceptions only.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -30,6 +30,8 @@ __all__ = [
     "Sampling",
     "TopLogprob",
     "Usage",
+    "chain_hashes",
+    "hash_block",
 ]
 
 
@@ -150,6 +152,28 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: bool = False
     seeds: bool = True  # honours `seed` deterministically
     block_size: int | None = None  # KV block size, for KV-aware routing
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full KV block: the engine registers its prefix
+    cache under it and publishes it in :class:`KVEvent`; the router computes
+    the same from a request's token ids to route by what is cached. Stable
+    across processes (Python's tuple hash of ints does not depend on
+    PYTHONHASHSEED), non-negative, 63 bits."""
+    return hash((-1 if parent_hash is None else parent_hash, token_ids)) & _MASK63
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained :func:`hash_block` of every full block of ``token_ids``."""
+    out: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, tuple(token_ids[start : start + block_size]))
+        out.append(parent)
+    return out
 
 
 class KVEvent(msgspec.Struct, frozen=True, kw_only=True):

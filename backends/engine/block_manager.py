@@ -30,18 +30,10 @@ from collections.abc import Iterable
 
 import msgspec
 
-from backends.base import KVEvent
+from backends.base import KVEvent, hash_block
 from backends.engine.sequence import Sequence
 
 __all__ = ["BlockManager", "BlockManagerStatistics", "hash_block"]
-
-_MASK63 = (1 << 63) - 1
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block: stable across processes (Python's tuple
-    hash of ints does not depend on PYTHONHASHSEED), non-negative, 63 bits."""
-    return hash((-1 if parent_hash is None else parent_hash, token_ids)) & _MASK63
 
 
 class _Block:
