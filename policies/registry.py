@@ -41,7 +41,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from policies.base import RoutingPolicy
-from policies.routing import LeastLoaded, RoundRobin
+from policies.kv_aware import KVAware
+from policies.prefix_hash import PrefixHash
+from policies.routing import LeastLoaded, PowerOfTwo, RoundRobin
 
 __all__ = [
     "BUILTINS",
@@ -93,7 +95,10 @@ LEGACY_GROUPS: dict[str, str] = {GROUP: "routing"}
 
 BUILTINS: dict[str, dict[str, tuple[str, PolicyFactory]]] = {
     "routing": {
+        "kv_aware": ("policies.kv_aware:KVAware", KVAware),
         "least_loaded": ("policies.routing:LeastLoaded", LeastLoaded),
+        "power_of_two": ("policies.routing:PowerOfTwo", PowerOfTwo),
+        "prefix_hash": ("policies.prefix_hash:PrefixHash", PrefixHash),
         "round_robin": ("policies.routing:RoundRobin", RoundRobin),
     },
 }
@@ -113,6 +118,13 @@ class PolicyInfo(msgspec.Struct, frozen=True, kw_only=True):
     package: str
     value: str  # module:attribute
     builtin: bool
+    summary: str = ""  # the first line of the factory's docstring
+
+
+def summary(factory: object) -> str:
+    """A policy's one-line description: its factory's docstring, first line."""
+    doc = inspect.getdoc(factory) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 def group(kind: str) -> str:
@@ -167,17 +179,26 @@ def available(entry_points: EntryPoints | None = None, *, kind: str = "routing")
 
 def installed(entry_points: EntryPoints | None = None) -> list[PolicyInfo]:
     """Every known policy of every kind (kinds in :data:`KINDS` order, names
-    sorted), with the package that provides it; nothing is imported."""
+    sorted), with the package that provides it and its one-line summary
+    (read from the factory, so plugins are imported; one that fails to
+    import says so in its summary instead of hiding the others)."""
     rows: list[PolicyInfo] = []
     for kind in KINDS:
         builtins = BUILTINS.get(kind, {})
         plugins = _discover(kind, entry_points)
         for name in _names(kind, plugins):
             if name in builtins:
-                rows.append(PolicyInfo(kind=kind, name=name, package=BUILTIN_PACKAGE, value=builtins[name][0], builtin=True))
+                value, factory = builtins[name]
+                rows.append(PolicyInfo(kind=kind, name=name, package=BUILTIN_PACKAGE, value=value, builtin=True,
+                                       summary=summary(factory)))
             else:
                 ep = plugins[name]
-                rows.append(PolicyInfo(kind=kind, name=name, package=_package(ep), value=ep.value, builtin=False))
+                try:
+                    text = summary(ep.load())
+                except Exception as exc:
+                    text = f"(fails to load: {exc!r})"
+                rows.append(PolicyInfo(kind=kind, name=name, package=_package(ep), value=ep.value, builtin=False,
+                                       summary=text))
     return rows
 
 

@@ -1,20 +1,24 @@
-"""Built-in routing policies: smooth weighted round robin and least loaded.
+"""Built-in routing policies without cache state: round robin, least loaded, power of two.
 
 Both are deterministic given their inputs, so tests assert exact sequences.
 Round robin uses nginx's smooth weighted algorithm: every pick adds each
 candidate's weight to its running score, takes the highest, and subtracts the
 total from the winner; weights 5:1:1 give ``a a b a c a a`` rather than bursts.
 Least loaded picks the smallest ``in_flight / weight`` and breaks ties in
-rotation so equal backends share the load.
+rotation so equal backends share the load. Power of two draws two distinct
+candidates at random (from its own seeded generator, so a seed replays the
+same picks) and takes the less loaded: nearly least-loaded balance without
+every router herding onto the same minimum (Mitzenmacher).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from policies.base import BackendView, RouteRequest
 
-__all__ = ["LeastLoaded", "RoundRobin"]
+__all__ = ["LeastLoaded", "PowerOfTwo", "RoundRobin"]
 
 
 class RoundRobin:
@@ -59,3 +63,19 @@ class LeastLoaded:
         self._turn += 1
         return choice
 
+
+
+class PowerOfTwo:
+    """Two random candidates, the less loaded (per unit of weight) of them."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._random = random.Random(seed)
+
+    def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
+        if len(candidates) < 2:
+            return candidates[0].name if candidates else None
+        a, b = self._random.sample(range(len(candidates)), 2)
+        ca, cb = candidates[a], candidates[b]
+        return (cb if cb.in_flight / cb.weight < ca.in_flight / ca.weight else ca).name

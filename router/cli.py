@@ -76,7 +76,7 @@ def policies_main(argv: list[str], entry_points: Iterable[EntryPoint] | None = N
     from policies.registry import KINDS, PolicyError, group, installed
 
     parser = argparse.ArgumentParser(prog="headrace policies", description=policies_main.__doc__)
-    parser.add_argument("--json", action="store_true", help="one JSON array of {kind, name, package, value, builtin}")
+    parser.add_argument("--json", action="store_true", help="one JSON array of {kind, name, package, value, builtin, summary}")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -97,7 +97,7 @@ def policies_main(argv: list[str], entry_points: Iterable[EntryPoint] | None = N
         print(f"{kind.name}: {kind.summary} [{group(kind.name)}]")
         mine = [r for r in rows if r.kind == kind.name]
         for r in mine:
-            print(f"  {r.name:<{width}}  {r.package:<{pkg_width}}  {r.value}")
+            print(f"  {r.name:<{width}}  {r.package:<{pkg_width}}  {r.summary or r.value}")
         if not mine:
             print("  (none installed)")
     return 0

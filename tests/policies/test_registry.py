@@ -16,7 +16,6 @@ from policies.registry import (
     GROUP,
     KINDS,
     PolicyError,
-    PolicyInfo,
     available,
     create,
     create_policy,
@@ -78,16 +77,16 @@ ROUTING = group("routing")
 
 
 def test_builtins_are_found_by_name() -> None:
-    assert available() == ["least_loaded", "round_robin"]
+    assert available() == ["kv_aware", "least_loaded", "power_of_two", "prefix_hash", "round_robin"]
     assert isinstance(create_policy("round_robin"), RoundRobin)
     assert isinstance(create("routing", "least_loaded"), LeastLoaded)
 
 
 def test_unknown_names_list_the_known_ones_plugins_included() -> None:
-    with pytest.raises(PolicyError, match=r"unknown routing policy 'nope'; known: least_loaded, round_robin$"):
+    with pytest.raises(PolicyError, match=r"unknown routing policy 'nope'; known: kv_aware, least_loaded, power_of_two, prefix_hash, round_robin$"):
         create_policy("nope")
     eps = [ep("spread", f"{HERE}:Spread", ROUTING)]
-    with pytest.raises(PolicyError, match=r"known: least_loaded, round_robin, spread$"):
+    with pytest.raises(PolicyError, match=r"known: kv_aware, least_loaded, power_of_two, prefix_hash, round_robin, spread$"):
         create_policy("nope", eps)
     with pytest.raises(PolicyError, match="unknown admission policy 'x'; known: none installed"):
         create("admission", "x", entry_points=[])
@@ -105,7 +104,7 @@ def test_each_kind_has_its_own_group_and_the_plain_group_still_means_routing() -
         ep("new", f"{HERE}:Spread", ROUTING),
         ep("shed", f"{HERE}:Shed", group("admission")),
     ]
-    assert available(eps) == ["least_loaded", "new", "old", "round_robin"]
+    assert available(eps) == ["kv_aware", "least_loaded", "new", "old", "power_of_two", "prefix_hash", "round_robin"]
     assert available(eps, kind="admission") == ["shed"]
     assert isinstance(create_policy("old", eps), Spread)
     assert isinstance(create("admission", "shed", {"limit": 3}, entry_points=eps), Shed)
@@ -146,7 +145,7 @@ def test_one_declaration_in_both_groups_and_one_name_in_two_kinds_are_not_claims
         ep("spread", f"{HERE}:Shed", group("admission")),
         ep("round_robin", "policies.routing:RoundRobin", ROUTING),  # the built-in's own declaration
     ]
-    assert available(eps) == ["least_loaded", "round_robin", "spread"]
+    assert available(eps) == ["kv_aware", "least_loaded", "power_of_two", "prefix_hash", "round_robin", "spread"]
     assert available(eps, kind="admission") == ["spread"]
 
 
@@ -206,28 +205,34 @@ PLUGINS = [
 ]
 
 
-def test_installed_lists_every_kind_with_the_providing_package_without_importing() -> None:
-    assert installed(PLUGINS) == [
-        PolicyInfo(kind="routing", name="least_loaded", package="headrace", value="policies.routing:LeastLoaded", builtin=True),
-        PolicyInfo(kind="routing", name="legacy", package="acme_routing", value="acme_routing.policy:Legacy", builtin=False),
-        PolicyInfo(kind="routing", name="round_robin", package="headrace", value="policies.routing:RoundRobin", builtin=True),
-        PolicyInfo(kind="routing", name="spread", package="tests", value=f"{HERE}:Spread", builtin=False),
-        PolicyInfo(kind="admission", name="shed", package="acme_admission", value="acme_admission:Shed", builtin=False),
-    ]
+BUILTIN_ROWS = [
+    ("kv_aware", "policies.kv_aware:KVAware"),
+    ("least_loaded", "policies.routing:LeastLoaded"),
+    ("power_of_two", "policies.routing:PowerOfTwo"),
+    ("prefix_hash", "policies.prefix_hash:PrefixHash"),
+    ("round_robin", "policies.routing:RoundRobin"),
+]
+
+
+def test_installed_lists_every_kind_with_the_providing_package_and_a_summary() -> None:
+    rows = installed(PLUGINS)
+    assert [(r.kind, r.name, r.package, r.value, r.builtin) for r in rows] == [*sorted([("routing", n, "headrace", v, True) for n, v in BUILTIN_ROWS] + [("routing", "legacy", "acme_routing", "acme_routing.policy:Legacy", False), ("routing", "spread", "tests", f"{HERE}:Spread", False)], key=lambda r: r[1]), ("admission", "shed", "acme_admission", "acme_admission:Shed", False)]
+    summaries = {r.name: r.summary for r in rows}
+    assert summaries["prefix_hash"] == "Consistent hashing with bounded loads on the prompt's leading KV blocks."
+    assert summaries["spread"] == (Spread.__doc__ or "").strip().splitlines()[0]
+    assert summaries["legacy"].startswith("(fails to load: ModuleNotFoundError")  # listed, not hidden
 
 
 def test_headrace_policies_prints_each_kind_and_its_policies(capsys: pytest.CaptureFixture[str]) -> None:
     assert policies_main([], PLUGINS) == 0
-    assert capsys.readouterr().out.splitlines() == [
-        "routing: picks a backend for each request [headrace.policies.routing]",
-        "  least_loaded  headrace        policies.routing:LeastLoaded",
-        "  legacy        acme_routing    acme_routing.policy:Legacy",
-        "  round_robin   headrace        policies.routing:RoundRobin",
-        f"  spread        tests           {HERE}:Spread",
-        "admission: admits or sheds a request (503 + Retry-After) [headrace.policies.admission]",
-        "  shed          acme_admission  acme_admission:Shed",
-        "priority: orders waiting requests (priority, tenant share) [headrace.policies.priority]",
-        "  (none installed)",
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "routing: picks a backend for each request [headrace.policies.routing]"
+    assert "  round_robin   headrace        Smooth weighted round robin over the candidates of each call." in lines
+    assert any(line.startswith("  legacy        acme_routing    (fails to load: ") for line in lines)
+    assert lines[lines.index("admission: admits or sheds a request (503 + Retry-After) [headrace.policies.admission]") + 1] == (
+        "  shed          acme_admission  (fails to load: ModuleNotFoundError(\"No module named 'acme_admission'\"))"
+    )
+    assert lines[-4:] == [
         "ratelimit: limits a tenant's request and token rates (429 + Retry-After) [headrace.policies.ratelimit]",
         "  (none installed)",
         "breaker: opens a backend's circuit after failures [headrace.policies.breaker]",
@@ -239,7 +244,8 @@ def test_headrace_policies_lists_the_builtins_of_this_install(capsys: pytest.Cap
     assert headrace(["policies", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     builtins = [(r["kind"], r["name"], r["package"]) for r in rows if r["builtin"]]
-    assert builtins == [("routing", "least_loaded", "headrace"), ("routing", "round_robin", "headrace")]
+    assert builtins == [("routing", n, "headrace") for n, _ in BUILTIN_ROWS]
+    assert all(r["summary"] for r in rows if r["builtin"])
 
 
 def test_headrace_policies_reports_a_double_claim_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

@@ -82,3 +82,19 @@ def test_least_loaded_rotates_among_ties() -> None:
 @pytest.mark.parametrize("policy", [RoundRobin(), LeastLoaded()])
 def test_no_candidates_means_no_pick(policy: RoutingPolicy) -> None:
     assert policy.pick([], REQ, 0.0) is None
+
+
+def test_power_of_two_replays_with_a_seed_and_never_takes_the_busiest() -> None:
+    from policies.routing import PowerOfTwo
+
+    cands = [BackendView(name=f"b{i}", in_flight=i) for i in range(5)]
+    a = [PowerOfTwo(seed=7).pick(cands, REQ, 0.0)]
+    first = PowerOfTwo(seed=7)
+    second = PowerOfTwo(seed=7)
+    run1 = [first.pick(cands, REQ, 0.0) for _ in range(200)]
+    assert run1 == [second.pick(cands, REQ, 0.0) for _ in range(200)]
+    assert a[0] == run1[0]
+    counts = Counter(run1)
+    assert "b4" not in counts  # the less loaded of any two is never the busiest
+    assert counts["b0"] > counts["b1"] > counts["b2"] > counts["b3"] > 0  # P(b_i) = (4 - i) / 10
+    assert PowerOfTwo().pick(cands[:1], REQ, 0.0) == "b0" and PowerOfTwo().pick([], REQ, 0.0) is None

@@ -1,0 +1,167 @@
+"""``prefix_hash``: consistent hashing with bounded loads on the prompt's leading blocks.
+
+The key is the chained hash of the request's first K full blocks (K blocks
+cover ``prefix_tokens`` tokens; a chained hash names the whole prefix up to
+it), so requests sharing a system prompt share a key, and the same key lands
+on the same backend in every router process with the same backend set: the
+ring is built from backend names and weights only, hashed with BLAKE2b (never
+Python's per-process ``str`` hash).
+
+Bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018): a backend of
+weight w may hold at most ``cap = ceil(load_factor * (m + 1) * w / W)``
+requests, m being the requests in flight on all candidates and W their total
+weight; the request walks the ring clockwise from its key to the first
+candidate under its cap. Some backend is always under its cap (the caps sum
+to more than m + 1), so the walk always ends. Each backend has ``vnodes x
+weight`` points on the ring, so a backend joining or leaving moves about 1/n
+of the keys, and only to or from itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+
+import msgspec
+
+from policies.base import BackendView, RouteRequest
+
+__all__ = ["TEXT_BLOCK_TOKENS", "HashRing", "PrefixHash", "request_key", "stable_hash"]
+
+_MASK63 = (1 << 63) - 1
+# A text block (RouteRequest.block_size == 0) covers about this many tokens.
+TEXT_BLOCK_TOKENS = 16
+
+
+def stable_hash(data: bytes) -> int:
+    """63 bits of BLAKE2b: the same in every process and on every machine."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK63
+
+
+def mix(x: int) -> int:
+    """splitmix64's finaliser, to 63 bits: spreads any integer key (an
+    engine's block hash need not be uniform) evenly around the ring."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & _MASK63
+
+
+def request_key(request: RouteRequest, prefix_tokens: int) -> int:
+    """The ring key: the hash of the first ``prefix_tokens`` tokens' worth of
+    full blocks (all of them when there are fewer); a prompt too short for one
+    block hashes its token ids or text."""
+    hashes = request.block_hashes
+    if hashes:
+        per_block = request.block_size or TEXT_BLOCK_TOKENS
+        k = max(1, prefix_tokens // per_block)
+        return mix(hashes[min(k, len(hashes)) - 1])
+    if request.prompt_token_ids is not None:
+        ids = request.prompt_token_ids[:prefix_tokens]
+        return stable_hash(b"ids:" + ",".join(map(str, ids)).encode())
+    return stable_hash(b"text:" + request.prefix.encode("utf-8", "surrogatepass"))
+
+
+class HashRing:
+    """Points for each backend, sorted; rebuilt only when names or weights change."""
+
+    def __init__(self, vnodes: int) -> None:
+        self.vnodes = vnodes
+        self._members: tuple[tuple[str, float], ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def update(self, candidates: Sequence[BackendView]) -> None:
+        """Make the ring hold (at least) these backends with these weights.
+        Backends that are only missing from this call's candidates (a retry
+        excluded them, or they are briefly down) stay on the ring and are
+        skipped by the walk, which places every other key exactly as a ring
+        without them would."""
+        known = dict(self._members)
+        changed = False
+        for c in candidates:
+            if known.get(c.name) != c.weight:
+                known[c.name] = c.weight
+                changed = True
+        if changed:
+            self._build(tuple(sorted(known.items())))
+
+    def _build(self, members: tuple[tuple[str, float], ...]) -> None:
+        ring: list[tuple[int, str]] = []
+        for name, weight in members:
+            for i in range(max(1, round(self.vnodes * weight))):
+                ring.append((stable_hash(f"{name}#{i}".encode()), name))
+        ring.sort()
+        self._members = members
+        self._points = [p for p, _ in ring]
+        self._owners = [n for _, n in ring]
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Every backend once, in ring order clockwise from ``key`` (lazily:
+        a pick usually stops at the first)."""
+        start = bisect.bisect_left(self._points, key)
+        seen: set[str] = set()
+        owners = self._owners
+        n = len(owners)
+        for i in range(n):
+            name = owners[(start + i) % n]
+            if name not in seen:
+                seen.add(name)
+                yield name
+                if len(seen) == len(self._members):
+                    return
+
+
+def capacity(candidates: Sequence[BackendView], load_factor: float) -> dict[str, int]:
+    """Each candidate's bounded-load cap for one more request."""
+    total = sum(c.in_flight for c in candidates) + 1
+    weight = sum(c.weight for c in candidates)
+    return {c.name: math.ceil(load_factor * total * c.weight / weight) for c in candidates}
+
+
+class PrefixHash:
+    """Consistent hashing with bounded loads on the prompt's leading KV blocks."""
+
+    name = "prefix_hash"
+
+    class Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        prefix_tokens: int = 256  # how much of the prompt the key covers
+        load_factor: float = 1.25  # cap = ceil(load_factor * average load), >= 1
+        vnodes: int = 160  # ring points per unit of weight
+
+        def __post_init__(self) -> None:
+            if self.prefix_tokens < 1 or self.vnodes < 1:
+                raise ValueError("prefix_tokens and vnodes must be at least 1")
+            if self.load_factor < 1.0:
+                raise ValueError("load_factor must be at least 1 (1 = perfectly even)")
+
+    def __init__(self, options: PrefixHash.Options | None = None) -> None:
+        self.options = options or PrefixHash.Options()
+        self.ring = HashRing(self.options.vnodes)
+
+    def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
+        if not candidates:
+            return None
+        self.ring.update(candidates)
+        by_name = {c.name: c for c in candidates}
+        caps = capacity(candidates, self.options.load_factor)
+        for name in self.ring.walk(request_key(request, self.options.prefix_tokens)):
+            c = by_name.get(name)
+            if c is not None and c.in_flight < caps[name]:
+                return name
+        # Not reached (the caps sum to more than the load); the least loaded is the safe answer.
+        return min(candidates, key=lambda c: c.in_flight / c.weight).name  # pragma: no cover
+
+    def ordered(self, candidates: Sequence[BackendView], request: RouteRequest) -> list[str]:
+        """Candidates in the order this policy would try them: under their
+        cap in ring order from the request's key, then the rest by load."""
+        self.ring.update(candidates)
+        by_name = {c.name: c for c in candidates}
+        caps = capacity(candidates, self.options.load_factor)
+        key = request_key(request, self.options.prefix_tokens)
+        ring = [n for n in self.ring.walk(key) if n in by_name]
+        under = [n for n in ring if by_name[n].in_flight < caps[n]]
+        over = sorted((n for n in ring if by_name[n].in_flight >= caps[n]), key=lambda n: by_name[n].in_flight / by_name[n].weight)
+        return under + over

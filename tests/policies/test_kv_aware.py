@@ -1,0 +1,193 @@
+"""kv_aware and its indexes: bounded, gap-safe, and the lowest estimated TTFT wins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.base import BackendView, RouteRequest
+from policies.kv_aware import KVAware
+from policies.kv_index import KVIndex, RecentlySent
+from policies.registry import create_policy
+
+
+@dataclass(frozen=True)
+class Ev:
+    seq: int
+    kind: str
+    block_hashes: tuple[int, ...] = ()
+
+
+def stored(seq: int, *hashes: int) -> Ev:
+    return Ev(seq, "stored", hashes)
+
+
+def req(*hashes: int, rid: str = "r", block_size: int = 16) -> RouteRequest:
+    return RouteRequest(request_id=rid, block_hashes=hashes, block_size=block_size, prompt_tokens=len(hashes) * block_size)
+
+
+# ------------------------------------------------------------ KVIndex
+
+
+def test_match_counts_leading_blocks_per_backend() -> None:
+    index = KVIndex()
+    assert index.apply("a", [stored(1, 1, 2, 3)])
+    assert index.apply("b", [stored(1, 1, 2), stored(2, 9)])
+    assert index.match([1, 2, 3, 4], ["a", "b", "c"]) == {"a": 3, "b": 2}
+    assert index.match([4, 1], ["a", "b"]) == {}  # only a leading run counts
+    assert index.apply("a", [Ev(2, "removed", (2,))])
+    assert index.match([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 2}
+    assert index.apply("b", [Ev(3, "cleared")])
+    assert index.match([1, 2, 3], ["a", "b"]) == {"a": 1}
+
+
+def test_a_gap_or_a_restart_drops_the_backend_and_asks_for_everything_again() -> None:
+    index = KVIndex()
+    index.apply("a", [stored(5, 1, 2)])
+    index.apply("b", [stored(1, 1)])
+    assert index.since("a") == 5
+    assert index.apply("a", [stored(7, 3)]) is False  # 6 is missing
+    assert index.since("a") == -1 and index.match([1, 2], ["a", "b"]) == {"b": 1}
+    assert index.apply("a", [stored(40, 1, 2)])  # resubscribed from the start: any first seq
+    assert index.apply("a", [stored(3, 8)]) is False  # seq went back: the engine restarted
+    assert index.statistics().gaps == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bound=st.integers(1, 40),
+    batches=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.lists(st.tuples(st.sampled_from(["stored", "removed", "cleared"]), st.lists(st.integers(0, 60), max_size=8)), max_size=5),
+            st.integers(0, 2),  # 0: in order; otherwise skip that many seqs (a gap)
+        ),
+        max_size=30,
+    ),
+)
+def test_the_index_never_exceeds_its_bound_and_a_gap_always_clears_the_backend(bound: int, batches: list) -> None:
+    index = KVIndex(max_blocks=bound)
+    next_seq = {"a": 1, "b": 1, "c": 1}
+    for backend, events, skip in batches:
+        seq = next_seq[backend] + skip if index.since(backend) >= 0 else next_seq[backend]
+        evs = []
+        for kind, hashes in events:
+            evs.append(Ev(seq, kind, tuple(hashes)))
+            seq += 1
+        ok = index.apply(backend, evs)
+        next_seq[backend] = seq
+        assert len(index) <= bound
+        if not ok:
+            assert index.since(backend) == -1
+            assert index.statistics().backends.get(backend, 0) == 0
+            assert index.match(list(range(61)), [backend]) == {}
+        # Membership is consistent both ways: what a backend is said to hold
+        # is in the index with its bit, and every bit set has its entry.
+        for name, held in index._held.items():
+            bit = index._slots.bit[name]
+            assert all(index._owners.get(h, 0) & bit for h in held)
+            assert {h for h, mask in index._owners.items() if mask & bit} == held
+
+
+def test_recently_sent_expires_after_its_ttl() -> None:
+    recent = RecentlySent(ttl=10.0)
+    recent.record("a", [1, 2, 3], now=0.0)
+    assert recent.match([1, 2, 3], ["a"], now=9.0) == {"a": 3}
+    recent.record("a", [1], now=5.0)  # refreshed
+    assert recent.match([1, 2, 3], ["a"], now=12.0) == {"a": 1}
+    assert recent.match([1, 2, 3], ["a"], now=16.0) == {}
+    assert len(recent) == 0
+
+
+# ------------------------------------------------------------ kv_aware
+
+
+def test_a_second_request_sharing_a_prefix_goes_where_the_first_was_cached() -> None:
+    policy = KVAware()
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b", "c", "d")]
+    # The engine "c" reports it holds the first 20 blocks.
+    policy.on_kv_events("c", [stored(1, *range(100, 120))], 0.0)
+    assert policy.pick(cands, req(*range(100, 130)), 1.0) == "c"
+    assert policy.statistics().hits == 1
+
+
+def test_backends_without_events_are_credited_with_what_was_sent_to_them() -> None:
+    policy = KVAware()
+    cands = [BackendView(name=n) for n in ("a", "b", "c")]
+    first = req(*range(1, 33), rid="1")
+    home = policy.pick(cands, first, 0.0)
+    assert home is not None
+    policy.on_dispatch(home, first, 0.0)
+    policy.on_first_token(home, first, 0.1)
+    policy.on_complete(home, first, 0.5, ok=True, cached_tokens=0)
+    # A conversation that grew lands on the same backend even when the key would differ.
+    assert policy.pick(cands, req(*range(1, 33), *range(900, 940), rid="2"), 1.0) == home
+
+
+def test_load_outweighs_a_small_hit_but_not_a_large_one() -> None:
+    policy = KVAware(KVAware.Options(prefill_s_per_token=1e-3, decode_s_per_seq=0.05, load_factor=100))
+    policy.on_kv_events("a", [stored(1, *range(10))], 0.0)  # a holds 10 of 100 blocks
+    busy_a = [BackendView(name="a", kv_events=True, in_flight=8), BackendView(name="b", kv_events=True)]
+    # a: 1e-3 * 1440 + 0.4 = 1.84 s; b: 1e-3 * 1600 = 1.6 s
+    assert policy.pick(busy_a, req(*range(100)), 0.0) == "b"
+    policy.on_kv_events("a", [stored(2, *range(10, 90))], 0.0)  # now 90 of 100
+    # a: 1e-3 * 160 + 0.4 = 0.56 s; b: 1.6 s
+    assert policy.pick(busy_a, req(*range(100)), 0.0) == "a"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    held=st.lists(st.integers(0, 12), min_size=2, max_size=6),
+    loads=st.lists(st.integers(0, 6), min_size=6, max_size=6),
+    queued=st.lists(st.integers(0, 400), min_size=6, max_size=6),
+    per_token=st.sampled_from([1e-4, 5e-4, 2e-3]),
+    per_seq=st.sampled_from([0.0, 1e-3, 2e-2]),
+)
+def test_kv_aware_picks_the_lowest_estimated_ttft(held: list[int], loads: list[int], queued: list[int], per_token: float, per_seq: float) -> None:
+    """Brute force: ttft = per_token x (queued + prompt - cached) + per_seq x in_flight;
+    the pick is an argmin (no cap: load_factor large)."""
+    policy = KVAware(KVAware.Options(prefill_s_per_token=per_token, decode_s_per_seq=per_seq, load_factor=1000))
+    hashes = tuple(range(500, 512))
+    cands = []
+    for i, n in enumerate(held):
+        name = f"b{i}"
+        policy.on_kv_events(name, [stored(1, *hashes[:n])] if n else [stored(1)], 0.0)
+        cands.append(BackendView(name=name, kv_events=True, in_flight=loads[i], pending_prefill_tokens=queued[i]))
+    request = req(*hashes)
+    choice = policy.pick(cands, request, 0.0)
+
+    def ttft(c: BackendView, n: int) -> float:
+        return per_token * (c.pending_prefill_tokens + request.prompt_tokens - 16 * n) + per_seq * c.in_flight
+
+    costs = {c.name: ttft(c, n) for c, n in zip(cands, held, strict=True)}
+    if any(held):
+        assert costs[choice] <= min(costs.values()) + 1e-9
+    else:  # cold: prefix_hash's placement
+        assert choice == create_policy("prefix_hash", options={"load_factor": 1000}).pick(cands, request, 0.0)
+
+
+def test_queued_prefill_from_feedback_steers_the_next_pick() -> None:
+    policy = KVAware(KVAware.Options(load_factor=1000))
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b")]
+    for name in ("a", "b"):
+        policy.on_kv_events(name, [stored(1, *range(10))], 0.0)  # both hold the prefix
+    big = RouteRequest(request_id="x", block_hashes=tuple(range(10)), block_size=16, prompt_tokens=4000)
+    first = policy.pick(cands, big, 0.0)
+    assert first is not None
+    policy.on_dispatch(first, big, 0.0)
+    other = policy.pick(cands, RouteRequest(request_id="y", block_hashes=tuple(range(10)), block_size=16, prompt_tokens=4000), 0.0)
+    assert other != first  # first is busy prefilling 3840 tokens
+    policy.on_first_token(first, big, 1.0)
+    assert policy._queued == {}
+
+
+def test_a_reset_backend_is_cold_again() -> None:
+    policy = KVAware()
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b", "c")]
+    policy.on_kv_events("b", [stored(1, 1, 2, 3)], 0.0)
+    assert policy.pick(cands, req(1, 2, 3), 0.0) == "b"
+    policy.on_kv_reset("b")
+    assert policy.kv_since("b") == -1
+    assert policy.cached_tokens(cands, req(1, 2, 3), 100.0) == {}
