@@ -137,6 +137,9 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # first event only, when known
     seed: int | None = None  # the seed actually used (drawn when the request had none)
+    # First event only, when the model that answers is not the one asked for
+    # (the router's fallbacks and versions); the response's ``model`` then says it.
+    model: str | None = None
 
 
 class Health(msgspec.Struct, frozen=True):

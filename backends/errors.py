@@ -16,12 +16,17 @@ place (``frontend.server.error_response``)::
     │   └── RateLimited                429     (+ retry_after)
     └── UpstreamError                  5xx     server_error / upstream_error
         ├── BackendUnavailable         503     (+ retry_after): refused, down, overloaded
+        ├── UpstreamRateLimited        429     (+ retry_after): the backend said 429
         ├── BackendTimeout             504     no progress within the deadline
         ├── BackendProtocolError       502     malformed answer from a backend
         └── StreamBroken               502     died mid-stream (migratable)
 
 Client errors are the caller's fault and are never retried; upstream errors
 may be retried on another backend (before the first token) or migrated (after).
+A backend's 429 is an upstream error, not the client's :class:`RateLimited`:
+the router cools that backend down for its ``retry_after`` and moves the
+request on (router/dispatch.py); only when no other route absorbs it does the
+client see the 429, with the backend's Retry-After.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "StreamBroken",
     "Unauthorized",
     "UpstreamError",
+    "UpstreamRateLimited",
 ]
 
 
@@ -109,6 +115,15 @@ class UpstreamError(HeadraceError):
 class BackendUnavailable(UpstreamError):
     status = 503
     code = "backend_unavailable"
+
+
+class UpstreamRateLimited(UpstreamError):
+    """The backend answered 429: it is healthy, but wants no requests for
+    ``retry_after`` seconds (None: it did not say)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "upstream_rate_limited"
 
 
 class BackendTimeout(UpstreamError):

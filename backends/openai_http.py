@@ -68,6 +68,7 @@ from backends.errors import (
     StreamBroken,
     Unauthorized,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.h2client import H2Error, H2Pool, H2Response, H2Unsupported, RefusedStream
 from backends.tally import StreamTally
@@ -303,7 +304,9 @@ def status_error(status: int, body: bytes, retry_after: str | None = None) -> He
         message, _, code = _error_fields(msgspec.json.decode(body))
     except msgspec.DecodeError:
         message, code = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}", None
-    if status in (429, 503):
+    if status == 429:  # healthy but throttling: the router cools it down and moves on
+        return UpstreamRateLimited(message, retry_after=_retry_after(retry_after))
+    if status == 503:
         return BackendUnavailable(message, retry_after=_retry_after(retry_after))
     if status == 400 and (code == "context_length_exceeded" or "context length" in message.lower()):
         return ContextLengthExceeded(message)

@@ -131,6 +131,7 @@ class Call:
             # ours unwrapped so it keeps its status code.
             raise _first_headrace_error(group) or group from None
         usage = _total_usage(results)
+        self.model = results[0].model or self.model  # the model that answered (a router's fallback)
         if self.kind == "native":
             return results[0].native(self.rid, self.model, usage)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -161,6 +162,8 @@ class Call:
                 raise item
             started.add(i)
             pending.append((i, item))
+            if i == 0 and item.model is not None:
+                self.model = item.model  # the model that answered (a router's fallback)
 
         async def flush(emit: Emit, parts: list[bytes], last: bool = False) -> None:
             if self.coalesce:
@@ -292,6 +295,7 @@ class _Choice:
         self.seed: int | None = None
         self.finish_reason: str | None = None
         self.usage = Usage()
+        self.model: str | None = None
 
     def add(self, event: Event) -> None:
         self.events += 1
@@ -303,6 +307,8 @@ class _Choice:
             self.prompt_token_ids = event.prompt_token_ids
         if event.seed is not None:
             self.seed = event.seed
+        if event.model is not None:
+            self.model = event.model
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
         if event.usage is not None:

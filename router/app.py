@@ -7,8 +7,9 @@
                                └─ everything else ────────> api app (auth -> Principal)
                                     OpenAIServer: RequestContext, decode once (Call)
                                     Pipeline.admit(context, call): once per request
-                                    Dispatcher.stream per choice: policy.pick -> BackendActor.stream
-                                    -> Backend.stream ; retry before first token
+                                    Dispatcher.stream per choice: RouteTable.plan (model routes)
+                                    -> group policy.pick -> BackendActor.stream -> Backend.stream
+                                    ; before the first token: next backend, next model
 
 Both apps are :class:`~frontend.server.OpenAIServer` over the same
 dispatcher; they differ in authentication, so that probes and scrapers need
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -32,10 +33,11 @@ from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from policies.base import RoutingPolicy
 from policies.registry import create_policy
 from router.actors import BackendActor, Supervisor
-from router.config import RouterConfig
+from router.config import ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.pipeline import Pipeline
+from router.routes import RouteTable
 
 __all__ = ["OPS_PATHS", "NamedBackend", "Router"]
 
@@ -55,6 +57,18 @@ class AdminAction(msgspec.Struct, forbid_unknown_fields=True):
     action: str
 
 
+class AdminWeight(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    weight: float
+
+
+class AdminWeights(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /admin/models``: new weights for some versions of a split."""
+
+    model: str
+    versions: list[AdminWeight]
+
+
 class Router:
     """One router: call :meth:`run` in a nursery, serve ``router`` as ASGI."""
 
@@ -64,7 +78,11 @@ class Router:
         backends: Sequence[NamedBackend],
         *,
         policy: RoutingPolicy | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
+        """``policy`` serves the models no ``[[models]]`` route names (default:
+        ``[routing]``'s); each route's group gets its own instance. ``clock``
+        is the router's time (cool-downs); tests pass a fake one."""
         self.config = config
         h = config.health
         self.actors = [
@@ -79,12 +97,18 @@ class Router:
             for b in backends
         ]
         self.metrics = RouterMetrics()
+        r = config.routing
+        default = policy if policy is not None else create_policy(r.policy, options=r.options)
         self.dispatcher = Dispatcher(
             self.actors,
-            policy if policy is not None else create_policy(config.routing.policy, options=config.routing.options),
-            max_attempts=config.routing.max_attempts,
-            retry_after=config.routing.retry_after,
+            default,
+            routes=RouteTable(config.models, default, self._route_policy),
+            max_attempts=r.max_attempts,
+            retry_after=r.retry_after,
+            cooldown=r.cooldown,
+            max_cooldown=r.max_cooldown,
             recorder=self.metrics,
+            clock=clock,
         )
         self.metrics.add_collector(
             StatisticsCollector(lambda: [a.statistics() for a in self.actors], self.dispatcher.statistics)
@@ -94,7 +118,12 @@ class Router:
         limit = config.server.max_body_bytes
         self.api = OpenAIServer(
             self.dispatcher,
-            extra_routes={("GET", "/admin/backends"): self._list_backends, ("POST", "/admin/backends"): self._admin},
+            extra_routes={
+                ("GET", "/admin/backends"): self._list_backends,
+                ("POST", "/admin/backends"): self._admin,
+                ("GET", "/admin/models"): self._list_models,
+                ("POST", "/admin/models"): self._admin_models,
+            },
             authenticate=self._authenticate if config.auth.keys else None,
             max_body_bytes=limit,
             observe=self.metrics.observe,
@@ -127,6 +156,13 @@ class Router:
             if actor.name == name:
                 return actor
         raise NotFound(f"no backend named {name!r}", param="backend")
+
+    def _route_policy(self, route: ModelRoute) -> RoutingPolicy:
+        """A model group's own policy: its ``policy`` and ``options``, else
+        a fresh one of ``[routing]``'s (config validation already built one)."""
+        if route.policy is not None:
+            return create_policy(route.policy, options=route.options)
+        return create_policy(self.config.routing.policy, options=self.config.routing.options)
 
     # ------------------------------------------------------------ hooks and routes
 
@@ -166,3 +202,19 @@ class Router:
             raise BadRequest(f"unknown action {action.action!r}; use drain or undrain", param="action")
         return json_response(msgspec.to_builtins(actor.statistics()))
 
+    async def _list_models(self, request: HTTPRequest) -> Response:
+        """Every split's versions: weight and counters."""
+        data = [msgspec.to_builtins(v) for v in self.dispatcher.routes.statistics()]
+        return json_response({"object": "list", "data": data})
+
+    async def _admin_models(self, request: HTTPRequest) -> Response:
+        """``{"model": split, "versions": [{"model": version, "weight": w}]}``:
+        new weights for the requests planned from now on; streams in flight
+        keep their version."""
+        try:
+            change = msgspec.json.decode(request.body, type=AdminWeights)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"expected {{\"model\": name, \"versions\": [{{\"model\": name, \"weight\": w}}]}}: {exc}") from None
+        weights = {v.model: v.weight for v in change.versions}
+        data = self.dispatcher.routes.set_weights(change.model, weights)
+        return json_response({"object": "list", "data": [msgspec.to_builtins(v) for v in data]})

@@ -22,6 +22,23 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     name = "gpu-a"
     weight = 2
     options = { http = "1.1", api_key_env = "GPU_A_KEY", stall_timeout = 30 }
+
+    [[models]]                   # a public model name and how it is served
+    name = "chat"
+    aliases = ["gpt-4o"]
+    backends = ["gpu-a"]         # its group (default: every backend that lists it)
+    policy = "least_loaded"      # the group's own policy (default: [routing]'s)
+    upstream_model = "llama-3-70b"   # the name sent upstream (default: name)
+    fallbacks = ["chat-small"]   # tried in order before the first byte reaches the client
+
+    [[models]]                   # a canary: a split between routes, sticky per conversation
+    name = "assistant"
+    versions = [{ model = "chat", weight = 95 }, { model = "chat-small", weight = 5 }]
+
+Model routes are checked as a whole (:func:`_check_models`): every name
+they mention resolves, the graph of fallbacks and versions has no cycle, and
+each route's policy exists and takes its options; the message names the
+field (``models[1].fallbacks``).
 """
 
 from __future__ import annotations
@@ -33,11 +50,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from policies.registry import PolicyError, create_policy, load_factory
+
 __all__ = [
     "AuthConfig",
     "BackendSpec",
     "ConfigError",
     "HealthConfig",
+    "ModelRoute",
+    "ModelVersion",
     "RouterConfig",
     "RoutingConfig",
     "ServerConfig",
@@ -48,6 +69,7 @@ __all__ = [
 ]
 
 Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 BackendKind = Literal["openai", "engine", "mock"]
@@ -78,8 +100,12 @@ class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True
     # Keyword arguments for the policy's factory ([routing.options]); the
     # policy validates them (policies.registry.create).
     options: dict[str, Any] = {}
-    max_attempts: PositiveInt = 3  # backends tried before the first token
+    max_attempts: PositiveInt = 3  # backends tried per model of a route's chain, before the first token
     retry_after: Positive = 1.0  # seconds suggested to clients when no backend is up
+    # A backend's 429 takes it out of routing for its Retry-After (this long
+    # when it gives none), at most max_cooldown seconds.
+    cooldown: Positive = 1.0
+    max_cooldown: Positive = 60.0
 
 
 class HealthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -106,12 +132,39 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     options: dict[str, Any] = {}
 
 
+class ModelVersion(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One side of a split: another configured model, and its share."""
+
+    model: str  # a name (or alias) of another [[models]] entry
+    weight: NonNegative  # relative; 0 sends it nothing (its conversations go elsewhere)
+
+
+class ModelRoute(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A public model name: the group that serves it, or a split between
+    versions; and what to try next when it cannot answer."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    # Backend names of the group. None: every backend that lists the upstream
+    # model in its /v1/models (or lists nothing). A named group is trusted:
+    # its backends get the model whether or not they list it.
+    backends: tuple[str, ...] | None = None
+    policy: str | None = None  # the group's routing policy; None: [routing] policy and options
+    options: dict[str, Any] = {}  # that policy's factory keyword arguments
+    upstream_model: str | None = None  # the model name sent to the backend; None: name
+    fallbacks: tuple[str, ...] = ()  # other model names, tried in order
+    # A split: each request picks one version, the same for every turn of a
+    # conversation (router/routes.py). A route with versions serves nothing itself.
+    versions: tuple[ModelVersion, ...] = ()
+
+
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
     backends: tuple[BackendSpec, ...] = ()
+    models: tuple[ModelRoute, ...] = ()
 
     def backend_names(self) -> list[str]:
         return [spec.name or f"{spec.kind}-{i}" for i, spec in enumerate(self.backends)]
@@ -222,3 +275,84 @@ def _check(config: RouterConfig) -> None:
             raise ConfigError(f"backend {name!r}: url must start with http:// or https://")
     if (config.server.certfile is None) != (config.server.keyfile is None):
         raise ConfigError("server.certfile and server.keyfile go together")
+    _check_models(config.models, names)
+
+
+def _check_models(routes: tuple[ModelRoute, ...], backends: list[str]) -> None:
+    """Names unique, every reference resolves, no cycle, policies exist."""
+    index: dict[str, int] = {}  # name or alias -> route index
+    for i, route in enumerate(routes):
+        for field, name in [("name", route.name), *(("aliases", a) for a in route.aliases)]:
+            if not name:
+                raise ConfigError(f"models[{i}].{field}: a model name cannot be empty")
+            if name in index:
+                raise ConfigError(f"models[{i}].{field}: {name!r} is already models[{index[name]}]'s name or alias")
+            index[name] = i
+    for i, route in enumerate(routes):
+        _check_route(i, route, index, backends)
+    _check_acyclic(routes, index)
+
+
+def _check_route(i: int, route: ModelRoute, index: dict[str, int], backends: list[str]) -> None:
+    where = f"models[{i}]"
+    for name in route.fallbacks:
+        if name not in index:
+            raise ConfigError(f"{where}.fallbacks: unknown model {name!r} (not a [[models]] name or alias)")
+    for j, version in enumerate(route.versions):
+        if version.model not in index:
+            raise ConfigError(f"{where}.versions[{j}].model: unknown model {version.model!r} (not a [[models]] name or alias)")
+    for name in route.backends or ():
+        # No [[backends]]: headrace serve starts its default ones later, and
+        # the router checks the names against those (router.dispatch).
+        if backends and name not in backends:
+            raise ConfigError(f"{where}.backends: no backend named {name!r} (backends: {', '.join(backends)})")
+    if route.backends == ():
+        raise ConfigError(f"{where}.backends: an empty group serves nothing; leave it out for every backend")
+    if route.options and route.policy is None:
+        raise ConfigError(f"{where}.options: options go with a policy; name it in {where}.policy")
+    if route.versions:
+        if sum(v.weight for v in route.versions) <= 0:
+            raise ConfigError(f"{where}.versions: the weights sum to 0")
+        served = [f for f in ("backends", "policy", "upstream_model") if getattr(route, f) is not None]
+        if served:
+            raise ConfigError(f"{where}.{served[0]}: a route with versions serves nothing itself; set it on the versions")
+    elif route.policy is not None:
+        _check_policy(where, route.policy, route.options)
+
+
+def _check_policy(where: str, name: str, options: dict[str, Any]) -> None:
+    """The policy resolves (else ``.policy`` is named) and takes its options
+    (else ``.options``), by building a throwaway instance: the router builds
+    its own, and policies are plain objects, cheap to make."""
+    try:
+        load_factory(name)
+    except PolicyError as exc:
+        raise ConfigError(f"{where}.policy: {exc}") from None
+    try:
+        create_policy(name, options=options)
+    except PolicyError as exc:
+        raise ConfigError(f"{where}.options: {exc}") from None
+
+
+def _check_acyclic(routes: tuple[ModelRoute, ...], index: dict[str, int]) -> None:
+    """No route reaches itself through versions and fallbacks (depth first;
+    the edge that closes the first cycle found is the field named)."""
+    done: set[int] = set()
+
+    def visit(i: int, stack: list[int]) -> None:
+        if i in done:
+            return
+        stack.append(i)
+        route = routes[i]
+        for field, names in (("versions", [v.model for v in route.versions]), ("fallbacks", route.fallbacks)):
+            for name in names:
+                j = index[name]
+                if j in stack:
+                    cycle = " -> ".join(routes[k].name for k in [*stack[stack.index(j) :], j])
+                    raise ConfigError(f"models[{i}].{field}: {field[:-1]} cycle {cycle}")
+                visit(j, stack)
+        stack.pop()
+        done.add(i)
+
+    for i in range(len(routes)):
+        visit(i, [])

@@ -22,6 +22,7 @@ from backends.errors import (
     ModelNotFound,
     StreamBroken,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.mock import MockBackend, MockConfig, parse_fault
 from backends.openai_http import OpenAIHTTPBackend
@@ -129,7 +130,7 @@ async def test_refused_port_is_backend_unavailable(closing: list[OpenAIHTTPBacke
 @pytest.mark.parametrize(
     ("fault", "error", "retry_after"),
     [
-        ("429:retry-after=3", BackendUnavailable, 3.0),
+        ("429:retry-after=3", UpstreamRateLimited, 3.0),
         ("status=503", BackendUnavailable, None),
         ("status=500", UpstreamError, None),
     ],

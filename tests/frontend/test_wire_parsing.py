@@ -22,6 +22,7 @@ from backends.errors import (
     StreamBroken,
     Unauthorized,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.openai_http import _ChunkParser, status_error
 from frontend.sse import SSEParser
@@ -156,7 +157,7 @@ def test_done_without_finish_reason_and_error_events_translate() -> None:
         (401, {"error": {"message": "key"}}, Unauthorized),
         (404, {"error": {"message": "The model `x` does not exist."}}, ModelNotFound),
         (418, {"error": {"message": "teapot"}}, ClientError),
-        (429, {"error": {"message": "slow down"}}, BackendUnavailable),
+        (429, {"error": {"message": "slow down"}}, UpstreamRateLimited),
         (503, {"error": {"message": "busy"}}, BackendUnavailable),
         (500, {"error": {"message": "boom"}}, UpstreamError),
         (504, {"error": {"message": "late"}}, BackendTimeout),

@@ -183,3 +183,73 @@ def test_serve_set_on_the_command_line(tmp_path: Path) -> None:
 
     config = config_from_args(parse_args(["--backend", "http://127.0.0.1:9", "--set", "health.interval=0.5"]))
     assert config.health.interval == 0.5
+
+
+BACKENDS = "[[backends]]\nkind = 'mock'\nname = 'a'\n[[backends]]\nkind = 'mock'\nname = 'b'\n"
+
+
+def test_model_routes_decode_with_their_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, BACKENDS + """
+[[models]]
+name = "chat"
+aliases = ["gpt-4o"]
+backends = ["a"]
+policy = "least_loaded"
+upstream_model = "llama"
+fallbacks = ["small"]
+[[models]]
+name = "small"
+[[models]]
+name = "assistant"
+versions = [{ model = "chat", weight = 95 }, { model = "gpt-4o", weight = 5 }]
+"""))  # fmt: skip
+    chat, small, assistant = config.models
+    assert (chat.backends, chat.policy, chat.upstream_model, chat.fallbacks) == (("a",), "least_loaded", "llama", ("small",))
+    assert (small.backends, small.policy, small.upstream_model, small.versions) == (None, None, None, ())
+    assert [(v.model, v.weight) for v in assistant.versions] == [("chat", 95.0), ("gpt-4o", 5.0)]
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        ("[[models]]\nname = 'x'\npolicy = 'fastest'", "models[0].policy: unknown routing policy 'fastest'"),
+        ("[[models]]\nname = 'x'\npolicy = 'round_robin'\noptions = { spread = 2 }", "models[0].options: routing policy 'round_robin' has no option 'spread'"),
+        ("[[models]]\nname = 'x'\noptions = { spread = 2 }", "models[0].options: options go with a policy"),
+        ("[[models]]\nname = 'x'\nbackends = ['a', 'gpu-z']", "models[0].backends: no backend named 'gpu-z'"),
+        ("[[models]]\nname = 'x'\nbackends = []", "models[0].backends: an empty group"),
+        ("[[models]]\nname = 'x'\nfallbacks = ['y']", "models[0].fallbacks: unknown model 'y'"),
+        ("[[models]]\nname = 'x'\nfallbacks = ['x']", "models[0].fallbacks: fallback cycle x -> x"),
+        ("[[models]]\nname = 'x'\nfallbacks = ['y']\n[[models]]\nname = 'y'\nfallbacks = ['z']\n[[models]]\nname = 'z'\nfallbacks = ['x']",
+         "models[2].fallbacks: fallback cycle x -> y -> z -> x"),
+        ("[[models]]\nname = 'x'\nversions = [{ model = 'y', weight = 1 }]\n[[models]]\nname = 'y'\nfallbacks = ['x']",
+         "models[1].fallbacks: fallback cycle x -> y -> x"),
+        ("[[models]]\nname = 'x'\nversions = [{ model = 'v9', weight = 1 }]", "models[0].versions[0].model: unknown model 'v9'"),
+        ("[[models]]\nname = 'x'\nversions = [{ model = 'y', weight = 0 }]\n[[models]]\nname = 'y'", "models[0].versions: the weights sum to 0"),
+        ("[[models]]\nname = 'x'\nversions = [{ model = 'y', weight = -1 }]\n[[models]]\nname = 'y'", "$.models[0].versions[0].weight"),
+        ("[[models]]\nname = 'x'\nbackends = ['a']\nversions = [{ model = 'y', weight = 1 }]\n[[models]]\nname = 'y'",
+         "models[0].backends: a route with versions serves nothing itself"),
+        ("[[models]]\nname = 'x'\n[[models]]\nname = 'y'\naliases = ['x']", "models[1].aliases: 'x' is already models[0]'s name"),
+        ("[[models]]\nname = 'x'\nweight = 2", "unknown field `weight`"),
+    ],
+)
+def test_a_bad_model_route_is_a_config_error_naming_the_field(tmp_path: Path, models: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, BACKENDS + models))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("models", "field"),
+    [
+        ("[[models]]\nname = 'x'\npolicy = 'fastest'", "models[0].policy"),
+        ("[[models]]\nname = 'x'\nfallbacks = ['x']", "models[0].fallbacks"),
+        ("[[models]]\nname = 'x'\nbackends = ['gpu-z']", "models[0].backends"),
+        ("[[models]]\nname = 'x'\nfallbacks = ['nope']", "models[0].fallbacks"),
+    ],
+)
+def test_serve_exits_2_with_one_line_on_a_bad_model_route(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], models: str, field: str
+) -> None:
+    assert main(["--config", write(tmp_path, BACKENDS + models)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("headrace serve: ") and field in err and err.count("\n") == 1, err
