@@ -257,13 +257,16 @@ def _sub(name: str) -> Any:
     if name == "router":
         from bench import router_bench
         return router_bench.main
+    if name == "policies":
+        from bench import policy_bench
+        return policy_bench.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

@@ -24,13 +24,14 @@ cached.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
 
 from policies.base import BackendView, KVEventView, RouteRequest
 from policies.kv_index import IndexStatistics, KVIndex, RecentlySent
-from policies.prefix_hash import TEXT_BLOCK_TOKENS, PrefixHash, capacity
+from policies.prefix_hash import TEXT_BLOCK_TOKENS, PrefixHash, request_key
 
 __all__ = ["KVAware", "KVAwareStatistics"]
 
@@ -76,66 +77,108 @@ class KVAware:
         self._queued: dict[str, int] = {}  # backend -> uncached prompt tokens awaiting a first token
         self._owed: dict[tuple[str, str], int] = {}  # (backend, request id) -> its share of _queued
         self._feedback = False
+        self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
         self._counts = {"picks": 0, "cold": 0, "hits": 0, "predicted_cached_tokens": 0}
 
     # ------------------------------------------------------------ decision
 
     def cached_tokens(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> dict[str, int]:
-        """Prompt tokens each candidate is estimated to hold (absent: none)."""
+        """Prompt tokens each candidate is estimated to hold (absent: none):
+        by its events if it publishes them, else by what was sent to it; and
+        either way by what was sent in the last ``pending_ttl_s`` (its events
+        may not have arrived yet)."""
         hashes = request.block_hashes
         if not hashes:
             return {}
         names = [c.name for c in candidates]
-        exact = self.index.match(hashes, [c.name for c in candidates if c.kv_events])
-        guessed = self.recent.match(hashes, [c.name for c in candidates if not c.kv_events], now)
-        soon = self.pending.match(hashes, names, now)
+        with_events = [c.name for c in candidates if c.kv_events]
+        found = [self.pending.match(hashes, names, now)]
+        if with_events:
+            found.append(self.index.match(hashes, with_events))
+        if len(with_events) < len(names):
+            found.append(self.recent.match(hashes, [c.name for c in candidates if not c.kv_events], now))
+        blocks: dict[str, int] = {}
+        for part in found:
+            for name, n in part.items():
+                if n > blocks.get(name, 0):
+                    blocks[name] = n
         if request.block_size:
             per_block = float(request.block_size)
         else:  # text blocks: each is its share of the prompt
             per_block = request.prompt_tokens / len(hashes) if request.prompt_tokens else TEXT_BLOCK_TOKENS
-        out: dict[str, int] = {}
-        for name in names:
-            blocks = max(exact.get(name, 0), guessed.get(name, 0), soon.get(name, 0))
-            if blocks:
-                out[name] = min(round(blocks * per_block), request.prompt_tokens or round(blocks * per_block))
-        return out
-
-    def estimate(self, c: BackendView, request: RouteRequest, cached: int) -> float:
-        """Estimated seconds to the first token of ``request`` on ``c``."""
-        o = self.options
-        queued = self._queued.get(c.name, 0) if self._feedback else c.pending_prefill_tokens
-        prefill = queued + max(request.prompt_tokens - cached, 0)
-        return o.prefill_s_per_token * prefill + o.decode_s_per_seq * c.in_flight
+        limit = request.prompt_tokens
+        return {name: min(round(n * per_block), limit) if limit else round(n * per_block) for name, n in blocks.items()}
 
     def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
         if not candidates:
             return None
         self._counts["picks"] += 1
         cached = self.cached_tokens(candidates, request, now)
-        order = self.fallback.ordered(candidates, request)  # under the cap first, in ring order
+        self._last_pick = (request, cached)
         if not cached:
             self._counts["cold"] += 1
-            return order[0]
-        caps = capacity(candidates, self.options.load_factor)
-        rank = {name: i for i, name in enumerate(order)}
-        allowed = [c for c in candidates if c.in_flight < caps[c.name]] or list(candidates)
-        best = min(allowed, key=lambda c: (round(self.estimate(c, request, cached.get(c.name, 0)), 9), rank[c.name]))
-        hit = cached.get(best.name, 0)
+            return self.fallback.pick(candidates, request, now)
+        best = self._cheapest(candidates, request, cached)
+        hit = cached.get(best, 0)
         if hit:
             self._counts["hits"] += 1
             self._counts["predicted_cached_tokens"] += hit
-        return best.name
+        return best
+
+    def _cheapest(self, candidates: Sequence[BackendView], request: RouteRequest, cached: dict[str, int]) -> str:
+        """The argmin of :meth:`estimate` among candidates under their
+        bounded-load cap; ties go by prefix_hash's ring. (estimate() and
+        capacity() inlined: this runs for every candidate of every request.)"""
+        o = self.options
+        total, weight = 1, 0.0
+        for c in candidates:
+            total += c.in_flight
+            weight += c.weight
+        scale = o.load_factor * total / weight
+        per_token, per_seq, prompt = o.prefill_s_per_token, o.decode_s_per_seq, request.prompt_tokens
+        queued, feedback, get = self._queued, self._feedback, cached.get
+        least, tied = math.inf, list[str]()
+        for c in candidates:
+            if c.in_flight >= math.ceil(scale * c.weight):
+                continue  # over its cap
+            q = queued.get(c.name, 0) if feedback else c.pending_prefill_tokens
+            uncached = prompt - get(c.name, 0)
+            cost = per_token * (q + (uncached if uncached > 0 else 0)) + per_seq * c.in_flight
+            if cost < least - 1e-9:
+                least, tied = cost, [c.name]
+            elif cost <= least + 1e-9:
+                tied.append(c.name)
+        if len(tied) == 1:
+            return tied[0]
+        return self._first_on_ring(tied or [c.name for c in candidates], candidates, request)
+
+    def _first_on_ring(self, names: list[str], candidates: Sequence[BackendView], request: RouteRequest) -> str:
+        """Of equally good backends, the one prefix_hash's ring reaches first."""
+        ring = self.fallback.ring
+        ring.update(candidates)
+        wanted = set(names)
+        for name in ring.walk(request_key(request, self.options.prefix_tokens)):
+            if name in wanted:
+                return name
+        return names[0]  # pragma: no cover - every candidate is on the ring
 
     # ------------------------------------------------------------ feedback
 
     def on_dispatch(self, backend: str, request: RouteRequest, now: float) -> None:
         self._feedback = True
-        # What it will prefill there: the uncached part, by what is known before this send.
-        views = [BackendView(name=backend, kv_events=backend in self.index.backends())]
-        owed = max(request.prompt_tokens - self.cached_tokens(views, request, now).get(backend, 0), 0)
+        # What it will prefill there: the uncached part, by what was known at
+        # the pick (or, for a send this policy did not pick, by the index now).
+        last = self._last_pick
+        if last is not None and last[0] is request:
+            cached = last[1].get(backend, 0)
+        else:
+            views = [BackendView(name=backend, kv_events=self.index.follows(backend))]
+            cached = self.cached_tokens(views, request, now).get(backend, 0)
+        self._last_pick = None
         if request.block_hashes:
-            self.recent.record(backend, request.block_hashes, now)
-            self.pending.record(backend, request.block_hashes, now)
+            record = self.pending if self.index.follows(backend) else self.recent
+            record.record(backend, request.block_hashes, now)
+        owed = max(request.prompt_tokens - cached, 0)
         if owed and request.request_id:
             key = (backend, request.request_id)
             self._owed[key] = self._owed.get(key, 0) + owed

@@ -24,7 +24,7 @@ the blocks of each request sent to a backend, for ``ttl`` seconds.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -48,6 +48,7 @@ class _Slots:
     def __init__(self) -> None:
         self.bit: dict[str, int] = {}
         self.names: list[str] = []
+        self._masks: dict[tuple[str, ...], int] = {}
 
     def of(self, name: str) -> int:
         bit = self.bit.get(name)
@@ -56,10 +57,16 @@ class _Slots:
             self.names.append(name)
         return bit
 
-    def mask(self, names: Iterable[str]) -> int:
-        m = 0
-        for n in names:
-            m |= self.of(n)
+    def mask(self, names: Sequence[str]) -> int:
+        key = tuple(names)
+        m = self._masks.get(key)
+        if m is None:
+            m = 0
+            for n in names:
+                m |= self.of(n)
+            if len(self._masks) >= 64:  # candidate sets recur: keep a few
+                self._masks.clear()
+            self._masks[key] = m
         return m
 
     def members(self, mask: int) -> Iterable[str]:
@@ -71,26 +78,48 @@ class _Slots:
             i += 1
 
 
-def _match(owners: dict[int, int], slots: _Slots, hashes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
-    """Leading blocks of ``hashes`` each of ``names`` holds (absent: none)."""
+def _match(owners: dict[int, int] | _Union, slots: _Slots, hashes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
+    """Leading blocks of ``hashes`` each of ``names`` holds (absent: none).
+
+    A backend that holds block i of a chain holds blocks 0..i-1 too (an
+    engine caches prefixes and evicts tails first; this index evicts them
+    first as well), so the set of holders only shrinks along the chain and
+    each point where it shrinks is found by binary search: a few lookups per
+    distinct match length instead of one per block."""
     alive = slots.mask(names)
     found: dict[str, int] = {}
-    for i, h in enumerate(hashes):
-        holders = owners.get(h, 0) & alive
-        dropped = alive & ~holders
-        if dropped and i:
-            for name in slots.members(dropped):
-                found[name] = i
-        alive = holders
-        if not alive:
-            return found
-    for name in slots.members(alive):
-        found[name] = len(hashes)
+    get = owners.get
+    n = len(hashes)
+    lo = 0  # every backend in alive holds hashes[:lo]
+    while alive and lo < n:
+        if get(hashes[lo], 0) & alive != alive:
+            ok, bad = lo - 1, lo  # the run's first block already loses some
+        elif get(hashes[n - 1], 0) & alive == alive:
+            lo = n
+            break
+        else:
+            ok, bad = lo, n - 1  # hashes[ok] is held by all of alive, hashes[bad] is not
+        while bad - ok > 1:
+            mid = (ok + bad) // 2
+            if get(hashes[mid], 0) & alive == alive:
+                ok = mid
+            else:
+                bad = mid
+        held = get(hashes[bad], 0) & alive
+        if bad:
+            for name in slots.members(alive & ~held):
+                found[name] = bad
+        alive, lo = held, bad + 1
+    if alive:
+        for name in slots.members(alive):
+            found[name] = n
     return found
 
 
 class KVIndex:
-    """Exact: built from each backend's KV events."""
+    """Exact: built from each backend's KV events. Bounded by ``max_blocks``
+    distinct hashes; set it above the blocks all engines can hold together
+    and the bound is only a safety net (see :meth:`match` on what ages)."""
 
     def __init__(self, max_blocks: int = 1_000_000) -> None:
         if max_blocks < 1:
@@ -134,21 +163,30 @@ class KVIndex:
             self._remove(self._slots.bit[backend], held, list(held))
         self._seq.pop(backend, None)
 
-    def backends(self) -> set[str]:
-        """The backends whose events this index has applied (and not reset)."""
-        return set(self._seq)
+    def follows(self, backend: str) -> bool:
+        """Whether this index has applied events of ``backend`` (and not reset it)."""
+        return backend in self._seq
 
     def match(self, hashes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
         found = _match(self._owners, self._slots, hashes, names)
         if found:
-            move = self._owners.move_to_end
-            for h in hashes[: max(found.values())]:
-                move(h)  # matched blocks are hot: evict them last
+            # Matched chains are hot: their ends and heads move to the young
+            # end of the LRU (a head last, so tails go first). Touching every
+            # block would cost more than the match; the blocks between only
+            # age while the index is at its bound, which it is not when
+            # max_blocks covers the fleet's caches.
+            owners = self._owners
+            for n in sorted(set(found.values()), reverse=True):
+                if hashes[n - 1] in owners:
+                    owners.move_to_end(hashes[n - 1])
+            if hashes[0] in owners:
+                owners.move_to_end(hashes[0])
         return found
 
     def _store(self, bit: int, held: set[int], hashes: Iterable[int]) -> None:
         owners = self._owners
-        for h in hashes:
+        # Newest last, and a chain's head newest of all: tails are evicted first.
+        for h in reversed(tuple(hashes)):
             owners[h] = owners.get(h, 0) | bit
             owners.move_to_end(h)
             held.add(h)
@@ -185,58 +223,78 @@ class KVIndex:
 
 
 class RecentlySent:
-    """Approximate: the blocks of requests sent to each backend, kept ``ttl``
-    seconds after the last send (the router's own record; SGLang's approximate
-    tree and Dynamo's ApproxKvIndexer play the same part)."""
+    """Approximate: the blocks of requests sent to each backend, kept at least
+    ``ttl`` seconds after the last send (the router's own record; SGLang's
+    approximate tree and Dynamo's ApproxKvIndexer play the same part).
 
-    def __init__(self, ttl: float = 120.0, max_entries: int = 1_000_000) -> None:
+    Records go into generations ``ttl / generations`` seconds wide; a
+    generation is dropped whole once its newest possible record is ``ttl``
+    old, so expiry costs nothing per block, and an entry lives between ``ttl``
+    and ``ttl x (1 + 1 / generations)``. Over ``max_entries`` the oldest
+    generations go early (so it holds at most ``max_entries`` plus the
+    blocks of one send)."""
+
+    def __init__(self, ttl: float = 120.0, max_entries: int = 1_000_000, generations: int = 4) -> None:
+        if ttl <= 0 or max_entries < 1 or generations < 1:
+            raise ValueError("ttl, max_entries and generations must be positive")
         self.ttl = ttl
         self.max_entries = max_entries
+        self.width = ttl / generations
         self._slots = _Slots()
-        self._owners: dict[int, int] = {}
-        # (bit, hash) -> expiry, in expiry order (every entry has the same ttl).
-        self._expiry: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self._gens: deque[tuple[float, dict[int, int]]] = deque()  # (start, hash -> mask), oldest first
+        self._entries = 0
 
     def record(self, backend: str, hashes: Iterable[int], now: float) -> None:
         bit = self._slots.of(backend)
-        expiry, owners = self._expiry, self._owners
-        until = now + self.ttl
-        for h in hashes:
-            key = (bit, h)
-            expiry[key] = until
-            expiry.move_to_end(key)
-            owners[h] = owners.get(h, 0) | bit
         self.expire(now)
-        while len(expiry) > self.max_entries:
-            self._drop(*expiry.popitem(last=False)[0])
+        if not self._gens or now >= self._gens[-1][0] + self.width or len(self._gens[-1][1]) >= self.max_entries:
+            self._gens.append((now, {}))
+        gen = self._gens[-1][1]
+        before = len(gen)
+        for h in hashes:
+            gen[h] = gen.get(h, 0) | bit
+        self._entries += len(gen) - before
+        while self._entries > self.max_entries and len(self._gens) > 1:
+            self._entries -= len(self._gens.popleft()[1])
 
     def expire(self, now: float) -> None:
-        expiry = self._expiry
-        while expiry:
-            key, until = next(iter(expiry.items()))
-            if until > now:
-                return
-            del expiry[key]
-            self._drop(*key)
+        gens = self._gens
+        while gens and gens[0][0] + self.width + self.ttl <= now:
+            self._entries -= len(gens.popleft()[1])
 
     def forget(self, backend: str) -> None:
         bit = self._slots.bit.get(backend)
         if bit is None:
             return
-        for key in [k for k in self._expiry if k[0] == bit]:
-            del self._expiry[key]
-            self._drop(*key)
-
-    def _drop(self, bit: int, h: int) -> None:
-        mask = self._owners.get(h, 0) & ~bit
-        if mask:
-            self._owners[h] = mask
-        else:
-            self._owners.pop(h, None)
+        for _, gen in self._gens:
+            for h in [h for h, mask in gen.items() if mask & bit]:
+                if gen[h] == bit:
+                    del gen[h]
+                    self._entries -= 1
+                else:
+                    gen[h] &= ~bit
 
     def match(self, hashes: Sequence[int], names: Sequence[str], now: float) -> dict[str, int]:
         self.expire(now)
-        return _match(self._owners, self._slots, hashes, names)
+        gens = [g for _, g in self._gens]
+        if len(gens) == 1:
+            return _match(gens[0], self._slots, hashes, names)
+        return _match(_Union(gens), self._slots, hashes, names)
 
     def __len__(self) -> int:
-        return len(self._expiry)
+        return self._entries
+
+
+class _Union:
+    """``get`` over several generations at once (the OR of their masks)."""
+
+    __slots__ = ("gens",)
+
+    def __init__(self, gens: list[dict[int, int]]) -> None:
+        self.gens = gens
+
+    def get(self, h: int, default: int = 0) -> int:
+        mask = default
+        for gen in self.gens:
+            mask |= gen.get(h, 0)
+        return mask

@@ -70,6 +70,7 @@ class HashRing:
     def __init__(self, vnodes: int) -> None:
         self.vnodes = vnodes
         self._members: tuple[tuple[str, float], ...] = ()
+        self._known: dict[str, float] = {}
         self._points: list[int] = []
         self._owners: list[str] = []
 
@@ -79,14 +80,12 @@ class HashRing:
         excluded them, or they are briefly down) stay on the ring and are
         skipped by the walk, which places every other key exactly as a ring
         without them would."""
-        known = dict(self._members)
-        changed = False
-        for c in candidates:
-            if known.get(c.name) != c.weight:
-                known[c.name] = c.weight
-                changed = True
-        if changed:
-            self._build(tuple(sorted(known.items())))
+        known = self._known
+        if all(known.get(c.name) == c.weight for c in candidates):
+            return
+        merged = dict(known)
+        merged.update((c.name, c.weight) for c in candidates)
+        self._build(tuple(sorted(merged.items())))
 
     def _build(self, members: tuple[tuple[str, float], ...]) -> None:
         ring: list[tuple[int, str]] = []
@@ -95,6 +94,7 @@ class HashRing:
                 ring.append((stable_hash(f"{name}#{i}".encode()), name))
         ring.sort()
         self._members = members
+        self._known = dict(members)
         self._points = [p for p, _ in ring]
         self._owners = [n for _, n in ring]
 
@@ -116,9 +116,8 @@ class HashRing:
 
 def capacity(candidates: Sequence[BackendView], load_factor: float) -> dict[str, int]:
     """Each candidate's bounded-load cap for one more request."""
-    total = sum(c.in_flight for c in candidates) + 1
-    weight = sum(c.weight for c in candidates)
-    return {c.name: math.ceil(load_factor * total * c.weight / weight) for c in candidates}
+    scale = load_factor * (sum(c.in_flight for c in candidates) + 1) / sum(c.weight for c in candidates)
+    return {c.name: math.ceil(scale * c.weight) for c in candidates}  # as pick() computes it
 
 
 class PrefixHash:
@@ -145,11 +144,16 @@ class PrefixHash:
         if not candidates:
             return None
         self.ring.update(candidates)
-        by_name = {c.name: c for c in candidates}
-        caps = capacity(candidates, self.options.load_factor)
+        total, weight = 1, 0.0
+        by_name = {}
+        for c in candidates:
+            total += c.in_flight
+            weight += c.weight
+            by_name[c.name] = c
+        scale = self.options.load_factor * total / weight
         for name in self.ring.walk(request_key(request, self.options.prefix_tokens)):
             c = by_name.get(name)
-            if c is not None and c.in_flight < caps[name]:
+            if c is not None and c.in_flight < math.ceil(scale * c.weight):
                 return name
         # Not reached (the caps sum to more than the load); the least loaded is the safe answer.
         return min(candidates, key=lambda c: c.in_flight / c.weight).name  # pragma: no cover

@@ -91,14 +91,35 @@ def test_the_index_never_exceeds_its_bound_and_a_gap_always_clears_the_backend(b
             assert {h for h, mask in index._owners.items() if mask & bit} == held
 
 
-def test_recently_sent_expires_after_its_ttl() -> None:
-    recent = RecentlySent(ttl=10.0)
+def test_recently_sent_keeps_a_send_between_ttl_and_ttl_plus_a_generation() -> None:
+    recent = RecentlySent(ttl=10.0, generations=4)  # generations 2.5 s wide
     recent.record("a", [1, 2, 3], now=0.0)
-    assert recent.match([1, 2, 3], ["a"], now=9.0) == {"a": 3}
-    recent.record("a", [1], now=5.0)  # refreshed
-    assert recent.match([1, 2, 3], ["a"], now=12.0) == {"a": 1}
-    assert recent.match([1, 2, 3], ["a"], now=16.0) == {}
+    assert recent.match([1, 2, 3], ["a"], now=9.9) == {"a": 3}
+    recent.record("a", [1], now=5.0)  # refreshed, in a newer generation
+    assert recent.match([1, 2, 3], ["a"], now=12.4) == {"a": 3}  # within ttl + 2.5 of the first send
+    assert recent.match([1, 2, 3], ["a"], now=12.5) == {"a": 1}
+    assert recent.match([1, 2, 3], ["a"], now=17.4) == {"a": 1}
+    assert recent.match([1, 2, 3], ["a"], now=17.5) == {}
     assert len(recent) == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 30), st.floats(0, 5)), max_size=40), st.integers(1, 50))
+def test_recently_sent_stays_within_its_bound(sends: list[tuple[str, int, float]], bound: int) -> None:
+    recent = RecentlySent(ttl=3.0, max_entries=bound)
+    now = 0.0
+    for backend, length, dt in sends:
+        now += dt
+        recent.record(backend, range(length), now)
+        assert len(recent) <= bound + length  # the bound, plus the blocks of the send just recorded
+
+
+def test_forget_drops_one_backend_only() -> None:
+    recent = RecentlySent(ttl=10.0)
+    recent.record("a", [1, 2], 0.0)
+    recent.record("b", [1, 2], 0.0)
+    recent.forget("a")
+    assert recent.match([1, 2], ["a", "b"], 1.0) == {"b": 2}
 
 
 # ------------------------------------------------------------ kv_aware

@@ -1,0 +1,131 @@
+"""``headrace bench policies``: what one routing decision costs.
+
+Builds the state a large fleet gives a policy (``--backends`` engines whose
+KV indexes hold ``--blocks`` distinct block hashes in all, each a chain of
+``--blocks-per-prefix`` blocks replicated on a few backends), then times
+``pick`` on requests of ``--prompt-blocks`` blocks, half of them sharing an
+indexed prefix and half cold, with the feedback the router delivers
+(``on_dispatch`` / ``on_complete``) between picks. Prints p50/p99/max per
+policy and writes JSON (with the CPU it ran on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.procs import cpu_info
+from bench.progress import ProgressBar
+from bench.report import write_json
+from policies.base import BackendView, RouteRequest
+from policies.registry import create_policy
+
+__all__ = ["main"]
+
+
+@dataclass(frozen=True)
+class _Ev:
+    seq: int
+    kind: str
+    block_hashes: tuple[int, ...]
+
+
+def _fill(policy: Any, backends: int, blocks: int, per_prefix: int, rng: random.Random, bar: ProgressBar) -> list[tuple[int, ...]]:
+    """Index ``blocks`` hashes as prefixes of ``per_prefix`` blocks, each on 1-3 backends."""
+    prefixes: list[tuple[int, ...]] = []
+    seqs = dict.fromkeys(range(backends), 0)
+    on_kv = getattr(policy, "on_kv_events", None)
+    total = blocks // per_prefix
+    for i in range(total):
+        if i % 256 == 0:
+            bar.update(i / total, f"{i * per_prefix:,} blocks", time.monotonic())
+        chain = tuple(rng.getrandbits(63) for _ in range(per_prefix))
+        prefixes.append(chain)
+        if on_kv is not None:
+            for b in rng.sample(range(backends), rng.randint(1, 3)):
+                seqs[b] += 1
+                on_kv(f"gpu-{b}", [_Ev(seqs[b], "stored", chain)], 0.0)
+    return prefixes
+
+
+def _time(policy: Any, views: list[BackendView], requests: list[RouteRequest]) -> tuple[list[float], list[float]]:
+    """Microseconds of each ``pick``, and of each ``pick`` + ``on_dispatch``
+    (the whole decision as the router makes it)."""
+    on_dispatch = getattr(policy, "on_dispatch", None)
+    on_complete = getattr(policy, "on_complete", None)
+    picks: list[float] = []
+    decisions: list[float] = []
+    clock = time.perf_counter_ns
+    for i, request in enumerate(requests):
+        start = clock()
+        name = policy.pick(views, request, float(i))
+        picked = clock()
+        if on_dispatch is not None and name is not None:
+            on_dispatch(name, request, float(i))
+        done = clock()
+        picks.append((picked - start) / 1000.0)
+        decisions.append((done - start) / 1000.0)
+        if on_complete is not None and name is not None:
+            on_complete(name, request, float(i), ok=True, cached_tokens=None)
+    return picks, decisions
+
+
+def _row(name: str, took: list[float]) -> dict[str, Any]:
+    took = sorted(took)
+    return {"p50_us": statistics.median(took), "p99_us": took[int(0.99 * (len(took) - 1))], "max_us": took[-1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="headrace bench policies", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", action="append", help="policy to time (repeatable; default: all cache-aware and the rest)")
+    parser.add_argument("--backends", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="distinct block hashes indexed")
+    parser.add_argument("--blocks-per-prefix", type=int, default=128)
+    parser.add_argument("--prompt-blocks", type=int, default=128, help="blocks per request (128 x 16 = 2k tokens)")
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--json", default="bench/results/issue13/policy_bench.json")
+    args = parser.parse_args(argv)
+    names = args.policy or ["kv_aware", "prefix_hash", "power_of_two", "least_loaded", "round_robin"]
+    rng = random.Random(0)
+    rows = []
+    for name in names:
+        policy = create_policy(name, options={"max_blocks": args.blocks} if name == "kv_aware" else None)
+        bar = ProgressBar(f"{name}: indexing")
+        prefixes = _fill(policy, args.backends, args.blocks, args.blocks_per_prefix, rng, bar)
+        bar.close(f"{len(prefixes) * args.blocks_per_prefix:,} blocks; timing picks")
+        views = [BackendView(name=f"gpu-{b}", in_flight=rng.randint(0, 8), kv_events=True, block_size=16)
+                 for b in range(args.backends)]
+        requests = []
+        for i in range(args.requests):
+            if i % 2 and prefixes:
+                chain = rng.choice(prefixes)[: args.prompt_blocks]
+            else:
+                chain = tuple(rng.getrandbits(63) for _ in range(args.prompt_blocks))
+            requests.append(RouteRequest(request_id=str(i), block_hashes=chain, block_size=16,
+                                         prompt_tokens=16 * len(chain)))
+        _time(policy, views, requests[:1000])  # warm up
+        picks, decisions = _time(policy, views, requests)
+        rows.append({"policy": name, "indexed_blocks": len(getattr(policy, "index", ())),
+                     "pick": _row(name, picks), "pick_and_dispatch": _row(name, decisions)})
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})")  # type: ignore[arg-type]
+    print(f"{args.backends} backends, {args.blocks:,} blocks indexed, {args.prompt_blocks} blocks per request")
+    print(f"{'policy':<14} {'pick p50':>9} {'p99':>7} {'max':>8}   {'+dispatch p50':>13} {'p99':>7} {'max':>8}  (us)")
+    for r in rows:
+        p, d = r["pick"], r["pick_and_dispatch"]
+        print(f"{r['policy']:<14} {p['p50_us']:>9.1f} {p['p99_us']:>7.1f} {p['max_us']:>8.1f}   "
+              f"{d['p50_us']:>13.1f} {d['p99_us']:>7.1f} {d['max_us']:>8.1f}")
+    document = {"cpu": {k: v for k, v in cpu.items() if k != "flags"}, "args": vars(args), "rows": rows}
+    path = write_json(Path(args.json), document)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
