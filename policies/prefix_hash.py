@@ -145,18 +145,18 @@ class PrefixHash:
             return None
         self.ring.update(candidates)
         total, weight = 1, 0.0
-        by_name = {}
+        by_name: dict[str, BackendView] = {}
         for c in candidates:
             total += c.in_flight
             weight += c.weight
             by_name[c.name] = c
         scale = self.options.load_factor * total / weight
         for name in self.ring.walk(request_key(request, self.options.prefix_tokens)):
-            c = by_name.get(name)
-            if c is not None and c.in_flight < math.ceil(scale * c.weight):
+            view = by_name.get(name)
+            if view is not None and view.in_flight < math.ceil(scale * view.weight):
                 return name
         # Not reached (the caps sum to more than the load); the least loaded is the safe answer.
-        return min(candidates, key=lambda c: c.in_flight / c.weight).name  # pragma: no cover
+        return min(candidates, key=lambda v: v.in_flight / v.weight).name  # pragma: no cover
 
     def ordered(self, candidates: Sequence[BackendView], request: RouteRequest) -> list[str]:
         """Candidates in the order this policy would try them: under their
