@@ -98,8 +98,23 @@ class StatisticsCollector(Collector):
         for field, help_ in (
             ("retries", "Attempts moved to another backend before the first token"),
             ("unavailable", "Requests refused because no backend was eligible"),
+            ("fallbacks", "Requests answered by a fallback model of their route"),
+            ("rate_limited", "429s from backends (each cooled that backend down)"),
         ):
             yield CounterMetricFamily(f"headrace_dispatch_{field}", help_, value=getattr(d, field))
+        cooling = GaugeMetricFamily("headrace_backend_cooling", "1 while a backend rests after a 429", labels=["backend"])
+        for s in stats:
+            cooling.add_metric([s.name], 1.0 if s.name in d.cooling else 0.0)
+        yield cooling
+        labels = ["route", "version"]
+        weight = GaugeMetricFamily("headrace_model_version_weight", "Traffic weight of a version of a split route", labels=labels)
+        requests = CounterMetricFamily("headrace_model_version_requests", "Requests a split route sent to a version", labels=labels)
+        failed = CounterMetricFamily("headrace_model_version_failed", "Of those, ended by an error", labels=labels)
+        for v in d.versions:
+            weight.add_metric([v.route, v.version], v.weight)
+            requests.add_metric([v.route, v.version], v.requests)
+            failed.add_metric([v.route, v.version], v.failed)
+        yield from (weight, requests, failed)
 
 
 class Mirror:

@@ -230,6 +230,10 @@ async def test_weights_change_at_run_time_without_dropping_a_stream_in_flight(nu
         assert r.json()["model"] == "m-v2"
         listed = (await client.get("/admin/models")).json()["data"]
         assert [(v["route"], v["version"], v["requests"]) for v in listed] == [("assistant", "m-v1", 1), ("assistant", "m-v2", 1)]
+        metrics = (await client.get("/metrics")).text  # per-version series, so a canary can be judged
+        assert 'headrace_model_version_requests_total{route="assistant",version="m-v2"} 1.0' in metrics
+        assert 'headrace_model_version_weight{route="assistant",version="m-v1"} 0.0' in metrics
+        assert 'headrace_backend_cooling{backend="a"} 0.0' in metrics
         bad = [
             ({"model": "nope", "versions": []}, 404),
             ({"model": "m-v1", "versions": []}, 400),  # not a split
