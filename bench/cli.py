@@ -260,13 +260,16 @@ def _sub(name: str) -> Any:
     if name == "policies":
         from bench import policy_bench
         return policy_bench.main
+    if name == "cache":
+        from bench import cache_bench
+        return cache_bench.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies", "cache"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)
