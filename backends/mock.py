@@ -15,6 +15,13 @@ Token ids 0..255 are bytes (prompt text tokenizes as its UTF-8 bytes); ids from
 trivial template. Time is spent with ``trio.sleep`` (so a ``MockClock`` drives
 it) and faults are injected in-process as :mod:`backends.errors` exceptions;
 ``backends.mock_server`` injects the same faults at the HTTP level instead.
+
+With ``block_size > 0`` a replica models one accelerator's prefix cache
+(:mod:`backends.mock_cache`): the first token comes ``ttft_s`` plus the
+uncached prompt tokens times ``prefill_s_per_token`` after the request, the
+prefills of concurrent requests take turns in one lane (so load matters),
+``usage.cached_tokens`` says what the cache served, and :meth:`MockBackend.kv_events`
+publishes what it caches and evicts. Off (the default), nothing changes.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from backends.base import (
     Event,
     GenerateRequest,
     Health,
+    KVEvent,
     Logprob,
     TopLogprob,
     Usage,
+    chain_hashes,
 )
 from backends.errors import (
     BackendProtocolError,
@@ -50,6 +59,7 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
 )
+from backends.mock_cache import PrefixCache, PrefixCacheStatistics
 from backends.tally import StreamTally
 
 __all__ = [
@@ -193,6 +203,12 @@ class MockConfig(msgspec.Struct, frozen=True, kw_only=True):
     faults: Sequence[Fault] = ()
     fault_rate: float = 1.0
     seed: int = 0  # for fault draws and for seeds drawn for seedless requests
+    # The prefix-cache cost model (backends.mock_cache), on when block_size > 0:
+    # tokens per KV block, the LRU's capacity in blocks, and the prefill cost of
+    # each uncached prompt token (paid in the replica's one prefill lane).
+    block_size: int = 0
+    cache_blocks: int = 4096
+    prefill_s_per_token: float = 0.0
 
 
 class MockStatistics(msgspec.Struct, frozen=True):
@@ -202,6 +218,7 @@ class MockStatistics(msgspec.Struct, frozen=True):
     cancelled: int
     failed: int
     rejected: int  # refused before starting (bad request, context length)
+    cache: PrefixCacheStatistics | None = None  # with the prefix-cache model on
 
 
 # ---------------------------------------------------------------- pure parts
@@ -368,6 +385,8 @@ class MockRun:
         self._gen = gen
         self.finished = False  # the final event has been produced
         self._delivered = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (its model on)
+        self.block_hashes: list[int] = []  # the prompt's full blocks (its model on)
 
     @property
     def emitted(self) -> int:
@@ -387,7 +406,8 @@ class MockRun:
             self.finished = True
             if not any(f.kind == "no_done" for f in self.faults):
                 event.finish_reason = finish
-                event.usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=self.emitted)
+                event.usage = Usage(prompt_tokens=len(self.prompt),
+                                    completion_tokens=self.emitted, cached_tokens=self.cached_tokens)
         return event
 
     def rest(self) -> list[Event]:
@@ -405,7 +425,8 @@ class MockRun:
         if first:
             events[0].prompt_token_ids, events[0].seed = self.prompt, self.seed
         events[-1].finish_reason = "length"
-        events[-1].usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=gen.emitted)
+        events[-1].usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=gen.emitted,
+                                 cached_tokens=self.cached_tokens)
         self.finished = True
         return events
 
@@ -438,11 +459,16 @@ class MockBackend:
         self._requests = 0
         self._tally = StreamTally()
         self._rejected = 0
+        c = self.config
+        self.cache = PrefixCache(c.cache_blocks, c.block_size) if c.block_size > 0 else None
+        self._lane = trio.Lock()  # the prefill lane: FIFO (trio's Lock is fair)
+        self._kv_changed = trio.Event()
 
     def info(self) -> BackendInfo:
         c = self.config
         return BackendInfo(
-            name=c.name, models=c.models, max_context=c.max_context, token_ids=True, seeds=True
+            name=c.name, models=c.models, max_context=c.max_context, token_ids=True, seeds=True,
+            kv_events=self.cache is not None, block_size=c.block_size or None,
         )
 
     async def health(self) -> Health:
@@ -453,7 +479,10 @@ class MockBackend:
 
     def statistics(self) -> MockStatistics:
         t = self._tally
-        return MockStatistics(t.in_flight, t.started, t.completed, t.cancelled, t.failed, self._rejected)
+        cache = self.cache.statistics() if self.cache is not None else None
+        return MockStatistics(
+            t.in_flight, t.started, t.completed, t.cancelled, t.failed, self._rejected, cache
+        )
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -506,6 +535,49 @@ class MockBackend:
         gen = _Generation(prompt, seed, limit, request, self.config.vocab)
         return MockRun(self._tally, prompt, seed, gen, self._draw_faults())
 
+    async def prefill(self, run: MockRun, delay: float = 0.0) -> None:
+        """Wait out ``run``'s time to first token: ``ttft_s + delay``, then, with
+        the cache model on, its turn in the prefill lane and its uncached tokens."""
+        await trio.sleep(self.config.ttft_s + delay)
+        cache = self.cache
+        if cache is None:
+            return
+        async with self._lane:
+            uncached = self._lookup(cache, run)
+            await trio.sleep(uncached * self.config.prefill_s_per_token)
+            self._store(cache, run)
+
+    def prefill_now(self, run: MockRun) -> None:
+        """:meth:`prefill` without the waiting, for a replica whose delays are all zero."""
+        if self.cache is not None:
+            self._lookup(self.cache, run)
+            self._store(self.cache, run)
+
+    @staticmethod
+    def _lookup(cache: PrefixCache, run: MockRun) -> int:
+        """Sets ``run.cached_tokens``; returns the prompt tokens left to compute."""
+        run.block_hashes = chain_hashes(run.prompt, cache.block_size)
+        run.cached_tokens = cache.match(run.block_hashes, len(run.prompt))
+        return len(run.prompt) - run.cached_tokens
+
+    def _store(self, cache: PrefixCache, run: MockRun) -> None:
+        if cache.store(run.block_hashes):
+            self._kv_changed.set()
+            self._kv_changed = trio.Event()
+
+    async def kv_events(self, since: int = -1) -> AsyncIterator[KVEvent]:
+        """KV events with ``seq > since``, then new ones as they happen (forever),
+        as ``EngineBackend.kv_events`` gives them: the last 10,000 are kept, so a
+        subscriber further behind sees a gap in ``seq``. Without the cache model
+        there are none."""
+        last = since
+        while True:
+            changed = self._kv_changed
+            for event in self.cache.since(last) if self.cache is not None else ():
+                last = event.seq
+                yield event
+            await changed.wait()
+
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         run = self.admit(request)
         async with aclosing(self._tally.track(self._run(run))) as events:
@@ -515,7 +587,7 @@ class MockBackend:
     async def _run(self, run: MockRun) -> AsyncGenerator[Event, None]:
         faults = run.faults
         delay = sum(f.delay_s for f in faults if f.kind == "slow_first_token")
-        await trio.sleep(self.config.ttft_s + delay)
+        await self.prefill(run, delay)
         _raise_status(faults)
         while True:
             await _token_fault(faults, run.emitted)

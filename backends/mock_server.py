@@ -19,6 +19,14 @@ server breaks::
 ``GET /stats`` reports the backend's counters (in flight, cancelled...) so a
 test in another process can see a cancellation arrive.
 
+With the prefix-cache model on (``--block-size N``; ``backends.mock_cache``),
+``GET /v1/kv_events`` streams the replica's KV events as the engine's server
+does (SSE ``id: SEQ`` / ``data: <KVEvent json>``; ``?since=SEQ`` or
+``Last-Event-ID`` resumes; the last 10,000 kept), and each ``/v1/models``
+entry adds ``block_size``, ``kv_events: true`` and ``tokenizer: "bytes"`` (the
+mock's token ids are the prompt's UTF-8 bytes, chat rendered by
+``backends.mock.render_chat``), so a router can compute the same block hashes.
+
 ``headrace mock`` serves on its own lean HTTP/1.1 + h2c server
 (``backends.mock_http``; ``--server hypercorn`` for TLS or the shared stack),
 which hands each zero-delay generation to :meth:`FaultInjector.answer_now`
@@ -56,13 +64,14 @@ import msgspec
 import trio
 
 from backends.base import Event
-from backends.errors import HeadraceError
+from backends.errors import BadRequest, HeadraceError
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
 from frontend.call import Call, prepare_call
 from frontend.context import RequestContext, new_request_id
 from frontend.server import (
     DEFAULT_MAX_BODY,
+    Handler,
     HTTPRequest,
     OpenAIServer,
     Response,
@@ -243,10 +252,54 @@ def build_app(
         counters.update(requests=injector.requests, faults_injected=injector.injected)
         return json_response(counters)
 
-    server = OpenAIServer(backend, extra_routes={("GET", "/stats"): stats})
+    routes: dict[tuple[str, str], Handler] = {("GET", "/stats"): stats}
+    if backend.cache is not None:
+        routes |= {("GET", "/v1/models"): partial(_models, backend),
+                   ("GET", "/v1/kv_events"): partial(_kv_events, backend)}
+    server = OpenAIServer(backend, extra_routes=routes)
     fast_path = FastPath(backend, server) if fast else None
     injector = FaultInjector(server, faults, rate=fault_rate, seed=seed, fast=fast_path)
     return injector
+
+
+async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
+    """The frontend's model list, plus what a router needs to hash blocks."""
+    info = backend.info()
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": info.name,
+         "max_model_len": info.max_context, "block_size": info.block_size, "kv_events": True,
+         "tokenizer": "bytes"}
+        for m in info.models
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def _kv_events(backend: MockBackend, request: HTTPRequest) -> Response:
+    """``backends.engine.server``'s KV event stream, over the mock's cache."""
+    events = backend.kv_events(_since(request))
+    encoder = msgspec.json.Encoder()
+
+    async def produce(emit: Any) -> None:
+        try:
+            await emit(b": kv events\n\n")
+            async for event in events:
+                await emit(b"id: %d\ndata: %s\n\n" % (event.seq, encoder.encode(event)))
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return Response(200, content_type="text/event-stream", headers=[("cache-control", "no-cache")],
+                    stream=produce)
+
+
+def _since(request: HTTPRequest) -> int:
+    """Resume point: ``?since=SEQ`` or the SSE ``Last-Event-ID`` header; -1 = all kept
+    (the engine server's rule; not imported from there, which would load torch)."""
+    params = dict(p.split("=", 1) for p in request.query.decode("latin-1").split("&") if "=" in p)
+    raw = params.get("since", request.headers.get("last-event-id", "-1"))
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"since must be an integer, got {raw!r}", param="since") from None
 
 
 # ---------------------------------------------------------------- fast path
@@ -285,7 +338,8 @@ class FastPath:
         renderer, run = call
         config = self.backend.config
         with run:
-            if config.ttft_s == 0 and config.tpot_s == 0:
+            if config.ttft_s == 0 and config.tpot_s == 0 and config.prefill_s_per_token == 0:
+                self.backend.prefill_now(run)
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 await send({"type": "http.response.body", "body": renderer.burst(run)})
                 run.sent()
@@ -298,7 +352,7 @@ class FastPath:
         config = self.backend.config
         kind = GENERATION_KINDS.get(scope["path"])
         if (kind is None or scope["method"] != "POST" or config.faults or config.ttft_s
-                or config.tpot_s or len(body) > self.max_body_bytes):
+                or config.tpot_s or config.prefill_s_per_token or len(body) > self.max_body_bytes):
             return None
         try:
             call = self._admit(kind, body)
@@ -309,6 +363,7 @@ class FastPath:
             return None
         renderer, run = call
         with run:
+            self.backend.prefill_now(run)
             data = renderer.burst(run)
             run.sent()
         return 200, _SSE_HEADERS, data
@@ -330,7 +385,7 @@ class FastPath:
             # outside it: once that is handed over, a disconnect is no news.
             with trio.CancelScope() as live:
                 nursery.start_soon(_watch_disconnect, receive, live)
-                await trio.sleep(config.ttft_s)
+                await self.backend.prefill(run)
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 while True:
                     parts = [renderer.chunk(run.step())]
@@ -513,6 +568,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="seed for fault draws and for seedless requests"
     )
+    p.add_argument(
+        "--block-size", type=int, default=0, metavar="TOKENS",
+        help="turn on the prefix-cache model: tokens per KV block (e.g. 16; 0: off)",
+    )
+    p.add_argument(
+        "--cache-blocks", type=int, default=4096, metavar="N",
+        help="prefix-cache capacity in blocks (LRU; with --block-size)",
+    )
+    p.add_argument(
+        "--prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+        help="prefill cost of each uncached prompt token, paid in the replica's one "
+        "prefill lane, after --ttft-ms (with --block-size)",
+    )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
     p.add_argument(
@@ -534,6 +602,9 @@ def _config(args: argparse.Namespace) -> MockConfig:
         max_context=args.max_context,
         models=tuple(args.models or ("mock",)),
         seed=args.seed,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        prefill_s_per_token=args.prefill_ms_per_token / 1000,
     )
 
 
@@ -562,6 +633,11 @@ def main(argv: list[str]) -> int:
         ("--max-context", args.max_context < 1),
         ("--fault-rate", not 0.0 <= args.fault_rate <= 1.0),
         ("--ttft-ms/--tpot-ms", args.ttft_ms < 0 or args.tpot_ms < 0),
+        ("--block-size", args.block_size < 0),
+        ("--cache-blocks", args.cache_blocks < 1),
+        ("--prefill-ms-per-token", args.prefill_ms_per_token < 0),
+        ("--prefill-ms-per-token without --block-size",
+         args.prefill_ms_per_token > 0 and args.block_size == 0),
         ("--certfile/--keyfile", (args.certfile is None) != (args.keyfile is None)),
         ("--server lean with --certfile (no TLS there)", args.server == "lean" and args.certfile),
     ]

@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mock": ("backends.mock_server", "a deterministic OpenAI-compatible mock backend"),
     "engine": ("backends.engine.server", "the built-in torch engine as a server"),
     "bench": ("bench.cli", "open-loop load generator and benchmarks"),
+    "simulate": ("sim.cli", "routing policies against modelled backends, in virtual time"),
     "conformance": ("conformance.cli", "check a backend or router against the API contract"),
     "policies": ("router.cli:policies_main", "list the installed policies by kind, with their packages"),
 }
