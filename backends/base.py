@@ -155,6 +155,9 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: bool = False
     seeds: bool = True  # honours `seed` deterministically
     block_size: int | None = None  # KV block size, for KV-aware routing
+    # Where the router can get this backend's tokenizer, to compute the engine's
+    # block hashes itself: a GGUF file or HF folder path, or "bytes" (the mock's).
+    tokenizer: str | None = None
 
 
 _MASK63 = (1 << 63) - 1

@@ -9,6 +9,13 @@ for token ids (``return_token_ids``, vLLM's extension, honoured by the engine
 and the mock) and reads ``token_ids`` / ``prompt_token_ids`` / ``seed`` when
 offered, and works on text alone when not.
 
+What ``/v1/models`` says beyond names is kept in :meth:`~OpenAIHTTPBackend.info`:
+``max_model_len`` (vLLM), and the engine's ``block_size``, ``kv_events`` and
+``tokenizer`` (the path of its model file, or "bytes" for the mock), which
+the router's cache-aware routing reads. :meth:`~OpenAIHTTPBackend.kv_events`
+streams ``GET /v1/kv_events?since=SEQ`` (SSE: ``id: SEQ`` + ``data: <KVEvent>``)
+over a connection of its own, since it stays open for as long as the router runs.
+
 Every transport, TLS and JSON failure is translated here, once::
 
     connect refused, DNS, reset before the response   BackendUnavailable
@@ -35,7 +42,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -50,6 +57,7 @@ from backends.base import (
     Event,
     GenerateRequest,
     Health,
+    KVEvent,
     Logprob,
     TopLogprob,
     Usage,
@@ -556,6 +564,7 @@ class OpenAIHTTPBackend:
         self.http = http
         headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         tls = url.scheme == "https"
+        self._headers, self._verify, self._connect_timeout = headers, verify, connect_timeout
         # Both transports while ``auto`` has not heard back; the one that
         # answered once it has.
         self._transports: dict[str, _Transport] = {}
@@ -575,6 +584,7 @@ class OpenAIHTTPBackend:
         self._negotiating = trio.Lock()
         self._models: tuple[str, ...] | None = None
         self._max_context: int | None = None
+        self._engine: dict[str, Any] = {}  # block_size, kv_events, tokenizer from /v1/models
         self._saw_ids = False
         self._tally = StreamTally()
 
@@ -621,7 +631,7 @@ class OpenAIHTTPBackend:
         models = self._models if self._models is not None else ((self.model,) if self.model else ())
         ids = self.token_ids if isinstance(self.token_ids, bool) else self._saw_ids
         return BackendInfo(
-            name=self.name, models=models, max_context=self._max_context, token_ids=ids
+            name=self.name, models=models, max_context=self._max_context, token_ids=ids, **self._engine
         )
 
     def statistics(self) -> HTTPBackendStatistics:
@@ -649,8 +659,9 @@ class OpenAIHTTPBackend:
         return Health(ok=ok, detail="" if ok else f"HTTP {status}")
 
     async def refresh(self) -> BackendInfo:
-        """Read ``/v1/models`` (names, and ``max_model_len`` where vLLM gives
-        it) into the cache behind :meth:`info`."""
+        """Read ``/v1/models`` (names, ``max_model_len`` where vLLM gives it,
+        and the engine's ``block_size``, ``kv_events`` and ``tokenizer``) into
+        the cache behind :meth:`info`."""
         try:
             with trio.fail_after(self.health_timeout):
                 status, content = await (await self._use()).get("/v1/models")
@@ -667,7 +678,38 @@ class OpenAIHTTPBackend:
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
             raise BackendProtocolError(f"malformed /v1/models answer: {content[:200]!r}") from None
         self._max_context = min(lengths) if lengths else None
+        self._engine = _engine_fields(data)
         return self.info()
+
+    async def kv_events(self, since: int = -1) -> AsyncIterator[KVEvent]:
+        """The server's KV events with ``seq > since``, then new ones as they
+        happen, over an HTTP/1.1 connection of its own (one long stream: not
+        the request pool's, not the probes'). It never ends well: the server
+        closing it is :class:`StreamBroken`; refused, :class:`BackendUnavailable`;
+        a line that is not the engine's SSE, :class:`BackendProtocolError`."""
+        parser = _KVEventParser()
+        timeout = httpx.Timeout(connect=self._connect_timeout, read=None,
+                                write=self._connect_timeout, pool=self._connect_timeout)  # fmt: skip
+        client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout,
+                                   verify=_tls_context(self._verify), trust_env=False)  # fmt: skip
+        try:
+            async with client, client.stream(
+                "GET", "/v1/kv_events", params={"since": since}, headers={"accept": "text/event-stream"}
+            ) as response:
+                if response.status_code != 200:
+                    raise status_error(response.status_code, await _head_of(response),
+                                       response.headers.get("retry-after"))  # fmt: skip
+                content_type = response.headers.get("content-type", "")
+                if not content_type.startswith("text/event-stream"):
+                    raise BackendProtocolError(f"/v1/kv_events: expected SSE, got {content_type or 'no content type'!r}")
+                async for chunk in response.aiter_bytes():
+                    for event in parser.feed(chunk):
+                        yield event
+        except HeadraceError:
+            raise
+        except _ERRORS as exc:
+            raise _transport_error(exc, started=parser.events > 0) from exc
+        raise StreamBroken(f"/v1/kv_events ended after {parser.events} events")
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         path, payload = self._payload(request)
@@ -770,6 +812,95 @@ _SAMPLING_DEFAULTS = [
     for f in SAMPLING_FIELDS
     if f.name != "logprobs"
 ]
+
+
+def _engine_fields(data: list[Any]) -> dict[str, Any]:
+    """The engine's additions to ``/v1/models`` (the first entry that has
+    each, of the right type), as :class:`BackendInfo` fields."""
+    found: dict[str, Any] = {}
+    for entry in data:
+        if not isinstance(entry, dict):
+            continue
+        block, kv, tok = entry.get("block_size"), entry.get("kv_events"), entry.get("tokenizer")
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+            found.setdefault("block_size", block)
+        if isinstance(kv, bool):
+            found["kv_events"] = found.get("kv_events", False) or kv
+        if isinstance(tok, str) and tok:
+            found.setdefault("tokenizer", tok)
+    return found
+
+
+class _KVEventParser:
+    """``/v1/kv_events`` bytes -> :class:`KVEvent` (sans-I/O). Lines end in
+    LF (CRLF too); ``id:`` and ``data:`` fill an event, a blank line ends it,
+    ``:`` lines are comments, ``event:``/``retry:`` are ignored. Anything else,
+    JSON that is not a KVEvent, an ``id`` that is not its ``seq``, or a line
+    past 1 MiB is :class:`BackendProtocolError`."""
+
+    MAX_LINE = 1 << 20
+
+    def __init__(self) -> None:
+        self.events = 0
+        self._buffer = b""
+        self._id: str | None = None
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> Iterator[KVEvent]:
+        """The events ``chunk`` completes, lazily: a bad line raises after the
+        events before it have been taken."""
+        lines = (self._buffer + chunk).split(b"\n")
+        self._buffer = lines.pop()
+        for raw in lines:
+            event = self._line(raw.removesuffix(b"\r"))
+            if event is not None:
+                yield event
+        if len(self._buffer) > self.MAX_LINE:
+            raise BackendProtocolError("/v1/kv_events: a line longer than 1 MiB")
+
+    def _line(self, line: bytes) -> KVEvent | None:
+        if not line:
+            return self._dispatch()
+        if line.startswith(b":"):
+            return None
+        name, colon, value = line.partition(b":")
+        value = value.removeprefix(b" ")
+        if name == b"data" and colon:
+            self._data.append(value)
+        elif name == b"id" and colon:
+            self._id = value.decode("ascii", "replace")
+        elif name not in (b"event", b"retry") or not colon:
+            raise BackendProtocolError(f"/v1/kv_events: not an SSE line: {line[:200]!r}")
+        return None
+
+    def _dispatch(self) -> KVEvent | None:
+        if not self._data:
+            self._id = None
+            return None
+        data, ident = b"\n".join(self._data), self._id
+        self._data, self._id = [], None
+        try:
+            event = msgspec.json.decode(data, type=KVEvent)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendProtocolError(f"/v1/kv_events: not a KV event ({exc}): {data[:200]!r}") from None
+        if ident is not None and ident != str(event.seq):
+            raise BackendProtocolError(f"/v1/kv_events: id {ident!r} is not the event's seq {event.seq}")
+        self.events += 1
+        return event
+
+
+async def _head_of(response: httpx.Response) -> bytes:
+    """At most MAX_ERROR_BODY bytes of an error answer's body."""
+    body = b""
+    try:
+        with trio.move_on_after(5.0):
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_ERROR_BODY:
+                    break
+    except Exception:  # the status says enough
+        pass
+    return body[:MAX_ERROR_BODY]
 
 
 async def _status_error(reply: _Reply) -> HeadraceError:

@@ -19,6 +19,19 @@ sources feed it::
 Entering SUSPECT (a failed request or a failed probe below the threshold), or
 any failed request, wakes the prober to probe at once.
 
+With a ``kv_sink`` (a policy that indexes engine caches,
+:class:`policies.base.KVEventSink`), an actor whose backend publishes KV
+events also runs a subscriber beside its prober, in the same nursery::
+
+    subscriber ── backend.kv_events(kv_since(name)) ── pump ─> channel ─> batches of what is ready
+               ── on_kv_events(name, batch, now) ── False (a gap) ──> resubscribe from kv_since (-1)
+               stream error ── backoff (doubling, capped) ──> resubscribe from kv_since (resume)
+               garbage      ── on_kv_reset once per burst, one log line ──> backoff, resubscribe
+    health DOWN / CLOSED ── cancel the subscription, on_kv_reset(name)
+
+The subscriber never raises into the actor: a failing stream or sink is
+logged, reset and retried, and the prober goes on probing.
+
 An actor is a :class:`~router.services.Service`: the
 :class:`~router.services.Supervisor` (re-exported here) starts it, counts it
 started after its first probe, and restarts it with backoff if its task
@@ -27,22 +40,37 @@ crashes (``crashed`` marks it down meanwhile).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import msgspec
 import trio
 
-from backends.base import Backend, BackendInfo, Event, GenerateRequest
-from backends.errors import BackendUnavailable, HeadraceError, StreamBroken, UpstreamError
-from policies.base import BackendView
+from backends.base import Backend, BackendInfo, Event, GenerateRequest, KVEvent
+from backends.errors import (
+    BackendProtocolError,
+    BackendUnavailable,
+    HeadraceError,
+    StreamBroken,
+    UpstreamError,
+)
+from policies.base import BackendView, KVEventSink
 from router.health import BackendHealth, HealthEvent, HealthState, HealthStatistics
 from router.services import Supervisor
 
 __all__ = ["ActorStatistics", "BackendActor", "Supervisor", "closing_stream"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+KV_BATCH = 256  # events handed to the sink at once, at most
+KV_BUFFER = 4096  # events read ahead of the sink (the pump waits beyond this)
+
+
+class _KVSource(Protocol):
+    def kv_events(self, since: int) -> AsyncIterator[KVEvent]: ...
 
 
 class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +90,10 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     detail: str  # the last probe's detail
     up: bool  # up or suspect: takes requests unless draining
     health: HealthStatistics
+    pending_prefill_tokens: int  # prompt tokens of streams not yet at their first event
+    kv_events: int  # KV events handed to the sink
+    kv_subscriptions: int  # KV event streams opened
+    kv_errors: int  # KV event streams that failed (cut, refused or garbled)
 
 
 class BackendActor:
@@ -76,7 +108,13 @@ class BackendActor:
         probe_interval: float = 2.0,
         probe_timeout: float = 2.0,
         unhealthy_threshold: int = 2,
+        kv_sink: KVEventSink | None = None,
+        kv_backoff: float = 0.1,
+        kv_backoff_max: float = 5.0,
     ) -> None:
+        """``kv_sink``: the policy to feed this backend's KV events to, if
+        it publishes them; a stream that fails is reopened after ``kv_backoff``
+        seconds, doubling up to ``kv_backoff_max``."""
         self.name = name
         # The threshold of consecutive failed probes that take an up backend
         # down lives in the health machine (router.health).
@@ -93,21 +131,35 @@ class BackendActor:
         # them from the events the health machine counted.
         self._counts = dict.fromkeys(("requests", "cancelled", "tokens", "restarts"), 0)
         self._detail = ""
+        self.pending_prefill_tokens = 0
+        self.kv_sink = kv_sink
+        self.kv_backoff, self.kv_backoff_max = kv_backoff, kv_backoff_max
+        self._kv_counts = dict.fromkeys(("kv_events", "kv_subscriptions", "kv_errors"), 0)
+        self._kv_scope: trio.CancelScope | None = None  # the open subscription
+        self._kv_fed = False  # the sink holds events of ours since its last reset
+        self._kv_burst = False  # garbage seen, and no good batch since
+        self._kv_delivered = False  # the current subscription got a batch to the sink
+        self._changed = trio.Event()  # set (and replaced) on each probe and state change
 
     # ------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe once, report started, then probe every ``probe_interval``
         (at once when a request fails, the backend turns suspect, or
-        :meth:`suspect` is called)."""
+        :meth:`suspect` is called); with a ``kv_sink``, subscribe to the
+        backend's KV events beside."""
         await self.probe()
         task_status.started()
-        while not self.closed:
-            with trio.move_on_after(self.probe_interval):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            if not self.closed:
-                await self.probe()
+        async with trio.open_nursery() as nursery:
+            if self.kv_sink is not None:
+                nursery.start_soon(self._kv_subscriber, self.kv_sink)
+            while not self.closed:
+                with trio.move_on_after(self.probe_interval):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if not self.closed:
+                    await self.probe()
+            nursery.cancel_scope.cancel()
 
     @property
     def state(self) -> HealthState:
@@ -135,6 +187,7 @@ class BackendActor:
             return  # closed while the probe ran: its result no longer matters
         self._detail = detail
         self._apply(HealthEvent.PROBE_OK if ok else HealthEvent.PROBE_FAILED)
+        self._notify()  # the info may say something new about KV events
         if self.state is HealthState.SUSPECT:  # a failed probe below the threshold
             log.warning("backend %s: probe failed (%s), %d of %d before down", self.name, detail,
                         self.health.failed_probes, self.unhealthy_threshold)
@@ -152,6 +205,9 @@ class BackendActor:
         after = self.health.handle(event)
         if after is not before:
             log.info("backend %s: %s -> %s (%s)", self.name, before.value, after.value, self._detail)
+            if after in (HealthState.DOWN, HealthState.CLOSED):
+                self._kv_lost()
+            self._notify()
 
     def report(self, event: HealthEvent) -> None:
         """A request outcome (``REQUEST_*``): into the health machine; a
@@ -199,6 +255,7 @@ class BackendActor:
         return model is None or not self.models or model in self.models
 
     def view(self) -> BackendView:
+        info = self.info
         return BackendView(
             name=self.name,
             in_flight=self.in_flight,
@@ -206,23 +263,31 @@ class BackendActor:
             draining=self.draining,
             weight=self.weight,
             models=frozenset(self.models),
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            kv_events=info is not None and info.kv_events,
+            block_size=info.block_size if info is not None else None,
         )
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def stream(self, request: GenerateRequest, prompt_tokens: int = 0) -> AsyncIterator[Event]:
         """The backend's stream, counted: in-flight drops the moment the
-        consumer stops (finish, error, cancel or close). Every outcome goes to
-        the health machine: done (or a client error, which the backend
-        answered) is REQUEST_OK; an upstream error is REQUEST_FAILED_EARLY or
-        _LATE by whether an event was relayed. A cancel is the client's doing
-        and says nothing about the backend."""
+        consumer stops (finish, error, cancel or close), and ``prompt_tokens``
+        count as pending prefill until the first event (or that moment).
+        Every outcome goes to the health machine: done (or a client error,
+        which the backend answered) is REQUEST_OK; an upstream error is
+        REQUEST_FAILED_EARLY or _LATE by whether an event was relayed. A
+        cancel is the client's doing and says nothing about the backend."""
         self.in_flight += 1
         self._counts["requests"] += 1
+        self.pending_prefill_tokens += prompt_tokens
+        pending = prompt_tokens
         relayed = False
         try:
             async with closing_stream(self.backend.stream(request)) as events:
                 async for event in events:
                     self._counts["tokens"] += len(event.token_ids)
                     relayed = True
+                    self.pending_prefill_tokens -= pending
+                    pending = 0
                     yield event
         except UpstreamError:
             self._failed(relayed)
@@ -245,6 +310,7 @@ class BackendActor:
             self.report(HealthEvent.REQUEST_OK)
         finally:
             self.in_flight -= 1
+            self.pending_prefill_tokens -= pending
 
     def _failed(self, relayed: bool) -> None:
         self.report(HealthEvent.REQUEST_FAILED_LATE if relayed else HealthEvent.REQUEST_FAILED_EARLY)
@@ -266,11 +332,147 @@ class BackendActor:
             probes=events["probe_ok"] + failed_probes,
             probe_failures=failed_probes,
             failures=events["request_failed_early"] + events["request_failed_late"],
+            pending_prefill_tokens=self.pending_prefill_tokens,
             **self._counts,
+            **self._kv_counts,
         )
 
+    # ------------------------------------------------------------ KV events
 
-class closing_stream:
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _kv_source(self) -> _KVSource | None:
+        """The backend, when it serves KV events now (up, and its info says so)."""
+        info = self.info
+        if not self.state.serving or info is None or not info.kv_events:
+            return None
+        return cast(_KVSource, self.backend) if callable(getattr(self.backend, "kv_events", None)) else None
+
+    def _kv_lost(self) -> None:
+        """Down or closed: drop the subscription and what the sink holds of ours."""
+        if self._kv_scope is not None:
+            self._kv_scope.cancel()
+        if self._kv_fed and self.kv_sink is not None:
+            self._kv_fed = False
+            self._kv_reset(self.kv_sink)
+
+    def _kv_reset(self, sink: KVEventSink) -> None:
+        try:
+            sink.on_kv_reset(self.name)
+        except Exception:
+            log.exception("backend %s: the KV event sink failed to reset", self.name)
+
+    async def _kv_subscriber(self, sink: KVEventSink) -> None:
+        """Subscribe while the backend serves KV events. After a gap, resubscribe
+        at once (a second gap in a row backs off); after a failure, back off,
+        doubling from ``kv_backoff`` to ``kv_backoff_max`` while nothing good
+        arrives. Never raises (but Cancelled): the prober beside it goes on."""
+        failures = 0
+        while not self.closed:
+            source = self._kv_source()
+            if source is None:
+                await self._changed.wait()
+                continue
+            self._kv_delivered = False
+            gap = False
+            with trio.CancelScope() as scope:
+                self._kv_scope = scope
+                try:
+                    error = await self._kv_session(sink, source)
+                finally:
+                    self._kv_scope = None
+                if error is None:
+                    gap = True
+                elif isinstance(error, HeadraceError) and not isinstance(error, BackendProtocolError):
+                    self._kv_counts["kv_errors"] += 1
+                    first = failures == 0 or self._kv_delivered  # the first in a row is worth a line
+                    log.log(logging.INFO if first else logging.DEBUG,
+                            "backend %s: KV event stream failed (%s); resubscribing", self.name, error.message)
+                else:  # garbage, or a bug in the adapter or the sink: not a crash
+                    self._kv_garbage(sink, error)
+            if scope.cancelled_caught:  # the backend went down: wait until it serves again
+                failures = 0
+                continue
+            failures = 1 if self._kv_delivered else failures + 1
+            if not (gap and failures == 1):
+                await trio.sleep(min(self.kv_backoff * 2 ** (failures - 1), self.kv_backoff_max))
+
+    async def _kv_session(self, sink: KVEventSink, source: _KVSource) -> BaseException | None:
+        """One subscription, from ``kv_since``: returns None when the sink
+        reports a gap, or the error that ended the stream. A pump reads ahead
+        into a channel, so each batch is everything that has arrived."""
+        self._kv_counts["kv_subscriptions"] += 1
+        since = sink.kv_since(self.name)
+        send, receive = trio.open_memory_channel[KVEvent | BaseException](KV_BUFFER)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._kv_pump, source, since, send)
+            error = await self._kv_deliver(sink, receive)
+            nursery.cancel_scope.cancel()
+            receive.close()
+        return error
+
+    async def _kv_deliver(
+        self, sink: KVEventSink, receive: trio.MemoryReceiveChannel[KVEvent | BaseException]
+    ) -> BaseException | None:
+        while True:
+            batch = [await receive.receive()]
+            while len(batch) < KV_BATCH and not isinstance(batch[-1], BaseException):
+                try:
+                    batch.append(receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            last = batch[-1]
+            end = last if isinstance(last, BaseException) else None
+            events = [e for e in batch if isinstance(e, KVEvent)]
+            if events:
+                self._kv_fed = True
+                self._kv_counts["kv_events"] += len(events)
+                try:
+                    if not sink.on_kv_events(self.name, events, trio.current_time()):
+                        return None
+                except Exception as exc:
+                    return exc
+                self._kv_delivered = True
+                self._kv_burst = False
+            if end is not None:
+                return end
+
+    async def _kv_pump(
+        self, source: _KVSource, since: int, send: trio.MemorySendChannel[KVEvent | BaseException]
+    ) -> None:
+        """Read the stream into ``send``; how it ended goes down the channel
+        too, as an exception, so the reader sees it after the events before it."""
+        async with send:
+            try:
+                async with closing_stream(source.kv_events(since)) as events:
+                    async for event in events:
+                        try:
+                            send.send_nowait(event)
+                        except trio.WouldBlock:
+                            await send.send(event)
+                end: Exception = StreamBroken("the KV event stream ended")
+            except Exception as exc:
+                end = exc
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await send.send(end)
+
+    def _kv_garbage(self, sink: KVEventSink, exc: BaseException) -> None:
+        """Garbage from the stream (or a bug): the sink's index of this backend
+        is suspect. Reset it and log once per burst, not once per attempt."""
+        self._kv_counts["kv_errors"] += 1
+        if self._kv_burst:
+            log.debug("backend %s: KV event stream garbled again: %r", self.name, exc)
+            return
+        self._kv_burst = True
+        log.warning("backend %s: KV event stream garbled (%s); index dropped, resubscribing",
+                    self.name, exc.message if isinstance(exc, HeadraceError) else repr(exc))
+        self._kv_fed = False
+        self._kv_reset(sink)
+
+
+class closing_stream(Generic[T]):
     """``async with closing_stream(events) as events``: close an async
     generator when the block exits, however it exits, shielded from
     cancellation (so the backend hears of it). A class, not an
@@ -278,10 +480,10 @@ class closing_stream:
 
     __slots__ = ("it",)
 
-    def __init__(self, it: AsyncIterator[Event]) -> None:
+    def __init__(self, it: AsyncIterator[T]) -> None:
         self.it = it
 
-    async def __aenter__(self) -> AsyncIterator[Event]:
+    async def __aenter__(self) -> AsyncIterator[T]:
         return self.it
 
     async def __aexit__(self, *exc: object) -> None:

@@ -4,7 +4,9 @@ The OpenAI routes come from the shared frontend (:mod:`frontend.server`);
 this module adds the engine's own::
 
     GET  /v1/models      the shared frontend's list, plus each model's ``sampling_defaults``
-                         (what unset request fields get) and ``sampling_defaults_source``
+                         (what unset request fields get) and ``sampling_defaults_source``,
+                         and what cache-aware routers read: ``block_size``, ``kv_events``
+                         and ``tokenizer`` (the model file's absolute path, when known)
     POST /tokenize       {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}
     POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
     GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
@@ -19,7 +21,9 @@ the loop runs, and a crash of either stops both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import sys
 from typing import Any, Literal
 
@@ -33,6 +37,7 @@ from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.engine import LLMEngine
 from backends.engine.host import MainThreadHost
+from backends.engine.loader import default_model_path
 from backends.engine.runner import resolve_device
 from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.tokenizer import Tokenizer
@@ -84,12 +89,17 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
 class _Routes:
     def __init__(self, backend: EngineBackend) -> None:
         self.backend = backend
+        # The router loads the same tokenizer to compute our block hashes; the
+        # config's model is the file it was read from (main resolves the default).
+        model_file = backend.engine.config.model
+        self.tokenizer = os.path.abspath(model_file) if model_file else None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(backend))
 
     async def models(self, request: HTTPRequest) -> Response:
         info = self.backend.info()
         sampling = self.backend.sampling
+        tokenizer = info.tokenizer or self.tokenizer
         data = [
             {
                 "id": m,
@@ -99,6 +109,9 @@ class _Routes:
                 "max_model_len": info.max_context,
                 "sampling_defaults": sampling.payload(),
                 "sampling_defaults_source": sampling.source or "OpenAI defaults",
+                "block_size": info.block_size,
+                "kv_events": info.kv_events,
+                "tokenizer": tokenizer,
             }
             for m in info.models
         ]
@@ -420,6 +433,9 @@ async def _serve(backend: EngineBackend, options: ServeOptions, shutdown: _Shutd
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.model is None:  # named in /v1/models: the file the tokenizer comes from
+        with contextlib.suppress(HeadraceError):  # none installed: _build says so
+            args.model = default_model_path()
     if args.threads is not None:
         import torch
 
