@@ -1,14 +1,32 @@
 """Pure decision logic (sans-I/O), one kind per extension point: routing (round_robin, least_loaded, power_of_two, prefix_hash, kv_aware);
-admission, priority, breakers and rate limits as they land (their kinds are
-declared in :data:`policies.registry.KINDS`). Nothing here imports trio,
-httpx or hypercorn."""
+admission (bounded, erlang), priority (fair_queue), rate limits (memory) and
+breakers (standard), each kind declared in :data:`policies.registry.KINDS`.
+Nothing here imports trio, httpx or hypercorn."""
 
 from __future__ import annotations
 
+from policies.admission import (
+    AdmissionPolicy,
+    AdmissionView,
+    BoundedQueue,
+    ErlangShedding,
+    ServiceRate,
+    Verdict,
+)
 from policies.base import BackendView, KVEventSink, RouteRequest, RoutingFeedback, RoutingPolicy
+from policies.breaker import (
+    BreakerPolicy,
+    Breakers,
+    BreakerState,
+    CircuitBreaker,
+    RetryBudget,
+    full_jitter,
+)
+from policies.fairness import CLASSES, FairQueue, QueuePolicy, Waiting
 from policies.kv_aware import KVAware
 from policies.kv_index import KVIndex, RecentlySent
 from policies.prefix_hash import HashRing, PrefixHash, request_key, stable_hash
+from policies.ratelimit import Limits, RateDecision, RateLimitPolicy, TokenBucket, TokenBuckets
 from policies.registry import (
     GROUP,
     KINDS,
@@ -25,27 +43,48 @@ from policies.registry import (
 from policies.routing import LeastLoaded, PowerOfTwo, RoundRobin
 
 __all__ = [
+    "CLASSES",
     "GROUP",
     "KINDS",
+    "AdmissionPolicy",
+    "AdmissionView",
     "BackendView",
+    "BoundedQueue",
+    "BreakerPolicy",
+    "BreakerState",
+    "Breakers",
+    "CircuitBreaker",
+    "ErlangShedding",
+    "FairQueue",
     "HashRing",
     "KVAware",
     "KVEventSink",
     "KVIndex",
     "Kind",
     "LeastLoaded",
+    "Limits",
     "PolicyError",
     "PolicyInfo",
     "PowerOfTwo",
     "PrefixHash",
+    "QueuePolicy",
+    "RateDecision",
+    "RateLimitPolicy",
     "RecentlySent",
+    "RetryBudget",
     "RoundRobin",
     "RouteRequest",
     "RoutingFeedback",
     "RoutingPolicy",
+    "ServiceRate",
+    "TokenBucket",
+    "TokenBuckets",
+    "Verdict",
+    "Waiting",
     "available",
     "create",
     "create_policy",
+    "full_jitter",
     "group",
     "installed",
     "load_factory",

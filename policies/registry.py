@@ -1,8 +1,8 @@
 """Find policies by kind and name, with options: built-ins and plugins through one table.
 
-Each extension point is a *kind* (:data:`KINDS`: routing today; admission,
-priority, rate limiting and circuit breaking declared for the issues that
-bring them), with the protocol an instance must satisfy. Config names a
+Each extension point is a *kind* (:data:`KINDS`: routing, admission,
+priority, rate limiting and circuit breaking), with the protocol an instance
+must satisfy. Config names a
 policy of a kind and gives its options, which reach the factory as keyword
 arguments::
 
@@ -40,9 +40,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from policies.admission import AdmissionPolicy, BoundedQueue, ErlangShedding
 from policies.base import RoutingPolicy
+from policies.breaker import BreakerPolicy, Breakers
+from policies.fairness import FairQueue, QueuePolicy
 from policies.kv_aware import KVAware
 from policies.prefix_hash import PrefixHash
+from policies.ratelimit import RateLimitPolicy, TokenBuckets
 from policies.routing import LeastLoaded, PowerOfTwo, RoundRobin
 
 __all__ = [
@@ -83,10 +87,12 @@ KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind("routing", RoutingPolicy, "pick(candidates, request, now)", "picks a backend for each request"),
-        Kind("admission", None, "", "admits or sheds a request (503 + Retry-After)"),
-        Kind("priority", None, "", "orders waiting requests (priority, tenant share)"),
-        Kind("ratelimit", None, "", "limits a tenant's request and token rates (429 + Retry-After)"),
-        Kind("breaker", None, "", "opens a backend's circuit after failures"),
+        Kind("admission", AdmissionPolicy, "decide(view, now)", "admits, queues or sheds a request (503 + Retry-After)"),
+        Kind("priority", QueuePolicy, "push, pop, remove, charge, depth",
+             "orders waiting requests (priority, tenant share)"),
+        Kind("ratelimit", RateLimitPolicy, "acquire, charge, release",
+             "limits a tenant's request and token rates (429 + Retry-After)"),
+        Kind("breaker", BreakerPolicy, "allows, dispatched, record", "opens a backend's circuit after failures"),
     )
 }
 
@@ -101,6 +107,13 @@ BUILTINS: dict[str, dict[str, tuple[str, PolicyFactory]]] = {
         "prefix_hash": ("policies.prefix_hash:PrefixHash", PrefixHash),
         "round_robin": ("policies.routing:RoundRobin", RoundRobin),
     },
+    "admission": {
+        "bounded": ("policies.admission:BoundedQueue", BoundedQueue),
+        "erlang": ("policies.admission:ErlangShedding", ErlangShedding),
+    },
+    "priority": {"fair_queue": ("policies.fairness:FairQueue", FairQueue)},
+    "ratelimit": {"memory": ("policies.ratelimit:TokenBuckets", TokenBuckets)},
+    "breaker": {"standard": ("policies.breaker:Breakers", Breakers)},
 }
 
 BUILTIN_PACKAGE = "headrace"

@@ -11,6 +11,7 @@ from typing import Annotated
 import msgspec
 import pytest
 
+from policies.admission import AdmissionView, Verdict
 from policies.base import BackendView, RouteRequest
 from policies.registry import (
     GROUP,
@@ -55,10 +56,13 @@ class Structured:
 
 
 class Shed:
-    """An admission plugin (the kind has no protocol yet)."""
+    """An admission plugin."""
 
     def __init__(self, *, limit: int = 10) -> None:
         self.limit = limit
+
+    def decide(self, view: AdmissionView, now: float) -> Verdict:
+        return Verdict(action="reject", code="shed")
 
 
 class Boom:
@@ -88,7 +92,7 @@ def test_unknown_names_list_the_known_ones_plugins_included() -> None:
     eps = [ep("spread", f"{HERE}:Spread", ROUTING)]
     with pytest.raises(PolicyError, match=r"known: kv_aware, least_loaded, power_of_two, prefix_hash, round_robin, spread$"):
         create_policy("nope", eps)
-    with pytest.raises(PolicyError, match="unknown admission policy 'x'; known: none installed"):
+    with pytest.raises(PolicyError, match=r"unknown admission policy 'x'; known: bounded, erlang$"):
         create("admission", "x", entry_points=[])
 
 
@@ -105,7 +109,7 @@ def test_each_kind_has_its_own_group_and_the_plain_group_still_means_routing() -
         ep("shed", f"{HERE}:Shed", group("admission")),
     ]
     assert available(eps) == ["kv_aware", "least_loaded", "new", "old", "power_of_two", "prefix_hash", "round_robin"]
-    assert available(eps, kind="admission") == ["shed"]
+    assert available(eps, kind="admission") == ["bounded", "erlang", "shed"]
     assert isinstance(create_policy("old", eps), Spread)
     assert isinstance(create("admission", "shed", {"limit": 3}, entry_points=eps), Shed)
     with pytest.raises(PolicyError, match="unknown routing policy 'shed'"):
@@ -146,7 +150,7 @@ def test_one_declaration_in_both_groups_and_one_name_in_two_kinds_are_not_claims
         ep("round_robin", "policies.routing:RoundRobin", ROUTING),  # the built-in's own declaration
     ]
     assert available(eps) == ["kv_aware", "least_loaded", "power_of_two", "prefix_hash", "round_robin", "spread"]
-    assert available(eps, kind="admission") == ["spread"]
+    assert available(eps, kind="admission") == ["bounded", "erlang", "spread"]
 
 
 # ------------------------------------------------------------ options
@@ -212,11 +216,18 @@ BUILTIN_ROWS = [
     ("prefix_hash", "policies.prefix_hash:PrefixHash"),
     ("round_robin", "policies.routing:RoundRobin"),
 ]
+OTHER_BUILTINS = [  # (kind, name, value), in KINDS order
+    ("admission", "bounded", "policies.admission:BoundedQueue"),
+    ("admission", "erlang", "policies.admission:ErlangShedding"),
+    ("priority", "fair_queue", "policies.fairness:FairQueue"),
+    ("ratelimit", "memory", "policies.ratelimit:TokenBuckets"),
+    ("breaker", "standard", "policies.breaker:Breakers"),
+]
 
 
 def test_installed_lists_every_kind_with_the_providing_package_and_a_summary() -> None:
     rows = installed(PLUGINS)
-    assert [(r.kind, r.name, r.package, r.value, r.builtin) for r in rows] == [*sorted([("routing", n, "headrace", v, True) for n, v in BUILTIN_ROWS] + [("routing", "legacy", "acme_routing", "acme_routing.policy:Legacy", False), ("routing", "spread", "tests", f"{HERE}:Spread", False)], key=lambda r: r[1]), ("admission", "shed", "acme_admission", "acme_admission:Shed", False)]
+    assert [(r.kind, r.name, r.package, r.value, r.builtin) for r in rows] == [*sorted([("routing", n, "headrace", v, True) for n, v in BUILTIN_ROWS] + [("routing", "legacy", "acme_routing", "acme_routing.policy:Legacy", False), ("routing", "spread", "tests", f"{HERE}:Spread", False)], key=lambda r: r[1]), *[(k, n, "headrace", v, True) for k, n, v in OTHER_BUILTINS[:2]], ("admission", "shed", "acme_admission", "acme_admission:Shed", False), *[(k, n, "headrace", v, True) for k, n, v in OTHER_BUILTINS[2:]]]
     summaries = {r.name: r.summary for r in rows}
     assert summaries["prefix_hash"] == "Consistent hashing with bounded loads on the prompt's leading KV blocks."
     assert summaries["spread"] == (Spread.__doc__ or "").strip().splitlines()[0]
@@ -229,22 +240,21 @@ def test_headrace_policies_prints_each_kind_and_its_policies(capsys: pytest.Capt
     assert lines[0] == "routing: picks a backend for each request [headrace.policies.routing]"
     assert "  round_robin   headrace        Smooth weighted round robin over the candidates of each call." in lines
     assert any(line.startswith("  legacy        acme_routing    (fails to load: ") for line in lines)
-    assert lines[lines.index("admission: admits or sheds a request (503 + Retry-After) [headrace.policies.admission]") + 1] == (
+    admission = lines.index("admission: admits, queues or sheds a request (503 + Retry-After) [headrace.policies.admission]")
+    assert lines[admission + 3] == (
         "  shed          acme_admission  (fails to load: ModuleNotFoundError(\"No module named 'acme_admission'\"))"
     )
-    assert lines[-4:] == [
-        "ratelimit: limits a tenant's request and token rates (429 + Retry-After) [headrace.policies.ratelimit]",
-        "  (none installed)",
-        "breaker: opens a backend's circuit after failures [headrace.policies.breaker]",
-        "  (none installed)",
-    ]
+    assert lines[-4].startswith("ratelimit: limits a tenant's request and token rates (429 + Retry-After)")
+    assert lines[-3].startswith("  memory        headrace        ")
+    assert lines[-2] == "breaker: opens a backend's circuit after failures [headrace.policies.breaker]"
+    assert lines[-1].startswith("  standard      headrace        ")
 
 
 def test_headrace_policies_lists_the_builtins_of_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert headrace(["policies", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     builtins = [(r["kind"], r["name"], r["package"]) for r in rows if r["builtin"]]
-    assert builtins == [("routing", n, "headrace") for n, _ in BUILTIN_ROWS]
+    assert builtins == [("routing", n, "headrace") for n, _ in BUILTIN_ROWS] + [(k, n, "headrace") for k, n, _ in OTHER_BUILTINS]
     assert all(r["summary"] for r in rows if r["builtin"])
 
 
