@@ -7,6 +7,7 @@
                                └─ everything else ────────> api app (auth -> Principal)
                                     OpenAIServer: RequestContext, decode once (Call)
                                     Pipeline.admit(context, call): once per request
+                                      RateLimits (429) -> Queue (admit / wait / 503)
                                     Dispatcher.stream per choice: RouteTable.plan (model routes)
                                     -> group policy.pick -> BackendActor.stream -> Backend.stream
                                     ; before the first token: next backend, next model
@@ -14,14 +15,21 @@
 Both apps are :class:`~frontend.server.OpenAIServer` over the same
 dispatcher; they differ in authentication, so that probes and scrapers need
 no API key while every API and admin call does (when keys are configured).
+
+API keys are held as SHA-256 digests only (``[[auth.api_keys]] sha256``;
+plain ``[auth] keys`` are digested at startup): a presented key is digested
+and compared with every known digest in constant time (``hmac.compare_digest``,
+no early exit), and only a 12-hex-digit prefix of the digest (the key id)
+is ever logged or labelled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import trio
@@ -30,16 +38,21 @@ from backends.base import Backend
 from backends.errors import BadRequest, NotFound, Unauthorized
 from frontend.context import Principal
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
-from policies.base import RoutingPolicy
-from policies.registry import create_policy
+from policies.base import KVEventSink, KVEventView, RoutingPolicy
+from policies.ratelimit import Limits
+from policies.registry import create, create_policy
 from router.actors import BackendActor, Supervisor
+from router.admission import Queue, RateLimits, Tenants
 from router.config import ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.pipeline import Pipeline
+from router.prefix_keys import PrefixKeys
 from router.routes import RouteTable
 
-__all__ = ["OPS_PATHS", "NamedBackend", "Router"]
+log = logging.getLogger(__name__)
+
+__all__ = ["OPS_PATHS", "KVFanOut", "KnownKey", "NamedBackend", "Router", "key_digest", "kv_sink_for"]
 
 OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -50,6 +63,33 @@ class NamedBackend(msgspec.Struct, frozen=True):
     name: str
     backend: Backend
     weight: float = 1.0
+
+
+def key_digest(key: str) -> str:
+    """The hex SHA-256 of an API key: what config stores and requests are compared by."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KnownKey(msgspec.Struct, frozen=True):
+    digest: bytes  # the raw SHA-256
+    tenant: str
+    key_id: str  # the digest's first 12 hex digits: safe to log and label
+    limits: Limits
+
+
+def known_keys(config: RouterConfig) -> list[KnownKey]:
+    """Every configured key, by digest; plain legacy keys are digested here."""
+    keys = [KnownKey(bytes.fromhex(k.sha256), k.tenant, k.sha256[:12],
+                     Limits(requests_per_minute=k.requests_per_minute, tokens_per_minute=k.tokens_per_minute,
+                            concurrent=k.concurrent))
+            for k in config.auth.api_keys]  # fmt: skip
+    if config.auth.keys:
+        log.warning("[auth] keys holds %d plain API keys; store their SHA-256 digests in [[auth.api_keys]] instead "
+                    "(printf %%s KEY | sha256sum)", len(config.auth.keys))  # fmt: skip
+    for key, tenant in config.auth.keys.items():
+        digest = key_digest(key)
+        keys.append(KnownKey(bytes.fromhex(digest), tenant, digest[:12], Limits()))
+    return keys
 
 
 class AdminAction(msgspec.Struct, forbid_unknown_fields=True):
@@ -69,6 +109,42 @@ class AdminWeights(msgspec.Struct, forbid_unknown_fields=True):
     versions: list[AdminWeight]
 
 
+def kv_sink_for(backend: str, policies: Sequence[tuple[RoutingPolicy, tuple[str, ...] | None]]) -> KVEventSink | None:
+    """What ``backend``'s KV events feed: every policy instance whose group
+    holds it and that indexes KV events (one, or a :class:`KVFanOut`)."""
+    sinks = [p for p, group in policies if (group is None or backend in group) and hasattr(p, "on_kv_events")]
+    if not sinks:
+        return None
+    return cast(KVEventSink, sinks[0]) if len(sinks) == 1 else KVFanOut([cast(KVEventSink, p) for p in sinks])
+
+
+class KVFanOut:
+    """One backend's KV event stream delivered to several policies (model
+    groups that share the backend). They stay in step: a gap seen by any
+    resets them all, so the resubscription from -1 serves every one."""
+
+    def __init__(self, sinks: Sequence[KVEventSink]) -> None:
+        self.sinks = list(sinks)
+
+    def kv_since(self, backend: str) -> int:
+        points = {s.kv_since(backend) for s in self.sinks}
+        if len(points) == 1:
+            return points.pop()
+        self.on_kv_reset(backend)
+        return -1
+
+    def on_kv_events(self, backend: str, events: Sequence[KVEventView], now: float) -> bool:
+        results = [s.on_kv_events(backend, events, now) for s in self.sinks]
+        if all(results):
+            return True
+        self.on_kv_reset(backend)
+        return False
+
+    def on_kv_reset(self, backend: str) -> None:
+        for s in self.sinks:
+            s.on_kv_reset(backend)
+
+
 class Router:
     """One router: call :meth:`run` in a nursery, serve ``router`` as ASGI."""
 
@@ -85,6 +161,9 @@ class Router:
         is the router's time (cool-downs); tests pass a fake one."""
         self.config = config
         h = config.health
+        r = config.routing
+        default = policy if policy is not None else create_policy(r.policy, options=r.options)
+        routes = RouteTable(config.models, default, self._route_policy)
         self.actors = [
             BackendActor(
                 b.name,
@@ -93,16 +172,17 @@ class Router:
                 probe_interval=h.interval,
                 probe_timeout=h.timeout,
                 unhealthy_threshold=h.unhealthy_threshold,
+                kv_sink=kv_sink_for(b.name, routes.policies()),
             )
             for b in backends
         ]
         self.metrics = RouterMetrics()
-        r = config.routing
-        default = policy if policy is not None else create_policy(r.policy, options=r.options)
+        self.keys = PrefixKeys()
         self.dispatcher = Dispatcher(
             self.actors,
             default,
-            routes=RouteTable(config.models, default, self._route_policy),
+            keys=self.keys,
+            routes=routes,
             max_attempts=r.max_attempts,
             retry_after=r.retry_after,
             cooldown=r.cooldown,
@@ -113,7 +193,23 @@ class Router:
         self.metrics.add_collector(
             StatisticsCollector(lambda: [a.statistics() for a in self.actors], self.dispatcher.statistics)
         )
-        self.pipeline = Pipeline()
+        self.api_keys = known_keys(config)
+        self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
+        self.concurrency = {name: spec.max_concurrency for name, spec in zip(config.backend_names(), config.backends, strict=True)}
+        a = config.admission
+        stages: list[Any] = [RateLimits(self.tenants, create("ratelimit", config.ratelimit.policy, config.ratelimit.options))]
+        self.queue: Queue | None = None
+        if a.enabled:
+            self.queue = Queue(
+                self.tenants,
+                a,
+                create("admission", a.policy, a.options),
+                create("priority", config.priority.policy, config.priority.options),
+                self.capacity,
+                retry_after=r.retry_after,
+            )
+            stages.append(self.queue)
+        self.pipeline = Pipeline(stages)
         self.supervisor = Supervisor(self.actors, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
         self.api = OpenAIServer(
@@ -124,7 +220,7 @@ class Router:
                 ("GET", "/admin/models"): self._list_models,
                 ("POST", "/admin/models"): self._admin_models,
             },
-            authenticate=self._authenticate if config.auth.keys else None,
+            authenticate=self._authenticate if config.auth.enabled else None,
             max_body_bytes=limit,
             observe=self.metrics.observe,
             gate=self.pipeline,
@@ -140,12 +236,35 @@ class Router:
     # ------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the actors until cancelled, then close every backend client."""
+        """Run the actors (and the tokenizer learner) until cancelled, then
+        close every backend client."""
         try:
-            await self.supervisor.run(task_status=task_status)
+            async with trio.open_nursery() as nursery:
+
+                async def supervise(*, task_status: trio.TaskStatus[None]) -> None:
+                    await self.supervisor.run(task_status=task_status)
+                    nursery.cancel_scope.cancel()  # every actor stopped for good: so does the rest
+
+                await nursery.start(supervise)
+                nursery.start_soon(self._learn_keys)
+                task_status.started()
         finally:
             with trio.CancelScope(shield=True):
                 await self.dispatcher.aclose()
+
+    async def _learn_keys(self) -> None:
+        """Learn each served model's tokenizer from its backends (once per
+        model; a lookup afterwards), so routing keys are the engines' own
+        block hashes; re-checked every probe interval for backends that come
+        up later. A failure here only leaves that model on text blocks."""
+        while True:
+            for actor in self.actors:
+                if actor.info is not None:
+                    try:
+                        await self.keys.learn(actor.backend, actor.info)
+                    except Exception:
+                        log.exception("learning the tokenizer of backend %s failed; its models route by text", actor.name)
+            await trio.sleep(self.config.health.interval)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         app = self.ops if scope.get("path") in OPS_PATHS else self.api
@@ -166,13 +285,21 @@ class Router:
 
     # ------------------------------------------------------------ hooks and routes
 
+    def capacity(self) -> int:
+        """Admission slots: the concurrency limits of the backends that take requests now."""
+        default = self.config.admission.backend_concurrency
+        return sum(self.concurrency.get(a.name) or default for a in self.actors if a.eligible(None))
+
     def _authenticate(self, headers: dict[str, str]) -> Principal:
         scheme, _, key = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and key:
-            for known, tenant in self.config.auth.keys.items():
-                if hmac.compare_digest(known.encode(), key.strip().encode()):
-                    # The key's id: a digest prefix, safe to log and label.
-                    return Principal(tenant, hashlib.sha256(known.encode()).hexdigest()[:12])
+            digest = hashlib.sha256(key.strip().encode()).digest()
+            found: KnownKey | None = None
+            for known in self.api_keys:  # every one, no early exit: the time says nothing
+                if hmac.compare_digest(known.digest, digest):
+                    found = known
+            if found is not None:
+                return Principal(found.tenant, found.key_id)
         raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
 
     async def _ready(self, request: HTTPRequest) -> Response:

@@ -8,11 +8,11 @@ it and relays the events. Until the first event reaches the client a request
 moves on::
 
     for target in plan.targets:                  the chain: the model, then its fallbacks
-        route = route_request(upstream request)  the policy's view (block hashes go there)
+        route = route_request(upstream request, keys)  the policy's view, with the prompt's block hashes
         up to max_attempts times:
-            actor = target.policy.pick(...)      (policy feedback: on_dispatch after this)
-            stream; first event                  (on_first_token), named by target.name
-            done -> return                       (on_complete ok)
+            actor = target.policy.pick(...); on_dispatch
+            stream; first event: on_first_token, named by target.name
+            done -> return; however the attempt ends: on_complete(ok=finished)
             before the first event:
                 upstream error (connect, timeout, 5xx)  -> next backend of the group
                 429                                     -> cool that backend down, next backend
@@ -52,6 +52,7 @@ from backends.errors import (
 from policies.base import RouteRequest, RoutingPolicy
 from router.actors import BackendActor, closing_stream
 from router.config import ConfigError
+from router.prefix_keys import PrefixKeys
 from router.routes import RouteTable, Target, VersionStatistics
 
 __all__ = [
@@ -142,12 +143,27 @@ class Progress:
             self.seed = event.seed
 
 
-def route_request(request: GenerateRequest) -> RouteRequest:
-    """The policy's view of a request."""
+def route_request(request: GenerateRequest, keys: PrefixKeys | None = None) -> RouteRequest:
+    """The policy's view of a request: with ``keys``, the chained block
+    hashes of its prompt (token blocks where the model's tokenizer is known,
+    text blocks of the whole conversation otherwise)."""
+    ids = tuple(request.prompt_token_ids) if request.prompt_token_ids is not None else None
+    if keys is not None:
+        k = keys.keys(request, request.model)
+        return RouteRequest(
+            request_id=request.request_id,
+            model=request.model,
+            prompt_token_ids=ids,
+            prefix=k.prefix[:PREFIX_CHARS],
+            tenant=request.tenant,
+            priority=request.priority,
+            block_hashes=k.block_hashes,
+            block_size=k.block_size,
+            prompt_tokens=k.prompt_tokens,
+        )
     prefix = request.prompt or ""
     if not prefix and request.messages:
         prefix = "".join(m.content for m in request.messages if isinstance(m.content, str))
-    ids = tuple(request.prompt_token_ids) if request.prompt_token_ids is not None else None
     return RouteRequest(
         request_id=request.request_id,
         model=request.model,
@@ -155,7 +171,20 @@ def route_request(request: GenerateRequest) -> RouteRequest:
         prefix=prefix[:PREFIX_CHARS],
         tenant=request.tenant,
         priority=request.priority,
+        prompt_tokens=len(ids) if ids is not None else len(prefix) // 4,
     )
+
+
+class _Feedback:
+    """A policy's optional feedback methods (policies.base.RoutingFeedback),
+    looked up once per request; a missing one is a no-op."""
+
+    __slots__ = ("complete", "dispatch", "first_token")
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.dispatch = getattr(policy, "on_dispatch", None)
+        self.first_token = getattr(policy, "on_first_token", None)
+        self.complete = getattr(policy, "on_complete", None)
 
 
 class _Outcome:
@@ -190,8 +219,10 @@ class Dispatcher:
         recorder: Recorder | None = None,
         clock: Callable[[], float] = trio.current_time,
         name: str = "headrace",
+        keys: PrefixKeys | None = None,
     ) -> None:
         self.actors = {a.name: a for a in actors}
+        self.keys = keys
         self.policy = policy
         self.routes = routes if routes is not None else RouteTable((), policy)
         self.max_attempts = max_attempts
@@ -246,7 +277,8 @@ class Dispatcher:
         outcome = _Outcome()
         for step, target in enumerate(plan.targets):
             sub = request if target.upstream == request.model else msgspec.structs.replace(request, model=target.upstream)
-            route = route_request(sub)
+            route = route_request(sub, self.keys)
+            feedback = _Feedback(target.policy)
             tried: set[str] = set()
             for _ in range(self.max_attempts):
                 actor = self._pick(target, route, tried, outcome)
@@ -254,20 +286,29 @@ class Dispatcher:
                     break  # nothing (more) in this group: the next model
                 tried.add(actor.name)
                 self.recorder.queue_time(actor.name, self.clock() - arrived)
+                if feedback.dispatch is not None:
+                    feedback.dispatch(actor.name, route, self.clock())
                 progress = Progress()
                 recorder, name, last_at = self.recorder, actor.name, arrived
+                cached: int | None = None
+                finished = False
                 try:
-                    async with closing_stream(actor.stream(sub)) as events:
+                    async with closing_stream(actor.stream(sub, prompt_tokens=route.prompt_tokens)) as events:
                         async for event in events:
                             now = self.clock()
                             if progress.events == 0:
                                 recorder.time_to_first_token(name, now - arrived)
                                 event = self._first_event(event, target, request, step)
+                                if feedback.first_token is not None:
+                                    feedback.first_token(name, route, now)
                             elif event.token_ids:
                                 recorder.inter_token_latency(name, now - last_at)
+                            if event.usage is not None:
+                                cached = event.usage.cached_tokens
                             last_at = now
                             progress.add(event)
                             yield event
+                    finished = True
                     return
                 except ContextLengthExceeded as exc:
                     if progress.events or step + 1 == len(plan.targets):
@@ -283,6 +324,9 @@ class Dispatcher:
                         raise  # after the first token: the migration issue resumes here
                     # The actor's stream already told its health (and woke its prober).
                     self._failed_early(actor, exc, outcome)
+                finally:
+                    if feedback.complete is not None:
+                        feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
         plan.failed()
         raise self._final_error(outcome, request.model)
 
