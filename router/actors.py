@@ -55,6 +55,7 @@ from backends.errors import (
     HeadraceError,
     StreamBroken,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from policies.base import BackendView, KVEventSink
 from router.health import BackendHealth, HealthEvent, HealthState, HealthStatistics
@@ -289,6 +290,11 @@ class BackendActor:
                     self.pending_prefill_tokens -= pending
                     pending = 0
                     yield event
+        except UpstreamRateLimited:
+            # A 429 is an answer, not a failure: the backend is alive and
+            # says when to come back (the dispatcher cools it down that long).
+            self.report(HealthEvent.REQUEST_OK)
+            raise
         except UpstreamError:
             self._failed(relayed)
             raise

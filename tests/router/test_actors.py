@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.base import Event, GenerateRequest
-from backends.errors import BackendUnavailable, BadRequest, StreamBroken
+from backends.errors import BackendUnavailable, BadRequest, StreamBroken, UpstreamRateLimited
 from router.actors import BackendActor, Supervisor
 from router.health import (
     TRANSITIONS,
@@ -308,11 +308,14 @@ async def test_finished_streams_and_client_errors_are_request_ok_and_cancels_are
     actor.backend = FakeBackend(fail_before=BadRequest("prompt too long"))
     with pytest.raises(BadRequest):
         await drain(actor)
+    actor.backend = FakeBackend(fail_before=UpstreamRateLimited("slow down", retry_after=2))
+    with pytest.raises(UpstreamRateLimited):
+        await drain(actor)  # a 429 is an answer: the backend is alive, not suspect
     actor.backend = FakeBackend(delay=0.01)
     with trio.move_on_after(0.015):
         await drain(actor, GenerateRequest(max_tokens=100))
     stats = actor.statistics()
-    assert stats.health.events["request_ok"] == 2 and stats.cancelled == 1
+    assert stats.health.events["request_ok"] == 3 and stats.cancelled == 1
     assert stats.state == "up" and stats.up and stats.health.transitions == 1
 
 
