@@ -23,14 +23,25 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import msgspec
+
+from backends.errors import BadRequest
 
 if TYPE_CHECKING:
     from frontend.call import Call
 
-__all__ = ["OPEN_GATE", "Gate", "Principal", "PriorityClass", "RequestContext", "new_request_id", "request_id_from"]
+__all__ = [
+    "OPEN_GATE",
+    "Gate",
+    "Principal",
+    "PriorityClass",
+    "RequestContext",
+    "apply_request_headers",
+    "new_request_id",
+    "request_id_from",
+]
 
 # Priority classes, highest first; the admission issue gives them meaning.
 PriorityClass = Literal["interactive", "default", "batch"]
@@ -74,6 +85,24 @@ def request_id_from(headers: dict[str, str]) -> str:
     if _SAFE_ID.fullmatch(given):
         return given
     return new_request_id()
+
+
+def apply_request_headers(context: RequestContext, headers: dict[str, str]) -> None:
+    """``X-Priority`` (interactive | default | batch: the class asked for; the
+    router caps it by the tenant's maximum) and ``X-Deadline-Ms`` (how long
+    the client will wait, from arrival) into the context; a bad value is a
+    400 naming the header."""
+    priority = headers.get("x-priority")
+    if priority is not None:
+        chosen = priority.strip().lower()
+        if chosen not in ("interactive", "default", "batch"):
+            raise BadRequest("X-Priority must be interactive, default or batch", param="x-priority")
+        context.priority = cast(PriorityClass, chosen)
+    deadline = headers.get("x-deadline-ms")
+    if deadline is not None:
+        if not deadline.strip().isdigit() or int(deadline) <= 0:
+            raise BadRequest("X-Deadline-Ms must be a positive integer (milliseconds)", param="x-deadline-ms")
+        context.deadline = context.arrival + int(deadline) / 1000
 
 
 class Gate(Protocol):

@@ -43,7 +43,14 @@ import trio
 from backends.base import Backend
 from backends.errors import BadRequest, HeadraceError, PayloadTooLarge
 from frontend.call import Emit, Producer, prepare_call
-from frontend.context import OPEN_GATE, Gate, Principal, RequestContext, request_id_from
+from frontend.context import (
+    OPEN_GATE,
+    Gate,
+    Principal,
+    RequestContext,
+    apply_request_headers,
+    request_id_from,
+)
 from frontend.routes import RouteTable
 from frontend.wire import Kind, error_body
 
@@ -128,6 +135,7 @@ def error_response(exc: HeadraceError) -> Response:
     headers = []
     if exc.retry_after is not None:
         headers.append(("retry-after", str(max(1, math.ceil(exc.retry_after)))))
+    headers += getattr(exc, "headers", ())  # x-ratelimit-* of a rate limit refusal
     body = error_body(exc.message, exc.type, exc.param, exc.code)
     return json_response(body, exc.status, headers)
 
@@ -203,6 +211,7 @@ class OpenAIServer:
                     if self.authenticate is not None:
                         principal = self.authenticate(headers)
                         context.tenant, context.key_id = principal.tenant, principal.key_id
+                    apply_request_headers(context, headers)
                     # No route: 404 or 405, told only to an authenticated client.
                     match = found or self.routes.resolve(scope["method"], scope["path"])
                     request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)

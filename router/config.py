@@ -13,8 +13,36 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     policy = "least_loaded"      # resolved through policies.registry
     options = {}                 # its factory's keyword arguments (or a [routing.options] table)
 
-    [auth]
-    keys = { "sk-team-a" = "tenant-a" }
+    [[auth.api_keys]]            # keys as SHA-256 digests: printf %s KEY | sha256sum
+    sha256 = "8879f6a4ae35c420a15d35fed3b8dd07577207803d404f6d4cc4fa829dafa910"   # sk-team-a
+    tenant = "team-a"
+    requests_per_minute = 60     # per-key limits, on top of the tenant's
+
+    [tenants.team-a]             # weight in fair sharing, highest class, limits
+    weight = 2
+    max_priority = "interactive" # X-Priority: interactive | default | batch, capped here
+    requests_per_minute = 600
+    tokens_per_minute = 200000
+    concurrent = 32
+
+    [admission]                  # queue when every backend is at its concurrency
+    enabled = true
+    policy = "erlang"            # sheds at arrival when the M/M/c wait passes the deadline
+    backend_concurrency = 64     # slots per backend (or [[backends]] max_concurrency)
+    queue_size = { interactive = 256, default = 256, batch = 1024 }
+    queue_timeout = { interactive = 10, default = 30, batch = 120 }
+
+    [priority]
+    policy = "fair_queue"
+    options = { aging = 10 }     # seconds per class of promotion
+
+    [breaker]
+    policy = "standard"
+    options = { consecutive_failures = 5, base_ejection = 30, max_ejection = 300 }
+
+    [retry]
+    budget_ratio = 0.2           # retries in flight <= 20% of streams in flight ...
+    min_retries = 3              # ... or this many
 
     [[backends]]
     url = "http://10.0.0.5:8000"
@@ -50,18 +78,26 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from policies.registry import PolicyError, create_policy, load_factory
+from policies.registry import PolicyError, create, create_policy, load_factory
 
 __all__ = [
+    "AdmissionConfig",
+    "ApiKey",
     "AuthConfig",
     "BackendSpec",
+    "BreakerConfig",
+    "ClassTable",
     "ConfigError",
     "HealthConfig",
     "ModelRoute",
     "ModelVersion",
+    "PolicyConfig",
+    "RateLimitConfig",
+    "RetryConfig",
     "RouterConfig",
     "RoutingConfig",
     "ServerConfig",
+    "TenantConfig",
     "apply_settings",
     "decode_config",
     "load_config",
@@ -116,8 +152,85 @@ class HealthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     restart_backoff_max: Positive = 10.0
 
 
+PriorityName = Literal["interactive", "default", "batch"]
+SHA256_HEX = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class ApiKey(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One API key, stored as the hex SHA-256 of the key (never the key)."""
+
+    sha256: SHA256_HEX
+    tenant: str
+    requests_per_minute: Positive | None = None
+    tokens_per_minute: Positive | None = None
+    concurrent: PositiveInt | None = None
+
+
 class AuthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    keys: dict[str, str] = {}  # API key -> tenant; empty: no authentication
+    # Plain API key -> tenant: the old form, still accepted (the router
+    # digests them at startup and warns to move them to api_keys).
+    keys: dict[str, str] = {}
+    api_keys: tuple[ApiKey, ...] = ()  # no keys in either: no authentication
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys or self.api_keys)
+
+
+class TenantConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tenant's share and limits; a tenant not configured gets these defaults."""
+
+    weight: Positive = 1.0  # its share of tokens under contention
+    max_priority: PriorityName = "interactive"  # the highest class it may ask for
+    requests_per_minute: Positive | None = None
+    tokens_per_minute: Positive | None = None
+    concurrent: PositiveInt | None = None
+
+
+class ClassTable(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    interactive: Positive
+    default: Positive
+    batch: Positive
+
+    def of(self, name: str) -> float:
+        value: float = getattr(self, name)
+        return value
+
+
+class PolicyConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: str
+    options: dict[str, Any] = {}
+
+
+class AdmissionConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: bool = True
+    policy: str = "erlang"  # an admission policy in policies.registry
+    options: dict[str, Any] = {}
+    backend_concurrency: PositiveInt = 64  # slots per backend without its own max_concurrency
+    queue_size: ClassTable = ClassTable(interactive=256, default=256, batch=1024)
+    # Seconds a request may wait for a slot; also its deadline for shedding
+    # unless the request sends X-Deadline-Ms.
+    queue_timeout: ClassTable = ClassTable(interactive=10, default=30, batch=120)
+
+
+class RateLimitConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: str = "memory"
+
+
+class PriorityConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: str = "fair_queue"
+
+
+class BreakerConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: bool = True
+    policy: str = "standard"
+
+
+class RetryConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    budget_ratio: NonNegative = 0.2  # retries in flight at most this fraction of streams in flight ...
+    min_retries: Annotated[int, Meta(ge=0)] = 3  # ... or this many
+    backoff_base: NonNegative = 0.025  # full-jitter backoff before a retry: up to base x 2^(k-1) ...
+    backoff_cap: NonNegative = 0.25  # ... at most this
 
 
 class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -125,6 +238,7 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kind: BackendKind = "openai"
     name: str | None = None  # default: derived from kind and position
     weight: Positive = 1.0
+    max_concurrency: PositiveInt | None = None  # admission slots; None: [admission] backend_concurrency
     model: str | None = None  # the model name served (mocks) or asked for (HTTP backends)
     # Adapter settings: an HTTP backend's backends.openai_http.HTTPOptions
     # ({http = "1.1", api_key_env = "KEY", stall_timeout = 30, ...}), a
@@ -163,6 +277,12 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
+    tenants: dict[str, TenantConfig] = {}
+    admission: AdmissionConfig = AdmissionConfig()
+    priority: PriorityConfig = PriorityConfig()
+    ratelimit: RateLimitConfig = RateLimitConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    retry: RetryConfig = RetryConfig()
     backends: tuple[BackendSpec, ...] = ()
     models: tuple[ModelRoute, ...] = ()
 
@@ -276,6 +396,23 @@ def _check(config: RouterConfig) -> None:
     if (config.server.certfile is None) != (config.server.keyfile is None):
         raise ConfigError("server.certfile and server.keyfile go together")
     _check_models(config.models, names)
+    _check_policies(config)
+    for i, key in enumerate(config.auth.api_keys):
+        if key.tenant not in config.tenants and config.tenants:
+            raise ConfigError(f"auth.api_keys[{i}].tenant: no tenant {key.tenant!r} in [tenants]")
+
+
+def _check_policies(config: RouterConfig) -> None:
+    """Each section's policy resolves in its kind and takes its options."""
+    sections = [("admission", config.admission.policy, config.admission.options),
+                ("priority", config.priority.policy, config.priority.options),
+                ("ratelimit", config.ratelimit.policy, config.ratelimit.options),
+                ("breaker", config.breaker.policy, config.breaker.options)]  # fmt: skip
+    for kind, name, options in sections:
+        try:
+            create(kind, name, options)
+        except PolicyError as exc:
+            raise ConfigError(f"{kind}: {exc}") from None
 
 
 def _check_models(routes: tuple[ModelRoute, ...], backends: list[str]) -> None:

@@ -78,7 +78,7 @@ async def test_no_backend_up_is_503_with_retry_after_and_not_ready(nursery: trio
         assert (await client.get("/health")).status_code == 200  # liveness
         r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
         assert r.status_code == 503 and r.headers["retry-after"] == "7"
-        assert assert_openai_error(r)["code"] == "backend_unavailable"
+        assert assert_openai_error(r)["code"] == "no_healthy_backend"  # refused by admission, at once
 
 
 async def test_admin_drains_and_undrains_one_backend(mocks: tuple[Router, httpx.AsyncClient]) -> None:

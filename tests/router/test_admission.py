@@ -1,0 +1,145 @@
+"""The admission stages under fake time (trio's MockClock, autojump): a
+request waits for a slot in the queue's order and times out with
+queue_timeout; full queues, shedding, class caps and the engine priority."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+import trio.testing
+
+from backends.errors import HeadraceError
+from frontend.call import Call, prepare_call
+from frontend.context import RequestContext
+from policies.admission import ErlangShedding
+from policies.fairness import FairQueue
+from router.admission import Overloaded, Queue, Tenants
+from router.config import AdmissionConfig, ClassTable, TenantConfig
+from tests.router.fakes import FakeBackend
+
+BACKEND = FakeBackend()
+
+
+def call_for(tenant: str, priority: str = "default", prompt: str = "x" * 40) -> tuple[RequestContext, Call]:
+    context = RequestContext(request_id="r", tenant=tenant, priority=priority, arrival=trio.current_time())  # type: ignore[arg-type]
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+    return context, prepare_call("completion", body, BACKEND, context)
+
+
+def make_queue(capacity: int = 1, *, queue_size: int = 8, timeout: float = 30.0,
+               tenants: dict[str, TenantConfig] | None = None) -> Queue:  # fmt: skip
+    config = AdmissionConfig(queue_size=ClassTable(interactive=queue_size, default=queue_size, batch=queue_size),
+                             queue_timeout=ClassTable(interactive=timeout, default=timeout, batch=timeout))  # fmt: skip
+    return Queue(Tenants(tenants or {}), config, ErlangShedding(), FairQueue(aging=1000), lambda: capacity)
+
+
+async def hold(queue: Queue, tenant: str, release: trio.Event, log: list[str], priority: str = "default",
+               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
+    context, call = call_for(tenant, priority)
+    task_status.started()
+    async with queue.admit(context, call):
+        log.append(tenant)
+        await release.wait()
+
+
+async def test_a_request_waits_for_a_slot_and_times_out_with_queue_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    queue, release, log = make_queue(timeout=30), trio.Event(), []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "a", release, log)
+        await trio.sleep(0.01)
+        start = trio.current_time()
+        context, call = call_for("b")
+        with pytest.raises(Overloaded) as info:
+            async with queue.admit(context, call):
+                pass
+        assert info.value.code == "queue_timeout" and info.value.status == 503
+        assert trio.current_time() - start == pytest.approx(30)
+        assert queue.queue.depth() == 0 and queue.busy == 1
+        release.set()
+    assert queue.busy == 0
+
+
+async def test_a_freed_slot_goes_to_the_tenant_with_the_least_service(autojump_clock: trio.testing.MockClock) -> None:
+    """``a`` queued three before ``b`` queued one: b goes second, not fourth."""
+    queue, log = make_queue(), []
+    releases = [trio.Event() for _ in range(5)]
+    async with trio.open_nursery() as nursery:
+        for i, tenant in enumerate(["a", "a", "a", "a", "b"]):
+            await nursery.start(hold, queue, tenant, releases[i], log)
+            await trio.sleep(0.01)
+        assert log == ["a"] and queue.queue.depth() == 4
+        for r in releases:
+            r.set()
+            await trio.sleep(0.01)
+    assert log == ["a", "b", "a", "a", "a"]
+
+
+async def test_interactive_goes_before_batch_that_waited_longer(autojump_clock: trio.testing.MockClock) -> None:
+    queue, log = make_queue(), []
+    releases = [trio.Event() for _ in range(3)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "t", releases[0], log, "default")
+        await trio.sleep(0.01)
+        await nursery.start(hold, queue, "batchy", releases[1], log, "batch")
+        await trio.sleep(1)
+        await nursery.start(hold, queue, "urgent", releases[2], log, "interactive")
+        await trio.sleep(0.01)
+        for r in releases:
+            r.set()
+            await trio.sleep(0.01)
+    assert log == ["t", "urgent", "batchy"]
+
+
+async def test_a_full_queue_refuses_at_once_with_queue_full(autojump_clock: trio.testing.MockClock) -> None:
+    queue, release, log = make_queue(queue_size=1), trio.Event(), []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "a", release, log)
+        await nursery.start(hold, queue, "b", release, log)
+        await trio.sleep(0.01)
+        start = trio.current_time()
+        context, call = call_for("c")
+        with pytest.raises(Overloaded) as info:
+            async with queue.admit(context, call):
+                pass
+        assert info.value.code == "queue_full" and trio.current_time() == start
+        assert info.value.retry_after is not None and info.value.retry_after >= 1
+        release.set()
+    assert log == ["a", "b"]
+
+
+async def test_a_request_whose_estimated_wait_is_past_its_deadline_is_shed(autojump_clock: trio.testing.MockClock) -> None:
+    queue = make_queue()
+    queue.rate.observe(10.0)  # a slot turns over every 10 s
+    release, log = trio.Event(), []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "a", release, log)
+        await trio.sleep(0.01)
+        context, call = call_for("b")
+        context.deadline = trio.current_time() + 5  # X-Deadline-Ms: 5000
+        with pytest.raises(Overloaded) as info:
+            async with queue.admit(context, call):
+                pass
+        assert info.value.code == "shed" and info.value.retry_after == pytest.approx(10)
+        release.set()
+
+
+async def test_no_eligible_backend_is_no_healthy_backend() -> None:
+    queue = make_queue(capacity=0)
+    context, call = call_for("a")
+    with pytest.raises(HeadraceError) as info:
+        async with queue.admit(context, call):
+            pass
+    assert info.value.code == "no_healthy_backend"
+
+
+async def test_the_class_is_capped_by_the_tenant_and_passed_to_the_engine() -> None:
+    queue = make_queue(tenants={"bulk": TenantConfig(max_priority="batch")})
+    context, call = call_for("bulk", "interactive")
+    async with queue.admit(context, call):
+        assert context.priority == "batch"
+        assert [s.priority for s in call.subs] == [-1]
+    context, call = call_for("other", "interactive")
+    async with queue.admit(context, call):
+        assert context.priority == "interactive" and call.subs[0].priority == 1
