@@ -245,6 +245,12 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"{r['policy']:<13} {r['rate']:>6g} {r['hit_rate']:>6.1%} {r['ttft_p50_ms']:>9.1f} "
                      f"{r['ttft_p99_ms']:>8.1f} {r['answers_per_s']:>7.1f} {r['prompt_tokens_per_s']:>8.0f} "
                      f"{(f'{mx:.2f}' if mx else '-'):>8} {r['errors']:>4}")
+    if doc.get("simulated"):
+        lines.append("")
+        lines.append("the simulator's prediction for the same requests (headrace simulate --trace):")
+        for r in doc["simulated"]:
+            lines.append(f"  {r['policy']:<13} {r['rate']:>6g} hit {r['hit_rate']:>6.1%} TTFT p50 {r['ttft_p50_ms']:>7.1f} "
+                         f"p99 {r['ttft_p99_ms']:>7.1f} ms, {r['answers_per_s']:.1f} ans/s, max/avg {r['max_over_avg_load']:.2f}")
     if doc.get("at_slo"):
         lines.append("")
         lines.append("at the SLO (highest rate with p99 TTFT under it, no errors), against round_robin:")
@@ -314,9 +320,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def simulated(args: argparse.Namespace, rate: float, workdir: Path) -> list[dict[str, Any]]:
+    """The simulator's prediction for exactly these requests (mock beds: the
+    mock's token ids are its bytes, and the simulator models the same cache
+    and prefill lane), one row per policy."""
+    from backends.base import ChatMessage
+    from backends.mock import encode_text, render_chat
+    from sim.cli import main as simulate
+    from sim.trace import TraceRecord, write_trace
+
+    conversations, plan = workload(args, rate)
+    records = []
+    for p in plan:
+        chat = [ChatMessage(role=m["role"], content=m["content"]) for m in messages(conversations[p.conversation], p.turn)]
+        records.append(TraceRecord(t=p.at, output_tokens=args.max_tokens, prompt_token_ids=encode_text(render_chat(chat)),
+                                   group=conversations[p.conversation].group, conversation=p.conversation, turn=p.turn))
+    trace, out = workdir / f"trace_{rate:g}.jsonl", workdir / f"sim_{rate:g}.json"
+    write_trace(trace, records, {"workload": "bench cache", "seed": args.seed})
+    argv = ["--trace", str(trace), "--backends", str(args.backends), "--block-size", "16",
+            "--cache-blocks", str(args.cache_blocks), "--ttft-ms", f"{args.ttft_ms:g}",
+            "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}", "--tpot-ms", f"{args.tpot_ms:g}",
+            "--batch-slope", "0", "--max-running", "0", "--json", str(out), "--quiet"]
+    for policy in args.policy:
+        argv += ["--policy", policy]
+    simulate(argv)
+    results: list[dict[str, Any]] = json.loads(out.read_text())["results"]
+    return [{"policy": r["label"], "rate": rate, "hit_rate": r["hit_rate"], "ttft_p50_ms": r["ttft_ms"]["p50"],
+             "ttft_p99_ms": r["ttft_ms"]["p99"], "answers_per_s": r["throughput"]["req_s"],
+             "max_over_avg_load": r["load"]["served_max_over_mean"]} for r in results]
+
+
 async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     logdir = Path(tempfile.mkdtemp(prefix="headrace-cache-bench-"))
     for rate in args.rate:
+        if args.kind == "mock":
+            doc["simulated"] += simulated(args, rate, logdir)
         for policy in args.policy:
             doc["rows"].append(await run_one(args, policy, rate, logdir))
             print(format_report(doc).splitlines()[-1], file=sys.stderr)
@@ -327,7 +365,7 @@ def main(argv: list[str]) -> int:
     args.policy = args.policy or ["round_robin", "prefix_hash", "kv_aware"]
     args.rate = args.rate or [10.0, 20.0, 30.0]
     cpu = cpu_info()
-    doc: dict[str, Any] = {"cpu": {k: v for k, v in cpu.items() if k != "flags"}, "args": vars(args), "rows": []}
+    doc: dict[str, Any] = {"cpu": {k: v for k, v in cpu.items() if k != "flags"}, "args": vars(args), "rows": [], "simulated": []}
     try:
         trio.run(_run, args, doc)
     finally:

@@ -6,13 +6,22 @@ this router sent it recently), and prices that against b's load as one
 continuous estimate, not a threshold switch::
 
     cached(b)   = matched_blocks(b) x block_size          (text blocks: their share of the prompt)
-    prefill(b)  = queued_prefill(b) + prompt_tokens - cached(b)
+    uncached(b) = prompt_tokens - cached(b)
+    prefill(b)  = queued_prefill(b) + uncached(b) x (1 if b is home else 1 + off_home_penalty)
     ttft(b)     = prefill_s_per_token x prefill(b) + decode_s_per_seq x in_flight(b)
 
 ``queued_prefill`` is the uncached prompt tokens this policy sent to b that
 have not had their first token yet (or the router's count in the view when no
 feedback arrives). The two coefficients are the cost of one prefill token and
 how much each running sequence delays a new one (a decode step it shares).
+*Home* is where prefix_hash places the request (its key's first backend under
+its cap on the ring). Prefilling away from home copies a prefix into a cache
+that is not its home and evicts that cache's own prefixes, which costs later
+requests; the penalty prices that, so a backend that shares only a short
+common head with the request (a chat template's first block, a preamble
+every tenant sends) does not pull every group onto itself, while one that
+holds most of the prompt still wins. Greedy TTFT alone (penalty 0) herds
+groups onto whichever backend cached anything first.
 
 The argmin wins, among candidates under the bounded-load cap of
 :mod:`policies.prefix_hash` (so a hot prefix spreads to more replicas instead
@@ -59,9 +68,13 @@ class KVAware:
         max_blocks: int = 1_000_000  # the KV index bound (distinct block hashes)
         recent_ttl_s: float = 120.0  # how long a send counts as cached where no events come
         pending_ttl_s: float = 5.0  # the same for backends with events, until their events arrive
+        # Uncached tokens prefilled away from the request's home (its
+        # prefix_hash placement) cost this much more: they copy a prefix
+        # into a cache that is not its home and evict what is at home there.
+        off_home_penalty: float = 1.0
 
         def __post_init__(self) -> None:
-            if self.prefill_s_per_token < 0 or self.decode_s_per_seq < 0:
+            if self.prefill_s_per_token < 0 or self.decode_s_per_seq < 0 or self.off_home_penalty < 0:
                 raise ValueError("costs must be non-negative")
             if self.recent_ttl_s <= 0 or self.pending_ttl_s <= 0:
                 raise ValueError("TTLs must be positive")
@@ -126,16 +139,21 @@ class KVAware:
         return best
 
     def _cheapest(self, candidates: Sequence[BackendView], request: RouteRequest, cached: dict[str, int]) -> str:
-        """The argmin of :meth:`estimate` among candidates under their
-        bounded-load cap; ties go by prefix_hash's ring. (estimate() and
-        capacity() inlined: this runs for every candidate of every request.)"""
+        """The argmin of the cost in the module docstring among candidates
+        under their bounded-load cap; ties go by prefix_hash's ring. (The
+        cost and the caps are inlined: this runs for every candidate of
+        every request.)"""
         o = self.options
         total, weight = 1, 0.0
+        by_name: dict[str, BackendView] = {}
         for c in candidates:
             total += c.in_flight
             weight += c.weight
+            by_name[c.name] = c
         scale = o.load_factor * total / weight
+        home = self._home(by_name, scale, request)
         per_token, per_seq, prompt = o.prefill_s_per_token, o.decode_s_per_seq, request.prompt_tokens
+        away = 1.0 + o.off_home_penalty
         queued, feedback, get = self._queued, self._feedback, cached.get
         least, tied = math.inf, list[str]()
         for c in candidates:
@@ -143,7 +161,9 @@ class KVAware:
                 continue  # over its cap
             q = queued.get(c.name, 0) if feedback else c.pending_prefill_tokens
             uncached = prompt - get(c.name, 0)
-            cost = per_token * (q + (uncached if uncached > 0 else 0)) + per_seq * c.in_flight
+            if uncached < 0:
+                uncached = 0
+            cost = per_token * (q + (uncached if c.name == home else away * uncached)) + per_seq * c.in_flight
             if cost < least - 1e-9:
                 least, tied = cost, [c.name]
             elif cost <= least + 1e-9:
@@ -151,6 +171,17 @@ class KVAware:
         if len(tied) == 1:
             return tied[0]
         return self._first_on_ring(tied or [c.name for c in candidates], candidates, request)
+
+    def _home(self, by_name: dict[str, BackendView], scale: float, request: RouteRequest) -> str | None:
+        """Where prefix_hash would put the request: the first backend under
+        its cap clockwise from the request's key."""
+        ring = self.fallback.ring
+        ring.update(list(by_name.values()))
+        for name in ring.walk(request_key(request, self.options.prefix_tokens)):
+            c = by_name.get(name)
+            if c is not None and c.in_flight < math.ceil(scale * c.weight):
+                return name
+        return None
 
     def _first_on_ring(self, names: list[str], candidates: Sequence[BackendView], request: RouteRequest) -> str:
         """Of equally good backends, the one prefix_hash's ring reaches first."""

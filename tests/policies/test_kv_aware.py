@@ -167,8 +167,8 @@ def test_load_outweighs_a_small_hit_but_not_a_large_one() -> None:
     per_seq=st.sampled_from([0.0, 1e-3, 2e-2]),
 )
 def test_kv_aware_picks_the_lowest_estimated_ttft(held: list[int], loads: list[int], queued: list[int], per_token: float, per_seq: float) -> None:
-    """Brute force: ttft = per_token x (queued + prompt - cached) + per_seq x in_flight;
-    the pick is an argmin (no cap: load_factor large)."""
+    """Brute force: ttft = per_token x (queued + (prompt - cached) x (1 at home, 2 away))
+    + per_seq x in_flight; the pick is an argmin (no cap: load_factor large)."""
     policy = KVAware(KVAware.Options(prefill_s_per_token=per_token, decode_s_per_seq=per_seq, load_factor=1000))
     hashes = tuple(range(500, 512))
     cands = []
@@ -179,8 +179,11 @@ def test_kv_aware_picks_the_lowest_estimated_ttft(held: list[int], loads: list[i
     request = req(*hashes)
     choice = policy.pick(cands, request, 0.0)
 
+    home = create_policy("prefix_hash", options={"load_factor": 1000}).pick(cands, request, 0.0)
+
     def ttft(c: BackendView, n: int) -> float:
-        return per_token * (c.pending_prefill_tokens + request.prompt_tokens - 16 * n) + per_seq * c.in_flight
+        away = 1.0 if c.name == home else 2.0  # off_home_penalty 1
+        return per_token * (c.pending_prefill_tokens + away * (request.prompt_tokens - 16 * n)) + per_seq * c.in_flight
 
     costs = {c.name: ttft(c, n) for c, n in zip(cands, held, strict=True)}
     if any(held):
@@ -198,9 +201,14 @@ def test_queued_prefill_from_feedback_steers_the_next_pick() -> None:
     first = policy.pick(cands, big, 0.0)
     assert first is not None
     policy.on_dispatch(first, big, 0.0)
-    other = policy.pick(cands, RouteRequest(request_id="y", block_hashes=tuple(range(10)), block_size=16, prompt_tokens=4000), 0.0)
-    assert other != first  # first is busy prefilling 3840 tokens
+    second = RouteRequest(request_id="y", block_hashes=tuple(range(10)), block_size=16, prompt_tokens=4000)
+    # At home: 3840 queued + 3840 = 7680 token-costs; away: 3840 x 2, a tie: home wins.
+    assert policy.pick(cands, second, 0.0) == first
+    policy.on_dispatch(first, second, 0.0)
+    third = RouteRequest(request_id="z", block_hashes=tuple(range(10)), block_size=16, prompt_tokens=4000)
+    assert policy.pick(cands, third, 0.0) != first  # now 7680 queued there: away is cheaper
     policy.on_first_token(first, big, 1.0)
+    policy.on_complete(first, second, 1.0, ok=True, cached_tokens=160)
     assert policy._queued == {}
 
 
@@ -212,3 +220,25 @@ def test_a_reset_backend_is_cold_again() -> None:
     policy.on_kv_reset("b")
     assert policy.kv_since("b") == -1
     assert policy.cached_tokens(cands, req(1, 2, 3), 100.0) == {}
+
+
+def test_a_short_shared_head_does_not_pull_a_group_off_its_home_but_most_of_the_prompt_does() -> None:
+    """Every group's prompt starts with the same block (a chat template's
+    header): greedy TTFT would send every group where that block is; the
+    off-home price keeps each group at its ring home until another backend
+    holds most of its prompt."""
+    policy = KVAware(KVAware.Options(load_factor=1000))
+    cands = [BackendView(name=f"b{i}", kv_events=True) for i in range(4)]
+    head = 999
+    homes = set()
+    for g in range(12):
+        request = req(head, *range(g * 100, g * 100 + 30), rid=str(g))
+        home = create_policy("prefix_hash", options={"load_factor": 1000}).pick(cands, request, 0.0)
+        policy.on_kv_events("b0", [stored(g + 1, head)], 0.0) if g == 0 else None
+        choice = policy.pick(cands, request, 0.0)
+        assert choice == home
+        homes.add(choice)
+    assert len(homes) > 1  # the groups stay spread over their homes
+    away = next(c.name for c in cands if c.name != home)
+    policy.on_kv_events(away, [stored(1, head, *range(1100, 1125))], 0.0)  # 26 of 31 blocks
+    assert policy.pick(cands, req(head, *range(1100, 1130), rid="x"), 0.0) == away
