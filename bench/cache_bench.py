@@ -234,17 +234,20 @@ def at_slo(rows: list[dict[str, Any]], slo_ms: float) -> dict[str, dict[str, Any
     return best
 
 
+def row_line(r: dict[str, Any]) -> str:
+    mx = r["max_over_avg_load"]
+    return (f"{r['policy']:<13} {r['rate']:>6g} {r['hit_rate']:>6.1%} {r['ttft_p50_ms']:>9.1f} "
+            f"{r['ttft_p99_ms']:>8.1f} {r['answers_per_s']:>7.1f} {r['prompt_tokens_per_s']:>8.0f} "
+            f"{(f'{mx:.2f}' if mx else '-'):>8} {r['errors']:>4}")
+
+
 def format_report(doc: dict[str, Any]) -> str:
     cpu = doc["cpu"]
     lines = [f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})",
              f"{doc['args']['backends']} x {doc['args']['kind']}, {doc['args']['groups']} groups, "
              f"{doc['args']['turns']} turns, SLO p99 TTFT {doc['args']['slo_ms']:g} ms",
              f"{'policy':<13} {'rate':>6} {'hit':>6} {'TTFT p50':>9} {'p99':>8} {'ans/s':>7} {'ptok/s':>8} {'max/avg':>8} {'err':>4}"]
-    for r in doc["rows"]:
-        mx = r["max_over_avg_load"]
-        lines.append(f"{r['policy']:<13} {r['rate']:>6g} {r['hit_rate']:>6.1%} {r['ttft_p50_ms']:>9.1f} "
-                     f"{r['ttft_p99_ms']:>8.1f} {r['answers_per_s']:>7.1f} {r['prompt_tokens_per_s']:>8.0f} "
-                     f"{(f'{mx:.2f}' if mx else '-'):>8} {r['errors']:>4}")
+    lines += [row_line(r) for r in doc["rows"]]
     if doc.get("simulated"):
         lines.append("")
         lines.append("the simulator's prediction for the same requests (headrace simulate --trace):")
@@ -357,7 +360,7 @@ async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
             doc["simulated"] += simulated(args, rate, logdir)
         for policy in args.policy:
             doc["rows"].append(await run_one(args, policy, rate, logdir))
-            print(format_report(doc).splitlines()[-1], file=sys.stderr)
+            print(row_line(doc["rows"][-1]), file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
