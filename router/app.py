@@ -45,10 +45,13 @@ from router.actors import BackendActor, Supervisor
 from router.admission import Queue, RateLimits, Tenants
 from router.config import ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
+from router.jobs import JobRunner, JobsAPI
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.pipeline import Pipeline
 from router.prefix_keys import PrefixKeys
 from router.routes import RouteTable
+from router.services import Service
+from router.store import SQLiteStore
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +213,17 @@ class Router:
             )
             stages.append(self.queue)
         self.pipeline = Pipeline(stages)
-        self.supervisor = Supervisor(self.actors, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
+        # [jobs] path set: the jobs API and its runner, a supervised service beside the actors.
+        self.job_store: SQLiteStore | None = None
+        self.jobs: JobRunner | None = None
+        services: list[Service] = list(self.actors)
+        job_routes = {}
+        if config.jobs.path is not None:
+            self.job_store = SQLiteStore(config.jobs.path, idempotency_ttl=config.jobs.idempotency_ttl)
+            self.jobs = JobRunner(self.job_store, self.dispatcher, config.jobs, gate=self.pipeline)
+            services.append(self.jobs)
+            job_routes = JobsAPI(self.job_store, self.jobs, self.dispatcher).routes()
+        self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
         self.api = OpenAIServer(
             self.dispatcher,
@@ -219,6 +232,7 @@ class Router:
                 ("POST", "/admin/backends"): self._admin,
                 ("GET", "/admin/models"): self._list_models,
                 ("POST", "/admin/models"): self._admin_models,
+                **job_routes,
             },
             authenticate=self._authenticate if config.auth.enabled else None,
             max_body_bytes=limit,
@@ -251,6 +265,8 @@ class Router:
         finally:
             with trio.CancelScope(shield=True):
                 await self.dispatcher.aclose()
+            if self.job_store is not None:
+                self.job_store.close()
 
     async def _learn_keys(self) -> None:
         """Learn each served model's tokenizer from its backends (once per

@@ -89,6 +89,7 @@ __all__ = [
     "ClassTable",
     "ConfigError",
     "HealthConfig",
+    "JobsConfig",
     "ModelRoute",
     "ModelVersion",
     "PolicyConfig",
@@ -233,6 +234,19 @@ class RetryConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     backoff_cap: NonNegative = 0.25  # ... at most this
 
 
+class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[jobs]``: async jobs (router/jobs.py), durable in one SQLite file.
+    Off unless ``path`` is set: without it ``/v1/jobs`` is a 404."""
+
+    path: str | None = None  # the SQLite database file (created; WAL beside it)
+    concurrency: PositiveInt = 8  # jobs running at once, all tenants
+    per_tenant: PositiveInt = 2  # jobs running at once for one tenant
+    max_attempts: PositiveInt = 3  # runs of a job that meets upstream errors before it fails
+    retry_delay: NonNegative = 1.0  # seconds before a retry, when the error gave no Retry-After
+    poll_interval: Positive = 1.0  # seconds between looks at the queue when nothing wakes the runner
+    idempotency_ttl: Positive = 24 * 3600.0  # seconds an Idempotency-Key is remembered
+
+
 class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str | None = None  # None: in-process (mock)
     kind: BackendKind = "openai"
@@ -283,6 +297,7 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     ratelimit: RateLimitConfig = RateLimitConfig()
     breaker: BreakerConfig = BreakerConfig()
     retry: RetryConfig = RetryConfig()
+    jobs: JobsConfig = JobsConfig()
     backends: tuple[BackendSpec, ...] = ()
     models: tuple[ModelRoute, ...] = ()
 

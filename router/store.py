@@ -1,0 +1,435 @@
+"""Durable job state: the job lifecycle as a transition table, the
+:class:`JobStore` interface, and its embedded SQLite implementation.
+
+::
+
+                 start            complete
+    queued ──────────────> running ─────────> completed
+      │  ^                  │  │   fail
+      │  └──── requeue ─────┘  └────────────> failed
+      │   (crash recovery,     │
+      │    retryable error)    │ cancel
+      └──────── cancel ────────┴────────────> cancelled
+
+Every status change goes through :func:`transition` inside the same
+``BEGIN IMMEDIATE`` transaction that writes it, so two writers racing (a
+``DELETE`` and the runner finishing the same job) serialise, and the second
+sees the first's status and gets :class:`InvalidTransition` instead of
+overwriting it.
+
+SQLite runs in WAL mode with ``synchronous=FULL``: a job is on disk once its
+commit returns, and the router acknowledges it (202) only after that.
+Blocking calls run in ``trio.to_thread.run_sync`` behind a
+``CapacityLimiter(1)`` over one connection (``check_same_thread=False``):
+one statement at a time, never on the trio thread; ``busy_timeout`` covers a
+second process (another router opening the same file after a crash).
+
+Idempotency keys (``Idempotency-Key`` on a POST) are reserved first, in
+their own transaction, and completed with the stored response afterwards::
+
+    reserve(tenant, key, digest) ── new ──> do the work ── complete(response)
+                                  ├ stored response (same digest) -> replay it
+                                  ├ pending (same digest) ──────────> 409
+                                  └ other digest ───────────────────> 422
+
+A pending reservation older than ``lease`` seconds (its request died with
+the process) is taken over by the next request with that key.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import trio
+
+__all__ = [
+    "TRANSITIONS",
+    "IdemBusy",
+    "IdemMismatch",
+    "IdemReplay",
+    "IdemReserved",
+    "IdemResult",
+    "InvalidTransition",
+    "Job",
+    "JobEvent",
+    "JobStatus",
+    "JobStore",
+    "SQLiteStore",
+    "new_job_id",
+    "transition",
+]
+
+T = TypeVar("T")
+
+
+class JobStatus(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobEvent(enum.Enum):
+    START = "start"
+    COMPLETE = "complete"
+    FAIL = "fail"
+    CANCEL = "cancel"
+    REQUEUE = "requeue"
+
+
+S, E = JobStatus, JobEvent
+TRANSITIONS: dict[tuple[JobStatus, JobEvent], JobStatus] = {
+    (S.QUEUED, E.START): S.RUNNING,
+    (S.QUEUED, E.CANCEL): S.CANCELLED,
+    (S.RUNNING, E.COMPLETE): S.COMPLETED,
+    (S.RUNNING, E.FAIL): S.FAILED,
+    (S.RUNNING, E.CANCEL): S.CANCELLED,
+    (S.RUNNING, E.REQUEUE): S.QUEUED,
+}
+TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.CANCELLED})
+
+
+class InvalidTransition(Exception):
+    """``event`` is not allowed in ``status`` (the table has no such pair)."""
+
+    def __init__(self, status: JobStatus, event: JobEvent) -> None:
+        super().__init__(f"a {status.value} job cannot {event.value}")
+        self.status, self.event = status, event
+
+
+def transition(status: JobStatus, event: JobEvent) -> JobStatus:
+    try:
+        return TRANSITIONS[(status, event)]
+    except KeyError:
+        raise InvalidTransition(status, event) from None
+
+
+def new_job_id() -> str:
+    return "job_" + secrets.token_hex(12)
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant: str
+    kind: str  # frontend.wire.Kind: completion | chat | native
+    body: bytes  # the request body the job runs (JSON)
+    status: JobStatus = JobStatus.QUEUED
+    priority: str = "batch"
+    metadata: dict[str, Any] = {}
+    result: bytes | None = None  # JSON, when completed
+    error: bytes | None = None  # JSON OpenAI error body, when failed
+    attempts: int = 0
+    created_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    not_before: float = 0.0  # a retried job waits until then
+
+
+class IdemReserved(msgspec.Struct, frozen=True):
+    """The key is new (or its lease ran out): this request does the work."""
+
+
+class IdemReplay(msgspec.Struct, frozen=True):
+    """The key's first request finished: replay its response."""
+
+    status: int
+    body: bytes
+
+
+class IdemBusy(msgspec.Struct, frozen=True):
+    """The first request with this key is still in flight (409)."""
+
+
+class IdemMismatch(msgspec.Struct, frozen=True):
+    """The key was used with another body (422)."""
+
+
+IdemResult = IdemReserved | IdemReplay | IdemBusy | IdemMismatch
+
+
+class JobStore(Protocol):
+    """What the jobs API and runner need from durable storage."""
+
+    clock: Callable[[], float]  # wall time: created/started/finished, not_before, key expiry
+
+    async def create(self, job: Job) -> Job: ...
+    async def get(self, tenant: str, job_id: str) -> Job | None: ...
+    async def list_jobs(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[Job], bool]: ...
+    async def claim(self, running: dict[str, int], *, slots: int, per_tenant: int) -> list[Job]: ...
+    async def apply(self, job_id: str, event: JobEvent, **fields: Any) -> Job: ...
+    async def requeue_running(self) -> int: ...
+    async def reserve(self, tenant: str, key: str, digest: str) -> IdemResult: ...
+    async def complete_key(self, tenant: str, key: str, status: int, body: bytes, job_id: str | None) -> None: ...
+    async def release_key(self, tenant: str, key: str) -> None: ...
+    def close(self) -> None: ...
+
+
+# Each entry takes the schema from version i to i + 1; ``PRAGMA user_version`` says where a file is.
+MIGRATIONS: Sequence[str] = (
+    """
+    CREATE TABLE jobs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        body BLOB NOT NULL,
+        status TEXT NOT NULL,
+        priority TEXT NOT NULL,
+        metadata BLOB NOT NULL,
+        result BLOB,
+        error BLOB,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        started_at REAL,
+        finished_at REAL,
+        not_before REAL NOT NULL DEFAULT 0
+    );
+    CREATE INDEX jobs_tenant ON jobs (tenant, seq);
+    CREATE INDEX jobs_status ON jobs (status, seq);
+    CREATE TABLE idempotency (
+        tenant TEXT NOT NULL,
+        key TEXT NOT NULL,
+        digest TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        status INTEGER,
+        response BLOB,
+        job_id TEXT,
+        PRIMARY KEY (tenant, key)
+    );
+    """,
+)
+
+_COLUMNS = ("id", "tenant", "kind", "body", "status", "priority", "metadata", "result", "error", "attempts",
+            "created_at", "started_at", "finished_at", "not_before")  # fmt: skip
+_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM jobs"
+_RANK = "CASE priority WHEN 'interactive' THEN 0 WHEN 'default' THEN 1 ELSE 2 END"
+
+
+def _row_job(row: tuple[Any, ...]) -> Job:
+    fields = dict(zip(_COLUMNS, row, strict=True))
+    fields["status"] = JobStatus(fields["status"])
+    fields["metadata"] = msgspec.json.decode(fields["metadata"])
+    return Job(**fields)
+
+
+class SQLiteStore:
+    """:class:`JobStore` in one SQLite file. ``clock`` is wall time (seconds)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        clock: Callable[[], float] = time.time,
+        idempotency_ttl: float = 24 * 3600,
+        lease: float = 60.0,
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        """Opens (creating) the file and migrates it: blocking, done once at startup."""
+        self.path = str(path)
+        self.clock = clock
+        self.ttl = idempotency_ttl
+        self.lease = lease
+        self._lock = threading.Lock()
+        self._limiter = trio.CapacityLimiter(1)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = FULL")
+        self._migrate()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            for i, script in enumerate(MIGRATIONS[version:], start=version):
+                for statement in filter(str.strip, script.split(";")):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {i + 1}")
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._db, self._lock)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------ jobs
+
+    async def create(self, job: Job) -> Job:
+        """Insert ``job``; returns once it is committed (durable)."""
+        return await self._run(self._create, job)
+
+    def _create(self, job: Job) -> Job:
+        job = msgspec.structs.replace(job, created_at=self.clock())
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (id, tenant, kind, body, status, priority, metadata, created_at) VALUES (?,?,?,?,?,?,?,?)",
+                (job.id, job.tenant, job.kind, job.body, job.status.value, job.priority,
+                 msgspec.json.encode(job.metadata), job.created_at),
+            )  # fmt: skip
+        return job
+
+    async def get(self, tenant: str, job_id: str) -> Job | None:
+        """The job, if it is ``tenant``'s (another tenant's is None: a 404)."""
+        return await self._run(self._get, tenant, job_id)
+
+    def _get(self, tenant: str, job_id: str) -> Job | None:
+        with self._lock:
+            row = self._db.execute(_SELECT + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+        return _row_job(row) if row is not None else None
+
+    async def list_jobs(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[Job], bool]:
+        """``tenant``'s jobs newest first, those older than job ``after``;
+        and whether more follow. An ``after`` that is not theirs: KeyError."""
+        return await self._run(self._list_jobs, tenant, after, limit)
+
+    def _list_jobs(self, tenant: str, after: str | None, limit: int) -> tuple[list[Job], bool]:
+        with self._lock:
+            bound = 2**62
+            if after is not None:
+                row = self._db.execute("SELECT seq FROM jobs WHERE id = ? AND tenant = ?", (after, tenant)).fetchone()
+                if row is None:
+                    raise KeyError(after)
+                bound = row[0]
+            rows = self._db.execute(
+                _SELECT + " WHERE tenant = ? AND seq < ? ORDER BY seq DESC LIMIT ?", (tenant, bound, limit + 1)
+            ).fetchall()
+        return [_row_job(r) for r in rows[:limit]], len(rows) > limit
+
+    async def claim(self, running: dict[str, int], *, slots: int, per_tenant: int) -> list[Job]:
+        """Start up to ``slots`` queued jobs that are due, highest priority
+        then oldest first, none for a tenant already running ``per_tenant``
+        (``running``: the runner's counts)."""
+        return await self._run(self._claim, dict(running), slots, per_tenant)
+
+    def _claim(self, running: dict[str, int], slots: int, per_tenant: int) -> list[Job]:
+        now = self.clock()
+        claimed: list[Job] = []
+        with self._tx() as db:
+            rows = db.execute(
+                _SELECT + f" WHERE status = 'queued' AND not_before <= ? ORDER BY {_RANK}, seq LIMIT ?", (now, slots * 64)
+            ).fetchall()
+            for row in rows:
+                job = _row_job(row)
+                if len(claimed) >= slots or running.get(job.tenant, 0) >= per_tenant:
+                    continue
+                running[job.tenant] = running.get(job.tenant, 0) + 1
+                claimed.append(self._write(db, job, JobEvent.START, {"started_at": now, "attempts": job.attempts + 1}))
+        return claimed
+
+    async def apply(self, job_id: str, event: JobEvent, **fields: Any) -> Job:
+        """Apply ``event`` to the job (and set ``fields``) in one
+        transaction; :class:`InvalidTransition` if its status forbids it,
+        KeyError if there is no such job."""
+        return await self._run(self._apply, job_id, event, fields)
+
+    def _apply(self, job_id: str, event: JobEvent, fields: dict[str, Any]) -> Job:
+        with self._tx() as db:
+            row = db.execute(_SELECT + " WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            return self._write(db, _row_job(row), event, fields)
+
+    def _write(self, db: sqlite3.Connection, job: Job, event: JobEvent, fields: dict[str, Any]) -> Job:
+        status = transition(job.status, event)
+        if status in TERMINAL:
+            fields = {"finished_at": self.clock(), **fields}
+        fields["status"] = status.value
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*fields.values(), job.id))
+        fields["status"] = status
+        return msgspec.structs.replace(job, **fields)
+
+    async def requeue_running(self) -> int:
+        """Every job left ``running`` (its runner died) back to ``queued``."""
+        return await self._run(self._requeue_running)
+
+    def _requeue_running(self) -> int:
+        with self._tx() as db:
+            rows = db.execute(_SELECT + " WHERE status = 'running'").fetchall()
+            for row in rows:
+                self._write(db, _row_job(row), JobEvent.REQUEUE, {"started_at": None})
+        return len(rows)
+
+    # ------------------------------------------------------------ idempotency
+
+    async def reserve(self, tenant: str, key: str, digest: str) -> IdemResult:
+        return await self._run(self._reserve, tenant, key, digest)
+
+    def _reserve(self, tenant: str, key: str, digest: str) -> IdemResult:
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT digest, created_at, status, response FROM idempotency WHERE tenant = ? AND key = ?", (tenant, key)
+            ).fetchone()
+            if row is not None:
+                old_digest, created, status, response = row
+                expired = now - created >= self.ttl or (status is None and now - created >= self.lease)
+                if not expired:
+                    if old_digest != digest:
+                        return IdemMismatch()
+                    return IdemBusy() if status is None else IdemReplay(status, response)
+            db.execute(
+                "INSERT OR REPLACE INTO idempotency (tenant, key, digest, created_at) VALUES (?,?,?,?)",
+                (tenant, key, digest, now),
+            )
+        return IdemReserved()
+
+    async def complete_key(self, tenant: str, key: str, status: int, body: bytes, job_id: str | None) -> None:
+        await self._run(self._complete_key, tenant, key, status, body, job_id)
+
+    def _complete_key(self, tenant: str, key: str, status: int, body: bytes, job_id: str | None) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE idempotency SET status = ?, response = ?, job_id = ? WHERE tenant = ? AND key = ?",
+                (status, body, job_id, tenant, key),
+            )
+
+    async def release_key(self, tenant: str, key: str) -> None:
+        """Forget a reservation whose request failed (a retry may do the work)."""
+        await self._run(self._release_key, tenant, key)
+
+    def _release_key(self, tenant: str, key: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND status IS NULL", (tenant, key))
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` (the write lock up front, so a read-then-write
+    never deadlocks with another writer) ... ``COMMIT``, or ``ROLLBACK`` on
+    an exception; under the store's thread lock."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
+        self.db, self.lock = db, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.lock.acquire()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.db
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        try:
+            self.db.execute("COMMIT" if exc is None else "ROLLBACK")
+        finally:
+            self.lock.release()

@@ -1,0 +1,145 @@
+"""The job store on real SQLite files: the status transition table
+(property-tested), migrations, durability settings, claiming by priority and
+per-tenant cap, crash requeue, idempotency expiry and lease takeover."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.store import (
+    MIGRATIONS,
+    TERMINAL,
+    TRANSITIONS,
+    IdemBusy,
+    IdemMismatch,
+    IdemReplay,
+    IdemReserved,
+    InvalidTransition,
+    Job,
+    JobEvent,
+    JobStatus,
+    SQLiteStore,
+    new_job_id,
+    transition,
+)
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def job(tenant: str = "t", priority: str = "batch") -> Job:
+    return Job(id=new_job_id(), tenant=tenant, kind="chat", body=b"{}", priority=priority)
+
+
+@given(st.sampled_from(JobStatus), st.sampled_from(JobEvent))
+def test_every_status_event_pair_is_in_the_table_or_raises(status: JobStatus, event: JobEvent) -> None:
+    if (status, event) in TRANSITIONS:
+        assert transition(status, event) is TRANSITIONS[(status, event)]
+    else:
+        with pytest.raises(InvalidTransition) as raised:
+            transition(status, event)
+        assert (raised.value.status, raised.value.event) == (status, event)
+
+
+@given(st.lists(st.sampled_from(JobEvent), max_size=12))
+def test_a_job_that_finished_never_changes_again_and_only_running_jobs_finish(events: list[JobEvent]) -> None:
+    status = JobStatus.QUEUED
+    for event in events:
+        try:
+            after = transition(status, event)
+        except InvalidTransition:
+            assert status in TERMINAL or (status, event) not in TRANSITIONS
+            continue
+        assert status not in TERMINAL
+        if after in (JobStatus.COMPLETED, JobStatus.FAILED):
+            assert status is JobStatus.RUNNING
+        status = after
+
+
+async def test_a_new_file_is_migrated_once_in_wal_mode_with_full_sync(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    store = SQLiteStore(path)
+    assert store.schema_version() == len(MIGRATIONS)
+    created = await store.create(job())
+    store.close()
+    again = SQLiteStore(path)  # reopening runs no migration twice, keeps the rows
+    assert again.schema_version() == len(MIGRATIONS)
+    assert await again.get("t", created.id) == created
+    assert again._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert again._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    again.close()
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_claim_takes_higher_priority_first_then_oldest_and_respects_the_per_tenant_cap(tmp_path: Path) -> None:
+    clock = WallClock()
+    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    a1, a2, a3 = [await store.create(job("a")) for _ in range(3)]
+    b1 = await store.create(job("b"))
+    urgent = await store.create(job("c", priority="interactive"))
+    claimed = await store.claim({}, slots=10, per_tenant=2)
+    assert [j.id for j in claimed] == [urgent.id, a1.id, a2.id, b1.id]
+    assert all(j.status is JobStatus.RUNNING and j.attempts == 1 and j.started_at == 1000.0 for j in claimed)
+    assert await store.claim({"a": 2}, slots=10, per_tenant=2) == []  # a3 waits for a's slots
+    assert [j.id for j in await store.claim({"a": 1}, slots=10, per_tenant=2)] == [a3.id]
+    store.close()
+
+
+async def test_a_requeued_job_waits_for_not_before_and_jobs_left_running_are_requeued(tmp_path: Path) -> None:
+    clock = WallClock()
+    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    first, second = await store.create(job()), await store.create(job())
+    await store.claim({}, slots=2, per_tenant=2)
+    await store.apply(first.id, JobEvent.REQUEUE, not_before=1005.0)
+    assert await store.claim({}, slots=2, per_tenant=2) == []
+    clock.now = 1005.0
+    assert [j.id for j in await store.claim({}, slots=2, per_tenant=2)] == [first.id]
+    assert await store.requeue_running() == 2  # a crash: both back in the queue
+    assert {(await store.get("t", i)).status for i in (first.id, second.id)} == {JobStatus.QUEUED}  # type: ignore[union-attr]
+    store.close()
+
+
+async def test_apply_refuses_a_transition_the_table_forbids_and_leaves_the_row(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "jobs.db")
+    created = await store.create(job())
+    with pytest.raises(InvalidTransition):
+        await store.apply(created.id, JobEvent.COMPLETE)  # queued jobs do not complete
+    cancelled = await store.apply(created.id, JobEvent.CANCEL)
+    assert cancelled.status is JobStatus.CANCELLED and cancelled.finished_at is not None
+    with pytest.raises(InvalidTransition):
+        await store.apply(created.id, JobEvent.START)
+    assert await store.get("t", created.id) == cancelled
+    assert await store.get("other", created.id) is None
+    with pytest.raises(KeyError):
+        await store.apply("job_missing", JobEvent.CANCEL)
+    store.close()
+
+
+async def test_an_idempotency_key_is_busy_then_replayed_expires_after_the_ttl_and_a_dead_reservation_is_taken_over(
+    tmp_path: Path,
+) -> None:
+    clock = WallClock()
+    store = SQLiteStore(tmp_path / "jobs.db", clock=clock, idempotency_ttl=100, lease=10)
+    assert await store.reserve("t", "k", "d1") == IdemReserved()
+    assert await store.reserve("t", "k", "d1") == IdemBusy()
+    assert await store.reserve("t", "k", "d2") == IdemMismatch()
+    assert await store.reserve("u", "k", "d2") == IdemReserved()  # per tenant
+    await store.complete_key("t", "k", 202, b'{"id":"job_1"}', "job_1")
+    clock.now += 50
+    assert await store.reserve("t", "k", "d1") == IdemReplay(202, b'{"id":"job_1"}')
+    clock.now += 50
+    assert await store.reserve("t", "k", "d2") == IdemReserved()  # 100 s on: forgotten
+    clock.now += 10
+    assert await store.reserve("t", "k", "d2") == IdemReserved()  # its request died 10 s ago: taken over
+    store.close()
