@@ -39,6 +39,7 @@ from frontend.call import prepare_call
 from frontend.context import OPEN_GATE, Gate, PriorityClass, RequestContext
 from frontend.server import Handler, HTTPRequest, Response, json_response
 from frontend.wire import Kind, error_body
+from router.admission import ENGINE_PRIORITY
 from router.config import JobsConfig
 from router.store import (
     IdemBusy,
@@ -193,15 +194,18 @@ class JobsAPI:
     async def cancel(self, request: HTTPRequest) -> Response:
         """Cancel a queued or running job (again: the same answer); a
         finished one is a 409 that names its status."""
-        job = await self._job(request)
-        if job.status is JobStatus.CANCELLED:
-            return json_response(job_view(job))
+        job_id = request.params["id"]
         try:
-            cancelled = await self.store.apply(job.id, JobEvent.CANCEL)
+            found = await self.store.cancel(request.context.tenant, job_id)
         except InvalidTransition as exc:
-            raise JobFinished(f"job {job.id} is already {exc.status.value}", param="id") from None
-        if job.status is JobStatus.RUNNING:
-            self.runner.cancel(job.id)
+            if exc.status is JobStatus.CANCELLED:
+                return json_response(job_view(await self._job(request)))
+            raise JobFinished(f"job {job_id} is already {exc.status.value}", param="id") from None
+        if found is None:
+            raise NotFound(f"no job {job_id!r}", param="id")
+        before, cancelled = found
+        if before is JobStatus.RUNNING:
+            self.runner.cancel(job_id)
         return json_response(job_view(cancelled))
 
     async def list_jobs(self, request: HTTPRequest) -> Response:
@@ -305,6 +309,8 @@ class JobRunner:
                                  arrival=trio.current_time())  # fmt: skip
         try:
             call = prepare_call(cast(Kind, job.kind), job.body, self.backend, context)
+            # The engine's priority for the class even where admission (which sets it too) is off.
+            call.subs = [msgspec.structs.replace(s, priority=ENGINE_PRIORITY[job.priority]) for s in call.subs]
             async with self.gate.admit(context, call):
                 result = await call.collect()
         except HeadraceError as exc:

@@ -166,6 +166,7 @@ class JobStore(Protocol):
     async def list_jobs(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[Job], bool]: ...
     async def claim(self, running: dict[str, int], *, slots: int, per_tenant: int) -> list[Job]: ...
     async def apply(self, job_id: str, event: JobEvent, **fields: Any) -> Job: ...
+    async def cancel(self, tenant: str, job_id: str) -> tuple[JobStatus, Job] | None: ...
     async def requeue_running(self) -> int: ...
     async def reserve(self, tenant: str, key: str, digest: str) -> IdemResult: ...
     async def complete_key(self, tenant: str, key: str, status: int, body: bytes, job_id: str | None) -> None: ...
@@ -356,6 +357,20 @@ class SQLiteStore:
         db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*fields.values(), job.id))
         fields["status"] = status
         return msgspec.structs.replace(job, **fields)
+
+    async def cancel(self, tenant: str, job_id: str) -> tuple[JobStatus, Job] | None:
+        """Cancel ``tenant``'s job: its status before and the job after (None:
+        no such job of theirs; :class:`InvalidTransition`: it had finished).
+        One transaction, so the status before is the one the cancel replaced."""
+        return await self._run(self._cancel, tenant, job_id)
+
+    def _cancel(self, tenant: str, job_id: str) -> tuple[JobStatus, Job] | None:
+        with self._tx() as db:
+            row = db.execute(_SELECT + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+            if row is None:
+                return None
+            job = _row_job(row)
+            return job.status, self._write(db, job, JobEvent.CANCEL, {})
 
     async def requeue_running(self) -> int:
         """Every job left ``running`` (its runner died) back to ``queued``."""
