@@ -50,6 +50,8 @@ class KVAwareStatistics(msgspec.Struct, frozen=True, kw_only=True):
     cold: int  # no candidate held a block: prefix_hash placed it
     hits: int  # the pick holds at least one block of the request
     predicted_cached_tokens: int  # summed over picks
+    checked: int  # completed requests whose backend reported its cached tokens
+    agreed: int  # of those, the prediction at the pick was right within a block
     index: IndexStatistics
     recent_entries: int
 
@@ -91,7 +93,8 @@ class KVAware:
         self._owed: dict[tuple[str, str], int] = {}  # (backend, request id) -> its share of _queued
         self._feedback = False
         self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
-        self._counts = {"picks": 0, "cold": 0, "hits": 0, "predicted_cached_tokens": 0}
+        self._predicted: dict[tuple[str, str], int] = {}  # (backend, request id) -> cached tokens predicted
+        self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
 
     # ------------------------------------------------------------ decision
 
@@ -206,6 +209,8 @@ class KVAware:
             views = [BackendView(name=backend, kv_events=self.index.follows(backend))]
             cached = self.cached_tokens(views, request, now).get(backend, 0)
         self._last_pick = None
+        if request.request_id:
+            self._predicted[(backend, request.request_id)] = cached
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
@@ -222,6 +227,13 @@ class KVAware:
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None
     ) -> None:
         self._settle(backend, request)
+        predicted = self._predicted.pop((backend, request.request_id), None)
+        if predicted is not None and cached_tokens is not None:
+            # What the backend reported against what was predicted at the pick:
+            # agreeing within a block (an engine always computes the last one).
+            self._counts["checked"] += 1
+            if abs(predicted - cached_tokens) <= (request.block_size or TEXT_BLOCK_TOKENS):
+                self._counts["agreed"] += 1
 
     def _settle(self, backend: str, request: RouteRequest) -> None:
         owed = self._owed.pop((backend, request.request_id), 0)

@@ -92,6 +92,7 @@ async def test_a_second_request_sharing_a_long_prefix_lands_where_it_is_cached(
     if policy == "kv_aware":
         stats = kv.statistics()  # type: ignore[attr-defined]
         assert stats.hits == 3 and stats.predicted_cached_tokens > 0
+        assert stats.checked == 4 and stats.agreed == 4  # the engine's cached_tokens, predicted
 
 
 async def test_round_robin_spreads_the_same_requests_and_misses(nursery: trio.Nursery, tok_gguf: Path) -> None:
@@ -131,9 +132,14 @@ async def test_kv_aware_over_cache_model_mocks_predicts_what_they_report(nursery
                     while sum(kv.index.statistics().backends.values()) == 0:  # type: ignore[attr-defined]
                         await trio.sleep(0.01)
                 await trio.sleep(0.05)
+        listed = (await client.get("/admin/routing")).json()
+    assert listed["data"][0]["policy"] == "kv_aware" and listed["data"][0]["statistics"]["checked"] == 12
+    assert listed["keys"]["models"]["mock"] and listed["keys"]["requests"]["tokens"] == 12  # the mocks' own tokens
     stats = kv.statistics()  # type: ignore[attr-defined]
     assert stats.hits == 8  # every turn after a group's first
     assert reported > 0 and abs(stats.predicted_cached_tokens - reported) <= 0.05 * reported
+    # Request by request, the prediction at the pick is what the mock reported.
+    assert stats.checked == 12 and stats.agreed >= 0.95 * stats.checked
 
 
 def test_a_backend_two_groups_share_feeds_both_policies_in_step() -> None:
