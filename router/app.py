@@ -232,6 +232,7 @@ class Router:
                 ("POST", "/admin/backends"): self._admin,
                 ("GET", "/admin/models"): self._list_models,
                 ("POST", "/admin/models"): self._admin_models,
+                ("GET", "/admin/routing"): self._list_routing,
                 **job_routes,
             },
             authenticate=self._authenticate if config.auth.enabled else None,
@@ -344,6 +345,20 @@ class Router:
         else:
             raise BadRequest(f"unknown action {action.action!r}; use drain or undrain", param="action")
         return json_response(msgspec.to_builtins(actor.statistics()))
+
+    async def _list_routing(self, request: HTTPRequest) -> Response:
+        """Each routing policy instance, its backend group, and its
+        statistics when it keeps any (kv_aware: hits, predictions checked
+        against what backends reported, its index); and the prefix keys'."""
+        data = []
+        for policy, group in self.dispatcher.routes.policies():
+            stats = getattr(policy, "statistics", None)
+            data.append({
+                "policy": getattr(policy, "name", type(policy).__name__),
+                "backends": list(group) if group is not None else None,
+                "statistics": msgspec.to_builtins(stats()) if stats is not None else None,
+            })
+        return json_response({"object": "list", "data": data, "keys": msgspec.to_builtins(self.keys.statistics())})
 
     async def _list_models(self, request: HTTPRequest) -> Response:
         """Every split's versions: weight and counters."""
