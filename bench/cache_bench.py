@@ -220,8 +220,14 @@ async def run_one(args: argparse.Namespace, policy: str, rate: float, logdir: Pa
         results, elapsed = await _replay(router.url, args, conversations, plan, f"{policy} @ {rate:g} req/s")
         async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
             listed = (await client.get("/admin/backends")).json()["data"]
+            routing = await client.get("/admin/routing")
     per_backend = {b["name"]: b["requests"] for b in listed}
-    return {"policy": policy, "rate": rate, **summarize(results, elapsed, per_backend)}
+    row = {"policy": policy, "rate": rate, **summarize(results, elapsed, per_backend)}
+    stats = routing.json()["data"][0]["statistics"] if routing.status_code == 200 else None
+    if stats and stats.get("checked"):  # kv_aware: its prediction at each pick against what the backend reported
+        row["predicted_agreement"] = stats["agreed"] / stats["checked"]
+        row["predicted_checked"] = stats["checked"]
+    return row
 
 
 def at_slo(rows: list[dict[str, Any]], slo_ms: float) -> dict[str, dict[str, Any]]:
@@ -248,6 +254,11 @@ def format_report(doc: dict[str, Any]) -> str:
              f"{doc['args']['turns']} turns, SLO p99 TTFT {doc['args']['slo_ms']:g} ms",
              f"{'policy':<13} {'rate':>6} {'hit':>6} {'TTFT p50':>9} {'p99':>8} {'ans/s':>7} {'ptok/s':>8} {'max/avg':>8} {'err':>4}"]
     lines += [row_line(r) for r in doc["rows"]]
+    agreed = [r for r in doc["rows"] if "predicted_agreement" in r]
+    if agreed:
+        lines.append("")
+        lines.append("kv_aware's predicted cached tokens agreeing (within a block) with the backend's usage.cached_tokens:")
+        lines += [f"  {r['rate']:>6g} req/s: {r['predicted_agreement']:.1%} of {r['predicted_checked']} requests" for r in agreed]
     if doc.get("simulated"):
         lines.append("")
         lines.append("the simulator's prediction for the same requests (headrace simulate --trace):")
