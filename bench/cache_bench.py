@@ -217,6 +217,9 @@ async def run_one(args: argparse.Namespace, policy: str, rate: float, logdir: Pa
             serve += ["--set", f"routing.options={args.policy_options}"]
         (router,) = await _start_all(stack, logdir, [("router", serve)])
         await _ready(router.url, "/ready", patience=120.0)
+        if args.model == "auto":  # whatever the backends serve
+            async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
+                args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         results, elapsed = await _replay(router.url, args, conversations, plan, f"{policy} @ {rate:g} req/s")
         async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
             listed = (await client.get("/admin/backends")).json()["data"]
@@ -321,7 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--think-s", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--model", default="mock")
+    p.add_argument("--model", default="mock", help="the model to ask for; auto: the first the router lists")
     p.add_argument("--cache-blocks", type=int, default=600, help="mock: KV capacity per replica in 16-token blocks")
     p.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     p.add_argument("--ttft-ms", type=float, default=2.0)
