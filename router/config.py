@@ -245,6 +245,9 @@ class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     retry_delay: NonNegative = 1.0  # seconds before a retry, when the error gave no Retry-After
     poll_interval: Positive = 1.0  # seconds between looks at the queue when nothing wakes the runner
     idempotency_ttl: Positive = 24 * 3600.0  # seconds an Idempotency-Key is remembered
+    # A running job's runner renews its lease every lease/3 s; one silent this
+    # long died (processes share the file), and its jobs are requeued.
+    lease: Positive = 30.0
 
 
 class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

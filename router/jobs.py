@@ -12,6 +12,9 @@
                   prepare_call ─> gate.admit (the router's pipeline: rate limits, queue)
                   ─> Call.collect() against the dispatcher ─> store: complete | fail | requeue
     DELETE /v1/jobs/{id} ── store: cancel (queued or running) ── runner.cancel(id): its scope
+                            (in another process: that runner's next heartbeat finds it cancelled)
+    JobRunner._keep_leases: every lease/3 s renew this runner's leases, stop jobs cancelled
+                            elsewhere, requeue jobs whose runner went silent for a lease
 
 The job's outcome is written only through the store's transition table
 (:mod:`router.store`), so a ``DELETE`` racing the runner's finish leaves
@@ -19,14 +22,17 @@ whichever came first. An upstream error or a refusal from admission (429,
 503) puts the job back in the queue after its ``Retry-After`` (or
 ``retry_delay``), up to ``max_attempts`` runs; a client error (a 400 from
 the backend) fails it at once. A runner that is cancelled (shutdown, a
-crash) leaves its jobs ``running`` on disk: the next start requeues them, so
-an acknowledged job is never lost (it may run twice if it was cut short).
+crash) leaves its jobs ``running`` on disk with a lease that lapses: after
+``lease`` seconds the next runner (this process restarted, or another
+worker) requeues them, so an acknowledged job is never lost (it may run
+twice if it was cut short).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from typing import Any, cast
 from urllib.parse import parse_qs
 
@@ -250,9 +256,9 @@ class JobRunner:
     def __init__(self, store: JobStore, backend: Backend, config: JobsConfig, *, gate: Gate = OPEN_GATE) -> None:
         self.store, self.backend, self.config, self.gate = store, backend, config, gate
         self._wake = trio.Event()
+        self.owner = ""
         self._scopes: dict[str, trio.CancelScope] = {}
         self._tenants: dict[str, int] = {}
-        self._doomed: set[str] = set()  # cancelled before the runner registered their scope
         self._counts = dict.fromkeys(("started", "completed", "failed", "requeued", "recovered", "cancelled"), 0)
 
     def wake(self) -> None:
@@ -261,10 +267,10 @@ class JobRunner:
 
     def cancel(self, job_id: str) -> None:
         """Cancel a running job in its task (the store already says cancelled)."""
+        # Not ours (another process runs it), or claimed but not yet
+        # registered: the next heartbeat finds it cancelled and stops it.
         scope = self._scopes.get(job_id)
-        if scope is None:
-            self._doomed.add(job_id)
-        else:
+        if scope is not None:
             scope.cancel()
 
     def crashed(self, exc: BaseException) -> None:
@@ -272,23 +278,36 @@ class JobRunner:
         self._tenants.clear()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._counts["recovered"] += await self.store.requeue_running()
+        self.owner = secrets.token_hex(8)  # this run's lease name: a restart is a new runner
+        self._counts["recovered"] += await self.store.requeue_stale(self.config.lease)
         task_status.started()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_leases)
             while True:
                 self._wake = trio.Event()
                 free = self.config.concurrency - len(self._scopes)
                 if free > 0:
-                    for job in await self.store.claim(self._tenants, slots=free, per_tenant=self.config.per_tenant):
+                    claimed = await self.store.claim(slots=free, per_tenant=self.config.per_tenant, owner=self.owner)
+                    for job in claimed:
                         scope = trio.CancelScope()
-                        if job.id in self._doomed:
-                            self._doomed.discard(job.id)
-                            scope.cancel()
                         self._scopes[job.id] = scope
                         self._tenants[job.tenant] = self._tenants.get(job.tenant, 0) + 1
                         nursery.start_soon(self._work, job, scope)
                 with trio.move_on_after(self.config.poll_interval):
                     await self._wake.wait()
+
+    async def _keep_leases(self) -> None:
+        """Renew the leases on this runner's jobs; stop those another
+        process cancelled; requeue jobs whose runner stopped renewing (died)."""
+        while True:
+            await trio.sleep(self.config.lease / 3)
+            for job_id in await self.store.heartbeat(self.owner, list(self._scopes)):
+                if job_id in self._scopes:
+                    self._scopes[job_id].cancel()
+            recovered = await self.store.requeue_stale(self.config.lease)
+            if recovered:
+                self._counts["recovered"] += recovered
+                self.wake()
 
     async def _work(self, job: Job, scope: trio.CancelScope) -> None:
         self._counts["started"] += 1
@@ -334,7 +353,7 @@ class JobRunner:
     async def _finish(self, job: Job, event: JobEvent, **fields: Any) -> None:
         with trio.CancelScope(shield=True):  # the outcome is written even if a cancel lands now
             try:
-                await self.store.apply(job.id, event, **fields)
+                await self.store.apply(job.id, event, owner=self.owner, **fields)
             except InvalidTransition as exc:  # cancelled meanwhile: the cancel stands
                 log.debug("job %s: %s", job.id, exc)
 

@@ -34,11 +34,24 @@ their own transaction, and completed with the stored response afterwards::
 
 A pending reservation older than ``lease`` seconds (its request died with
 the process) is taken over by the next request with that key.
+
+Several router processes (``[server] workers``) share one file, so a running
+job is leased: ``claim`` names the runner (``owner``) and stamps
+``heartbeat``, the runner renews it (``heartbeat()``, which also reports the
+jobs it holds that another process cancelled), and ``requeue_stale`` puts
+back only jobs whose runner stopped renewing. A runner that lost its lease
+cannot write an outcome (:class:`LeaseLost`). The per-tenant cap is counted
+in the file, so it holds across processes.
+
+Errors: ``sqlite3`` exceptions do not leave this module; they become
+:class:`StoreUnavailable` (503), so a full disk or a locked file is a clear
+server error, never an untranslated 500.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
 import sqlite3
 import threading
@@ -49,6 +62,8 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import trio
+
+from backends.errors import UpstreamError
 
 __all__ = [
     "TRANSITIONS",
@@ -62,12 +77,15 @@ __all__ = [
     "JobEvent",
     "JobStatus",
     "JobStore",
+    "LeaseLost",
     "SQLiteStore",
+    "StoreUnavailable",
     "new_job_id",
     "transition",
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class JobStatus(enum.Enum):
@@ -98,12 +116,26 @@ TRANSITIONS: dict[tuple[JobStatus, JobEvent], JobStatus] = {
 TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.CANCELLED})
 
 
+class StoreUnavailable(UpstreamError):
+    """503: the job store could not be read or written (disk full, file locked too long)."""
+
+    status = 503
+    code = "store_unavailable"
+
+
 class InvalidTransition(Exception):
     """``event`` is not allowed in ``status`` (the table has no such pair)."""
 
     def __init__(self, status: JobStatus, event: JobEvent) -> None:
         super().__init__(f"a {status.value} job cannot {event.value}")
         self.status, self.event = status, event
+
+
+class LeaseLost(InvalidTransition):
+    """The runner's lease on the job lapsed (another runner requeued it)."""
+
+    def __str__(self) -> str:
+        return f"the lease on this {self.status.value} job was lost; cannot {self.event.value}"
 
 
 def transition(status: JobStatus, event: JobEvent) -> JobStatus:
@@ -132,6 +164,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     finished_at: float | None = None
     not_before: float = 0.0  # a retried job waits until then
+    owner: str | None = None  # the runner that claimed it (while running)
+    heartbeat: float | None = None  # when that runner last said it was alive
 
 
 class IdemReserved(msgspec.Struct, frozen=True):
@@ -164,10 +198,11 @@ class JobStore(Protocol):
     async def create(self, job: Job) -> Job: ...
     async def get(self, tenant: str, job_id: str) -> Job | None: ...
     async def list_jobs(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[Job], bool]: ...
-    async def claim(self, running: dict[str, int], *, slots: int, per_tenant: int) -> list[Job]: ...
-    async def apply(self, job_id: str, event: JobEvent, **fields: Any) -> Job: ...
+    async def claim(self, *, slots: int, per_tenant: int, owner: str = "") -> list[Job]: ...
+    async def heartbeat(self, owner: str, job_ids: Sequence[str]) -> set[str]: ...
+    async def requeue_stale(self, lease: float) -> int: ...
+    async def apply(self, job_id: str, event: JobEvent, *, owner: str | None = None, **fields: Any) -> Job: ...
     async def cancel(self, tenant: str, job_id: str) -> tuple[JobStatus, Job] | None: ...
-    async def requeue_running(self) -> int: ...
     async def reserve(self, tenant: str, key: str, digest: str) -> IdemResult: ...
     async def complete_key(self, tenant: str, key: str, status: int, body: bytes, job_id: str | None) -> None: ...
     async def release_key(self, tenant: str, key: str) -> None: ...
@@ -207,10 +242,17 @@ MIGRATIONS: Sequence[str] = (
         PRIMARY KEY (tenant, key)
     );
     """,
+    # 2: runner leases. Several router processes (``[server] workers``) share one
+    # file: a running job names its runner, which renews ``heartbeat``; only a
+    # job whose heartbeat went stale (its runner died) is requeued.
+    """
+    ALTER TABLE jobs ADD COLUMN owner TEXT;
+    ALTER TABLE jobs ADD COLUMN heartbeat REAL;
+    """,
 )
 
 _COLUMNS = ("id", "tenant", "kind", "body", "status", "priority", "metadata", "result", "error", "attempts",
-            "created_at", "started_at", "finished_at", "not_before")  # fmt: skip
+            "created_at", "started_at", "finished_at", "not_before", "owner", "heartbeat")  # fmt: skip
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM jobs"
 _RANK = "CASE priority WHEN 'interactive' THEN 0 WHEN 'default' THEN 1 ELSE 2 END"
 
@@ -261,7 +303,11 @@ class SQLiteStore:
         return _Transaction(self._db, self._lock)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except sqlite3.Error as exc:
+            log.error("job store %s: %s", self.path, exc)
+            raise StoreUnavailable(f"the job store is unavailable: {type(exc).__name__}", retry_after=1.0) from exc
 
     def schema_version(self) -> int:
         with self._lock:
@@ -314,16 +360,18 @@ class SQLiteStore:
             ).fetchall()
         return [_row_job(r) for r in rows[:limit]], len(rows) > limit
 
-    async def claim(self, running: dict[str, int], *, slots: int, per_tenant: int) -> list[Job]:
+    async def claim(self, *, slots: int, per_tenant: int, owner: str = "") -> list[Job]:
         """Start up to ``slots`` queued jobs that are due, highest priority
         then oldest first, none for a tenant already running ``per_tenant``
-        (``running``: the runner's counts)."""
-        return await self._run(self._claim, dict(running), slots, per_tenant)
+        (counted in the file: the cap holds across router processes),
+        leased to runner ``owner``."""
+        return await self._run(self._claim, slots, per_tenant, owner)
 
-    def _claim(self, running: dict[str, int], slots: int, per_tenant: int) -> list[Job]:
+    def _claim(self, slots: int, per_tenant: int, owner: str) -> list[Job]:
         now = self.clock()
         claimed: list[Job] = []
         with self._tx() as db:
+            running = dict(db.execute("SELECT tenant, count(*) FROM jobs WHERE status = 'running' GROUP BY tenant").fetchall())
             rows = db.execute(
                 _SELECT + f" WHERE status = 'queued' AND not_before <= ? ORDER BY {_RANK}, seq LIMIT ?", (now, slots * 64)
             ).fetchall()
@@ -332,21 +380,25 @@ class SQLiteStore:
                 if len(claimed) >= slots or running.get(job.tenant, 0) >= per_tenant:
                     continue
                 running[job.tenant] = running.get(job.tenant, 0) + 1
-                claimed.append(self._write(db, job, JobEvent.START, {"started_at": now, "attempts": job.attempts + 1}))
+                claimed.append(self._write(db, job, JobEvent.START, {"started_at": now, "attempts": job.attempts + 1, "owner": owner, "heartbeat": now}))
         return claimed
 
-    async def apply(self, job_id: str, event: JobEvent, **fields: Any) -> Job:
+    async def apply(self, job_id: str, event: JobEvent, *, owner: str | None = None, **fields: Any) -> Job:
         """Apply ``event`` to the job (and set ``fields``) in one
         transaction; :class:`InvalidTransition` if its status forbids it,
+        :class:`LeaseLost` if ``owner`` is given and no longer holds it,
         KeyError if there is no such job."""
-        return await self._run(self._apply, job_id, event, fields)
+        return await self._run(self._apply, job_id, event, owner, fields)
 
-    def _apply(self, job_id: str, event: JobEvent, fields: dict[str, Any]) -> Job:
+    def _apply(self, job_id: str, event: JobEvent, owner: str | None, fields: dict[str, Any]) -> Job:
         with self._tx() as db:
             row = db.execute(_SELECT + " WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise KeyError(job_id)
-            return self._write(db, _row_job(row), event, fields)
+            job = _row_job(row)
+            if owner is not None and job.owner != owner:
+                raise LeaseLost(job.status, event)
+            return self._write(db, job, event, fields)
 
     def _write(self, db: sqlite3.Connection, job: Job, event: JobEvent, fields: dict[str, Any]) -> Job:
         status = transition(job.status, event)
@@ -372,15 +424,30 @@ class SQLiteStore:
             job = _row_job(row)
             return job.status, self._write(db, job, JobEvent.CANCEL, {})
 
-    async def requeue_running(self) -> int:
-        """Every job left ``running`` (its runner died) back to ``queued``."""
-        return await self._run(self._requeue_running)
+    async def heartbeat(self, owner: str, job_ids: Sequence[str]) -> set[str]:
+        """Renew ``owner``'s lease on its running jobs; the ids among
+        ``job_ids`` that are no longer its running jobs (cancelled by another
+        process, or requeued after a lapse): their tasks should stop."""
+        return await self._run(self._heartbeat, owner, list(job_ids))
 
-    def _requeue_running(self) -> int:
+    def _heartbeat(self, owner: str, job_ids: list[str]) -> set[str]:
+        now = self.clock()
         with self._tx() as db:
-            rows = db.execute(_SELECT + " WHERE status = 'running'").fetchall()
+            db.execute("UPDATE jobs SET heartbeat = ? WHERE owner = ? AND status = 'running'", (now, owner))
+            mine = {r[0] for r in db.execute("SELECT id FROM jobs WHERE owner = ? AND status = 'running'", (owner,))}
+        return set(job_ids) - mine
+
+    async def requeue_stale(self, lease: float) -> int:
+        """Every job ``running`` whose runner's heartbeat is ``lease``
+        seconds old (that runner died) back to ``queued``."""
+        return await self._run(self._requeue_stale, lease)
+
+    def _requeue_stale(self, lease: float) -> int:
+        stale = self.clock() - lease
+        with self._tx() as db:
+            rows = db.execute(_SELECT + " WHERE status = 'running' AND (heartbeat IS NULL OR heartbeat <= ?)", (stale,)).fetchall()
             for row in rows:
-                self._write(db, _row_job(row), JobEvent.REQUEUE, {"started_at": None})
+                self._write(db, _row_job(row), JobEvent.REQUEUE, {"started_at": None, "owner": None, "heartbeat": None})
         return len(rows)
 
     # ------------------------------------------------------------ idempotency

@@ -6,6 +6,7 @@ replay / 409 / 422; a runner killed mid-job and a new router finishing it."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from backends.mock import Fault, MockConfig
 from backends.openai_http import OpenAIHTTPBackend
 from router.app import NamedBackend, Router, key_digest
 from router.config import decode_config
+from router.store import SQLiteStore
 from tests.backends.conftest import Served, serve_mock
 from tests.router.test_integration import serve_router
 
@@ -36,7 +38,7 @@ async def jobs_router(
         "health": {"interval": 30},
         "auth": {"api_keys": [{"sha256": key_digest("key-alice"), "tenant": "alice"},
                               {"sha256": key_digest("key-bob"), "tenant": "bob"}]},
-        "jobs": {"path": str(db), "poll_interval": 0.05, "retry_delay": 0.0, **jobs},
+        "jobs": {"path": str(db), "poll_interval": 0.05, "retry_delay": 0.0, "lease": 0.3, **jobs},
     })  # fmt: skip
     router = Router(config, [NamedBackend("m", OpenAIHTTPBackend(served.url, name="m"))])
     url = await serve_router(nursery, router)
@@ -55,10 +57,10 @@ async def submit(client: httpx.AsyncClient, body: dict[str, Any], **kw: Any) -> 
     return job_id
 
 
-async def wait_for(client: httpx.AsyncClient, job_id: str, *statuses: str) -> dict[str, Any]:
+async def wait_for(client: httpx.AsyncClient, job_id: str, *statuses: str, headers: dict[str, str] = ALICE) -> dict[str, Any]:
     with trio.fail_after(5):
         while True:
-            job: dict[str, Any] = (await client.get(f"/v1/jobs/{job_id}")).json()
+            job: dict[str, Any] = (await client.get(f"/v1/jobs/{job_id}", headers=headers)).json()
             if job["status"] in statuses:
                 return job
             await trio.sleep(0.01)
@@ -251,3 +253,52 @@ async def test_without_a_jobs_path_there_is_no_jobs_api(nursery: trio.Nursery) -
     async with httpx.AsyncClient(base_url=url) as client:
         assert (await client.post("/v1/jobs", json=chat())).status_code == 404
     assert router.jobs is None
+
+
+async def test_two_routers_on_one_file_share_the_queue_and_run_each_job_once_though_jobs_outlast_the_lease(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """As ``[server] workers`` processes do: each job runs 0.5 s, longer
+    than the 0.3 s lease, so only the heartbeats keep the other router from
+    requeueing it; ``per_tenant = 1`` holds across both (no two of a
+    tenant's jobs overlap)."""
+    db = tmp_path / "jobs.db"
+    steady = MockConfig(name="m", models=("mock",), tpot_s=0.05)
+    first, client, served = await jobs_router(nursery, db, steady, per_tenant=1)
+    second, other, served_2 = await jobs_router(nursery, db, steady, per_tenant=1)
+    async with client, other:
+        where = ((client, ALICE), (other, BOB)) * 3
+        ids = [await submit(c, chat(max_tokens=10), headers=h) for c, h in where]
+        spans: dict[str, list[tuple[float, float]]] = {"alice": [], "bob": []}
+        for job_id, (c, h) in zip(ids, where, strict=True):
+            job = await wait_for(c, job_id, "completed", headers=h)
+            assert job["attempts"] == 1
+            spans["alice" if h is ALICE else "bob"].append((job["started_at"], job["finished_at"]))
+    for tenant_spans in spans.values():
+        ordered = sorted(tenant_spans)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered)), ordered
+    assert served.backend.statistics().completed + served_2.backend.statistics().completed == 6
+    assert first.jobs is not None and second.jobs is not None
+    assert first.jobs.statistics().recovered == second.jobs.statistics().recovered == 0
+    assert first.jobs.statistics().started > 0 and second.jobs.statistics().started > 0
+
+
+async def test_a_job_cancelled_through_another_process_stops_running_within_the_lease(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    db = tmp_path / "jobs.db"
+    router, client, served = await jobs_router(nursery, db, SLOW)
+    async with client:
+        job_id = await submit(client, chat())
+        await wait_for(client, job_id, "running")
+        elsewhere = SQLiteStore(db)  # another worker process's connection took the DELETE
+        await elsewhere.cancel("alice", job_id)
+        elsewhere.close()
+        with trio.fail_after(2):  # lease 0.3 s: a heartbeat every 0.1 s
+            while router.jobs is not None and router.jobs.statistics().running:
+                await trio.sleep(0.01)
+        job = (await client.get(f"/v1/jobs/{job_id}")).json()
+    assert job["status"] == "cancelled" and "result" not in job
+    with trio.fail_after(2):
+        while served.backend.statistics().in_flight:
+            await trio.sleep(0.01)

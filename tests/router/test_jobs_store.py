@@ -23,7 +23,9 @@ from router.store import (
     Job,
     JobEvent,
     JobStatus,
+    LeaseLost,
     SQLiteStore,
+    StoreUnavailable,
     new_job_id,
     transition,
 )
@@ -88,25 +90,64 @@ async def test_claim_takes_higher_priority_first_then_oldest_and_respects_the_pe
     a1, a2, a3 = [await store.create(job("a")) for _ in range(3)]
     b1 = await store.create(job("b"))
     urgent = await store.create(job("c", priority="interactive"))
-    claimed = await store.claim({}, slots=10, per_tenant=2)
+    claimed = await store.claim(slots=10, per_tenant=2)
     assert [j.id for j in claimed] == [urgent.id, a1.id, a2.id, b1.id]
     assert all(j.status is JobStatus.RUNNING and j.attempts == 1 and j.started_at == 1000.0 for j in claimed)
-    assert await store.claim({"a": 2}, slots=10, per_tenant=2) == []  # a3 waits for a's slots
-    assert [j.id for j in await store.claim({"a": 1}, slots=10, per_tenant=2)] == [a3.id]
+    assert await store.claim(slots=10, per_tenant=2) == []  # a3 waits for a's slots
+    await store.apply(a1.id, JobEvent.COMPLETE, result=b"{}")
+    assert [j.id for j in await store.claim(slots=10, per_tenant=2)] == [a3.id]
     store.close()
 
 
-async def test_a_requeued_job_waits_for_not_before_and_jobs_left_running_are_requeued(tmp_path: Path) -> None:
+async def test_a_requeued_job_waits_for_not_before(tmp_path: Path) -> None:
     clock = WallClock()
     store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
-    first, second = await store.create(job()), await store.create(job())
-    await store.claim({}, slots=2, per_tenant=2)
+    first = await store.create(job())
+    await store.claim(slots=2, per_tenant=2)
     await store.apply(first.id, JobEvent.REQUEUE, not_before=1005.0)
-    assert await store.claim({}, slots=2, per_tenant=2) == []
+    assert await store.claim(slots=2, per_tenant=2) == []
     clock.now = 1005.0
-    assert [j.id for j in await store.claim({}, slots=2, per_tenant=2)] == [first.id]
-    assert await store.requeue_running() == 2  # a crash: both back in the queue
-    assert {(await store.get("t", i)).status for i in (first.id, second.id)} == {JobStatus.QUEUED}  # type: ignore[union-attr]
+    assert [j.id for j in await store.claim(slots=2, per_tenant=2)] == [first.id]
+    store.close()
+
+
+async def test_only_jobs_whose_runner_stopped_renewing_its_lease_are_requeued(tmp_path: Path) -> None:
+    """Two runners (router processes) on one file: a's heartbeats keep its
+    job; b went silent, so after the lease its job is back in the queue, and
+    b, if it wakes up, finds it is no longer its own and cannot finish it."""
+    clock = WallClock()
+    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    alive, dead = await store.create(job("x")), await store.create(job("y"))
+    await store.claim(slots=1, per_tenant=1, owner="a")
+    await store.claim(slots=1, per_tenant=1, owner="b")
+    clock.now += 20
+    assert await store.heartbeat("a", [alive.id]) == set()
+    assert await store.requeue_stale(30) == 0
+    clock.now += 15  # a renewed 15 s ago, b 35 s ago
+    assert await store.requeue_stale(30) == 1
+    assert (await store.get("x", alive.id)).status is JobStatus.RUNNING  # type: ignore[union-attr]
+    assert (await store.get("y", dead.id)).status is JobStatus.QUEUED  # type: ignore[union-attr]
+    assert await store.heartbeat("b", [dead.id]) == {dead.id}  # b must stop it
+    with pytest.raises(LeaseLost):
+        await store.apply(dead.id, JobEvent.COMPLETE, owner="b", result=b"{}")
+    # Cancelled by another process: a's next heartbeat says so.
+    await store.cancel("x", alive.id)
+    assert await store.heartbeat("a", [alive.id]) == {alive.id}
+    store.close()
+
+
+async def test_a_file_at_schema_version_1_is_migrated_keeping_its_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with sqlite3.connect(path) as raw:
+        raw.executescript(MIGRATIONS[0] + "; PRAGMA user_version = 1;")
+        raw.execute("INSERT INTO jobs (id, tenant, kind, body, status, priority, metadata, created_at)"
+                    " VALUES ('job_old', 't', 'chat', '{}', 'running', 'batch', '{}', 1)")  # fmt: skip
+    raw.close()
+    store = SQLiteStore(path)
+    assert store.schema_version() == len(MIGRATIONS) == 2
+    old = await store.get("t", "job_old")
+    assert old is not None and old.status is JobStatus.RUNNING and old.heartbeat is None
+    assert await store.requeue_stale(30) == 1  # a v1 runner left no lease: requeued at once
     store.close()
 
 
@@ -143,3 +184,11 @@ async def test_an_idempotency_key_is_busy_then_replayed_expires_after_the_ttl_an
     clock.now += 10
     assert await store.reserve("t", "k", "d2") == IdemReserved()  # its request died 10 s ago: taken over
     store.close()
+
+
+async def test_a_store_that_cannot_be_used_is_a_503_store_unavailable_not_a_raw_sqlite_error(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "jobs.db")
+    store.close()
+    with pytest.raises(StoreUnavailable) as raised:
+        await store.get("t", "job_x")
+    assert raised.value.status == 503 and raised.value.code == "store_unavailable"
