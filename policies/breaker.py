@@ -19,7 +19,9 @@ One breaker per backend, its lifecycle a transition table (CONVENTIONS.md #2)::
 - Open lasts ``base_ejection * n`` seconds for the ``n``-th ejection in a row
   (Envoy's rule), at most ``max_ejection``; a backend that stayed closed for
   ``max_ejection`` starts again at ``n = 1``. Half-open lets
-  ``half_open_successes`` requests through at once: the probes.
+  ``half_open_successes`` requests through at once: the probes; a probe
+  that ends with no verdict (cancelled, a 4xx, a 429) gives its slot back
+  (``release``).
 - :class:`Breakers` holds one per backend and refuses a trip that would eject
   more than ``max_ejection_fraction`` of the backends (at least one may
   always go) or the last one not ejected: an outage of one backend must not
@@ -50,6 +52,7 @@ __all__ = [
     "Breakers",
     "CircuitBreaker",
     "RetryBudget",
+    "RetryBudgetStatistics",
     "full_jitter",
     "next_state",
 ]
@@ -181,6 +184,14 @@ class CircuitBreaker:
         if self.poll(now) is BreakerState.HALF_OPEN:
             self.probes += 1
 
+    def release(self, now: float) -> None:
+        """A dispatched request ended with no verdict on the backend
+        (cancelled, a 4xx, a 429): its half-open probe slot is free again,
+        and the state does not move. Without it a cancelled probe would hold
+        its slot for good and the breaker would never close."""
+        if self.poll(now) is BreakerState.HALF_OPEN:
+            self.probes = max(0, self.probes - 1)
+
     def trips(self, now: float) -> bool:
         """Would one more failure now trip it (counting that failure)?"""
         if self.state is not BreakerState.CLOSED:
@@ -271,6 +282,10 @@ class Breakers:
     def dispatched(self, backend: str, now: float) -> None:
         self._breaker(backend).dispatched(now)
 
+    def release(self, backend: str, now: float) -> None:
+        """A dispatched request that ended with no verdict: see :meth:`CircuitBreaker.release`."""
+        self._breaker(backend).release(now)
+
     def record(self, backend: str, ok: bool, now: float) -> None:
         breaker = self._breaker(backend)
         allow = True
@@ -303,6 +318,12 @@ class Breakers:
         ]
 
 
+class RetryBudgetStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    active: int  # retries in flight
+    granted: int  # retries let through
+    refused: int  # retries refused: the budget was spent
+
+
 class RetryBudget:
     """Retries in flight at most ``max(min_retries, ratio * requests in flight)``."""
 
@@ -328,6 +349,9 @@ class RetryBudget:
 
     def release(self) -> None:
         self.active = max(0, self.active - 1)
+
+    def statistics(self) -> RetryBudgetStatistics:
+        return RetryBudgetStatistics(active=self.active, granted=self.granted, refused=self.refused)
 
 
 def full_jitter(attempt: int, draw: float, *, base: float = 0.025, cap: float = 0.25) -> float:

@@ -9,8 +9,10 @@
                                     Pipeline.admit(context, call): once per request
                                       RateLimits (429) -> Queue (admit / wait / 503)
                                     Dispatcher.stream per choice: RouteTable.plan (model routes)
-                                    -> group policy.pick -> BackendActor.stream -> Backend.stream
+                                    -> breakers.allows -> group policy.pick -> BackendActor.stream
+                                    -> Backend.stream; outcome -> breakers.record
                                     ; before the first token: next backend, next model
+                                      (within the retry budget, after a full-jitter backoff)
 
 Both apps are :class:`~frontend.server.OpenAIServer` over the same
 dispatcher; they differ in authentication, so that probes and scrapers need
@@ -39,6 +41,7 @@ from backends.errors import BadRequest, NotFound, Unauthorized
 from frontend.context import Principal
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from policies.base import KVEventSink, KVEventView, RoutingPolicy
+from policies.breaker import BreakerPolicy, RetryBudget
 from policies.ratelimit import Limits
 from policies.registry import create, create_policy
 from router.actors import BackendActor, Supervisor
@@ -181,6 +184,8 @@ class Router:
         ]
         self.metrics = RouterMetrics()
         self.keys = PrefixKeys()
+        b, retry = config.breaker, config.retry
+        breakers: BreakerPolicy | None = create("breaker", b.policy, b.options) if b.enabled else None
         self.dispatcher = Dispatcher(
             self.actors,
             default,
@@ -192,9 +197,10 @@ class Router:
             max_cooldown=r.max_cooldown,
             recorder=self.metrics,
             clock=clock,
-        )
-        self.metrics.add_collector(
-            StatisticsCollector(lambda: [a.statistics() for a in self.actors], self.dispatcher.statistics)
+            breakers=breakers,
+            retry_budget=RetryBudget(retry.budget_ratio, retry.min_retries),
+            backoff_base=retry.backoff_base,
+            backoff_cap=retry.backoff_cap,
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
@@ -213,6 +219,14 @@ class Router:
             )
             stages.append(self.queue)
         self.pipeline = Pipeline(stages)
+        self.metrics.add_collector(
+            StatisticsCollector(
+                lambda: [a.statistics() for a in self.actors],
+                self.dispatcher.statistics,
+                pipeline=self.pipeline.statistics,
+                queue=self.queue.statistics if self.queue is not None else None,
+            )
+        )
         # [jobs] path set: the jobs API and its runner, a supervised service beside the actors.
         self.job_store: SQLiteStore | None = None
         self.jobs: JobRunner | None = None
@@ -303,9 +317,11 @@ class Router:
     # ------------------------------------------------------------ hooks and routes
 
     def capacity(self) -> int:
-        """Admission slots: the concurrency limits of the backends that take requests now."""
+        """Admission slots: the concurrency limits of the backends that take
+        requests now (eligible, and not ejected by their breaker)."""
         default = self.config.admission.backend_concurrency
-        return sum(self.concurrency.get(a.name) or default for a in self.actors if a.eligible(None))
+        return sum(self.concurrency.get(a.name) or default for a in self.actors
+                   if a.eligible(None) and not self.dispatcher.ejected(a.name))  # fmt: skip
 
     def _authenticate(self, headers: dict[str, str]) -> Principal:
         scheme, _, key = headers.get("authorization", "").partition(" ")
@@ -328,7 +344,9 @@ class Router:
         return Response(200, self.metrics.render(), content_type=CONTENT_TYPE)
 
     async def _list_backends(self, request: HTTPRequest) -> Response:
-        data = [msgspec.to_builtins(a.statistics()) for a in self.actors]
+        """Each backend's statistics, with its breaker's (``breaker``: null without breakers)."""
+        breakers = {b.name: msgspec.to_builtins(b) for b in self.dispatcher.statistics().breakers}
+        data = [{**msgspec.to_builtins(a.statistics()), "breaker": breakers.get(a.name)} for a in self.actors]
         return json_response({"object": "list", "data": data})
 
     async def _admin(self, request: HTTPRequest) -> Response:

@@ -10,9 +10,14 @@ moves on::
     for target in plan.targets:                  the chain: the model, then its fallbacks
         route = route_request(upstream request, keys)  the policy's view, with the prompt's block hashes
         up to max_attempts times:
-            actor = target.policy.pick(...); on_dispatch
+            a retry (any attempt after the request's first): a slot in the
+                retry budget (spent -> the last error, no retry), then a
+                full-jitter backoff (trio.sleep, cancellable)
+            actor = target.policy.pick(candidates the breakers allow); dispatched, on_dispatch
             stream; first event: on_first_token, named by target.name
-            done -> return; however the attempt ends: on_complete(ok=finished)
+            done -> return; however the attempt ends: on_complete(ok=finished),
+                breakers.record(ok) on success or an upstream error (not a 429),
+                breakers.release when there is no verdict (429, 4xx, cancelled)
             before the first event:
                 upstream error (connect, timeout, 5xx)  -> next backend of the group
                 429                                     -> cool that backend down, next backend
@@ -35,6 +40,7 @@ token, inter-token latency); :mod:`router.metrics` implements it.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -50,6 +56,13 @@ from backends.errors import (
     UpstreamRateLimited,
 )
 from policies.base import RouteRequest, RoutingPolicy
+from policies.breaker import (
+    BreakerPolicy,
+    BreakerStatistics,
+    RetryBudget,
+    RetryBudgetStatistics,
+    full_jitter,
+)
 from router.actors import BackendActor, closing_stream
 from router.config import ConfigError
 from router.prefix_keys import PrefixKeys
@@ -94,8 +107,11 @@ class DispatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
     failed: int  # ended by an upstream error after all attempts or mid-stream
     fallbacks: int = 0  # answered by a model after the first of its chain
     rate_limited: int = 0  # 429s from backends (each cooled that backend down)
+    retries_refused: int = 0  # retries the retry budget refused (the request got the upstream error)
     cooling: tuple[str, ...] = ()  # backends cooling down after a 429 now
     versions: tuple[VersionStatistics, ...] = ()  # per (split route, version)
+    breakers: tuple[BreakerStatistics, ...] = ()  # per backend, when the breakers report them
+    retry_budget: RetryBudgetStatistics | None = None  # None: no budget
 
 
 class Cooldowns:
@@ -220,8 +236,24 @@ class Dispatcher:
         clock: Callable[[], float] = trio.current_time,
         name: str = "headrace",
         keys: PrefixKeys | None = None,
+        breakers: BreakerPolicy | None = None,
+        retry_budget: RetryBudget | None = None,
+        backoff_base: float = 0.025,
+        backoff_cap: float = 0.25,
+        draw: Callable[[], float] = random.random,
     ) -> None:
+        """``breakers`` (default: none) filter the candidates and hear every
+        attempt's outcome; ``retry_budget`` (default: unlimited) bounds the
+        retries in flight; before each retry a full-jitter backoff of up to
+        ``backoff_base x 2^(k-1)``, at most ``backoff_cap`` (``draw`` in [0, 1))."""
         self.actors = {a.name: a for a in actors}
+        self.breakers = breakers
+        self._release: Callable[[str, float], None] | None = getattr(breakers, "release", None)
+        if breakers is not None and hasattr(breakers, "add"):
+            breakers.add(self.actors)  # the fleet rule counts every backend
+        self.retry_budget = retry_budget
+        self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
+        self._active = 0  # streams in flight (the retry budget's base)
         self.keys = keys
         self.policy = policy
         self.routes = routes if routes is not None else RouteTable((), policy)
@@ -231,7 +263,9 @@ class Dispatcher:
         self.recorder: Recorder = recorder or NullRecorder()
         self.clock = clock
         self.name = name
-        self._counts = dict.fromkeys(("streams", "retries", "unavailable", "failed", "fallbacks", "rate_limited"), 0)
+        self._counts = dict.fromkeys(
+            ("streams", "retries", "unavailable", "failed", "fallbacks", "rate_limited", "retries_refused"), 0
+        )
         for _, group in self.routes.policies():
             missing = sorted(set(group or ()) - set(self.actors))
             if missing:
@@ -272,61 +306,87 @@ class Dispatcher:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         self._counts["streams"] += 1
+        self._active += 1  # the retry budget's base
+        try:
+            async with closing_stream(self._stream(request)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._active -= 1
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         arrived = self.clock()
         plan = self.routes.plan(request)
         outcome = _Outcome()
+        attempts = 0  # over the whole chain: every one after the first is a retry
         for step, target in enumerate(plan.targets):
             sub = request if target.upstream == request.model else msgspec.structs.replace(request, model=target.upstream)
             route = route_request(sub, self.keys)
             feedback = _Feedback(target.policy)
             tried: set[str] = set()
             for _ in range(self.max_attempts):
-                actor = self._pick(target, route, tried, outcome)
-                if actor is None:
-                    break  # nothing (more) in this group: the next model
-                tried.add(actor.name)
-                self.recorder.queue_time(actor.name, self.clock() - arrived)
-                if feedback.dispatch is not None:
-                    feedback.dispatch(actor.name, route, self.clock())
-                progress = Progress()
-                recorder, name, last_at = self.recorder, actor.name, arrived
-                cached: int | None = None
-                finished = False
+                retry = attempts > 0
+                if retry:
+                    if not self._candidates(target, tried, _Outcome()):
+                        break  # nobody left here: no budget spent, no backoff slept
+                    if not await self._retry_backoff(attempts):
+                        raise self._final_error(outcome, request.model)  # the budget is spent
                 try:
-                    async with closing_stream(actor.stream(sub, prompt_tokens=route.prompt_tokens)) as events:
-                        async for event in events:
-                            now = self.clock()
-                            if progress.events == 0:
-                                recorder.time_to_first_token(name, now - arrived)
-                                event = self._first_event(event, target, request, step)
-                                if feedback.first_token is not None:
-                                    feedback.first_token(name, route, now)
-                            elif event.token_ids:
-                                recorder.inter_token_latency(name, now - last_at)
-                            if event.usage is not None:
-                                cached = event.usage.cached_tokens
-                            last_at = now
-                            progress.add(event)
-                            yield event
-                    finished = True
-                    return
-                except ContextLengthExceeded as exc:
-                    if progress.events or step + 1 == len(plan.targets):
-                        raise  # the client's error: no larger model to move on to
-                    log.info("model %s: %s; trying the next model", target.name, exc.message)
-                    outcome.error = exc
-                    self._counts["retries"] += 1
-                    break
-                except UpstreamError as exc:
-                    if progress.events:
-                        self._counts["failed"] += 1
-                        plan.failed()
-                        raise  # after the first token: the migration issue resumes here
-                    # The actor's stream already told its health (and woke its prober).
-                    self._failed_early(actor, exc, outcome)
+                    actor = self._pick(target, route, tried, outcome)
+                    if actor is None:
+                        break  # nothing (more) in this group: the next model
+                    attempts += 1
+                    tried.add(actor.name)
+                    self.recorder.queue_time(actor.name, self.clock() - arrived)
+                    if self.breakers is not None:
+                        self.breakers.dispatched(actor.name, self.clock())
+                    if feedback.dispatch is not None:
+                        feedback.dispatch(actor.name, route, self.clock())
+                    progress = Progress()
+                    recorder, name, last_at = self.recorder, actor.name, arrived
+                    cached: int | None = None
+                    finished = False
+                    verdict: bool | None = None  # the breaker's: None for no verdict on the backend
+                    try:
+                        async with closing_stream(actor.stream(sub, prompt_tokens=route.prompt_tokens)) as events:
+                            async for event in events:
+                                now = self.clock()
+                                if progress.events == 0:
+                                    recorder.time_to_first_token(name, now - arrived)
+                                    event = self._first_event(event, target, request, step)
+                                    if feedback.first_token is not None:
+                                        feedback.first_token(name, route, now)
+                                elif event.token_ids:
+                                    recorder.inter_token_latency(name, now - last_at)
+                                if event.usage is not None:
+                                    cached = event.usage.cached_tokens
+                                last_at = now
+                                progress.add(event)
+                                yield event
+                        finished = verdict = True
+                        return
+                    except ContextLengthExceeded as exc:
+                        if progress.events or step + 1 == len(plan.targets):
+                            raise  # the client's error: no larger model to move on to
+                        log.info("model %s: %s; trying the next model", target.name, exc.message)
+                        outcome.error = exc
+                        self._counts["retries"] += 1
+                        break
+                    except UpstreamError as exc:
+                        verdict = None if isinstance(exc, UpstreamRateLimited) else False
+                        if progress.events:
+                            self._counts["failed"] += 1
+                            plan.failed()
+                            raise  # after the first token: the migration issue resumes here
+                        # The actor's stream already told its health (and woke its prober).
+                        self._failed_early(actor, exc, outcome)
+                    finally:
+                        self._judge(name, verdict)
+                        if feedback.complete is not None:
+                            feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
                 finally:
-                    if feedback.complete is not None:
-                        feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+                    if retry and self.retry_budget is not None:
+                        self.retry_budget.release()
         plan.failed()
         raise self._final_error(outcome, request.model)
 
@@ -339,7 +399,9 @@ class Dispatcher:
             return (a for a in self.actors.values() if a.eligible(target.upstream))
         return (a for a in map(self.actors.__getitem__, target.backends) if a.eligible(None))
 
-    def _pick(self, target: Target, route: RouteRequest, tried: set[str], outcome: _Outcome) -> BackendActor | None:
+    def _candidates(self, target: Target, tried: set[str], outcome: _Outcome) -> list[BackendActor]:
+        """The group's backends not tried yet, not cooling down after a 429
+        and let through by their breaker."""
         now = self.clock()
         candidates: list[BackendActor] = []
         for actor in self._group(target):
@@ -348,17 +410,53 @@ class Dispatcher:
             wait = self.cooldowns.remaining(actor.name, now)
             if wait > 0:
                 outcome.cooling(wait)
-            else:
+            elif self.breakers is None or self.breakers.allows(actor.name, now):
                 candidates.append(actor)
+        return candidates
+
+    def _pick(self, target: Target, route: RouteRequest, tried: set[str], outcome: _Outcome) -> BackendActor | None:
+        candidates = self._candidates(target, tried, outcome)
         if not candidates:
             return None
-        name = target.policy.pick([a.view() for a in candidates], route, now)
+        name = target.policy.pick([a.view() for a in candidates], route, self.clock())
         if name is None:
             return None  # the policy refused: as if the group had nobody
         chosen = self.actors.get(name)
         if chosen is None or chosen not in candidates:
             raise BackendUnavailable(f"routing policy chose {name!r}, which is not a candidate", retry_after=self.retry_after)
         return chosen
+
+    async def _retry_backoff(self, attempt: int) -> bool:
+        """Before retry ``attempt`` (1 = the first): a slot in the retry
+        budget (False when it is spent: no retry), then the full-jitter
+        backoff, on trio's clock and cancellable. The caller releases the slot."""
+        if self.retry_budget is not None and not self.retry_budget.try_acquire(self._active):
+            self._counts["retries_refused"] += 1
+            log.warning("retry budget spent (%d retries in flight): no retry", self.retry_budget.active)
+            return False
+        try:
+            await trio.sleep(full_jitter(attempt, self.draw(), base=self.backoff_base, cap=self.backoff_cap))
+        except BaseException:
+            if self.retry_budget is not None:
+                self.retry_budget.release()
+            raise
+        return True
+
+    def _judge(self, backend: str, verdict: bool | None) -> None:
+        """Tell the breaker how an attempt ended: ``ok`` or not, or, with no
+        verdict on the backend (a 429, a 4xx, cancelled), free its probe slot."""
+        if self.breakers is None:
+            return
+        now = self.clock()
+        if verdict is not None:
+            self.breakers.record(backend, verdict, now)
+        elif self._release is not None:
+            self._release(backend, now)
+
+    def ejected(self, backend: str) -> bool:
+        """Does the breaker keep new requests from ``backend`` now (open, or
+        half-open with its probes taken)?"""
+        return self.breakers is not None and not self.breakers.allows(backend, self.clock())
 
     def _first_event(self, event: Event, target: Target, request: GenerateRequest, step: int) -> Event:
         """Name the model that answers, when it is not the one asked for."""
@@ -397,4 +495,10 @@ class Dispatcher:
             **self._counts,
             cooling=self.cooldowns.cooling(self.clock()),
             versions=tuple(self.routes.statistics()),
+            breakers=self._breaker_statistics(),
+            retry_budget=self.retry_budget.statistics() if self.retry_budget is not None else None,
         )
+
+    def _breaker_statistics(self) -> tuple[BreakerStatistics, ...]:
+        report = getattr(self.breakers, "statistics", None)
+        return tuple(report(self.clock())) if report is not None else ()

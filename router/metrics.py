@@ -42,7 +42,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.actors import ActorStatistics
+from router.admission import QueueStatistics
 from router.dispatch import DispatchStatistics
+from router.pipeline import PipelineStatistics
 
 __all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Mirror", "RouterMetrics", "StatisticsCollector"]
 
@@ -54,19 +56,32 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 MIRROR_INTERVAL = 1.0  # seconds between two mirrors of a worker's live state (multiprocess mode)
 # How a mirrored gauge aggregates across workers; any other gauge: "liveall" (one series per worker).
-GAUGE_MODES = {"headrace_backend_in_flight": "livesum"}
+GAUGE_MODES = {
+    "headrace_backend_in_flight": "livesum",
+    "headrace_pipeline_in_flight": "livesum",
+    "headrace_queue_depth": "livesum",
+    "headrace_queue_busy": "livesum",
+    "headrace_retry_budget_active": "livesum",
+}
+# headrace_backend_breaker_state's values, worst last.
+BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 
 class StatisticsCollector(Collector):
-    """Maps actor and dispatcher statistics to metrics on each scrape."""
+    """Maps actor, dispatcher, pipeline and queue statistics to metrics on each scrape."""
 
     def __init__(
         self,
         actors: Callable[[], Sequence[ActorStatistics]],
         dispatch: Callable[[], DispatchStatistics],
+        *,
+        pipeline: Callable[[], PipelineStatistics] | None = None,
+        queue: Callable[[], QueueStatistics] | None = None,
     ) -> None:
         self._actors = actors
         self._dispatch = dispatch
+        self._pipeline = pipeline
+        self._queue = queue
 
     def collect(self) -> Iterable[Metric]:
         stats = self._actors()
@@ -115,6 +130,52 @@ class StatisticsCollector(Collector):
             requests.add_metric([v.route, v.version], v.requests)
             failed.add_metric([v.route, v.version], v.failed)
         yield from (weight, requests, failed)
+        yield from _breakers(d)
+        if self._pipeline is not None:
+            yield from _pipeline(self._pipeline())
+        if self._queue is not None:
+            yield from _queue(self._queue())
+
+
+def _breakers(d: DispatchStatistics) -> Iterable[Metric]:
+    yield CounterMetricFamily("headrace_dispatch_retries_refused", "Retries the retry budget refused (the request got the upstream error)", value=d.retries_refused)
+    state = GaugeMetricFamily("headrace_backend_breaker_state", "The backend's circuit breaker: 0 closed, 1 half-open, 2 open (ejected)", labels=["backend"])
+    ejections = CounterMetricFamily("headrace_backend_ejections", "Times the backend's breaker opened", labels=["backend"])
+    refused = CounterMetricFamily("headrace_backend_refused_ejections", "Ejections refused by the fleet rule (too many ejected already)", labels=["backend"])
+    for b in d.breakers:
+        state.add_metric([b.name], BREAKER_STATES.get(b.state, 2.0))
+        ejections.add_metric([b.name], b.ejections)
+        refused.add_metric([b.name], b.refused_trips)
+    yield from (state, ejections, refused)
+    if d.retry_budget is not None:
+        r = d.retry_budget
+        yield GaugeMetricFamily("headrace_retry_budget_active", "Retries in flight", value=r.active)
+        yield CounterMetricFamily("headrace_retry_budget_granted", "Retries the budget let through", value=r.granted)
+        yield CounterMetricFamily("headrace_retry_budget_refused", "Retries the budget refused", value=r.refused)
+
+
+def _pipeline(p: PipelineStatistics) -> Iterable[Metric]:
+    yield CounterMetricFamily("headrace_pipeline_admitted", "Client requests the pipeline let through", value=p.admitted)
+    yield GaugeMetricFamily("headrace_pipeline_in_flight", "Admitted client requests not finished yet", value=p.in_flight)
+    rejected = CounterMetricFamily("headrace_pipeline_rejected", "Client requests refused by the pipeline, by error code", labels=["code"])
+    for code, count in sorted(p.rejected.items()):
+        rejected.add_metric([code], count)
+    yield rejected
+
+
+def _queue(q: QueueStatistics) -> Iterable[Metric]:
+    depth = GaugeMetricFamily("headrace_queue_depth", "Requests waiting for a backend slot, per priority class", labels=["class"])
+    for cls, count in q.queued.items():
+        depth.add_metric([cls], count)
+    yield depth
+    yield GaugeMetricFamily("headrace_queue_capacity", "Admission slots of the backends that take requests now", value=q.capacity)
+    yield GaugeMetricFamily("headrace_queue_busy", "Admission slots held", value=q.busy)
+    admitted = CounterMetricFamily("headrace_queue_admitted", "Requests given a slot, at once or after waiting", labels=["how"])
+    admitted.add_metric(["at_once"], q.admitted_at_once)
+    admitted.add_metric(["after_wait"], q.admitted_after_wait)
+    yield admitted
+    if q.service_rate is not None:
+        yield GaugeMetricFamily("headrace_queue_service_rate", "Measured completions per second per slot", value=q.service_rate)
 
 
 class Mirror:

@@ -130,3 +130,23 @@ def test_retries_in_flight_stay_within_the_budget(in_flight: int, ratio: float, 
 def test_full_jitter_is_uniform_below_a_capped_exponential(attempt: int, draw: float) -> None:
     wait = full_jitter(attempt, draw, base=0.025, cap=0.25)
     assert 0 <= wait <= min(0.25, 0.025 * 2 ** (attempt - 1))
+
+
+def test_a_probe_released_without_a_verdict_gives_its_half_open_slot_back() -> None:
+    b = CircuitBreaker(BreakerOptions(consecutive_failures=1, base_ejection=10, half_open_successes=1))
+    b.record(False, 0.0)
+    b.dispatched(10.0)
+    assert b.state is S.HALF_OPEN and not b.allows(10.0)  # the one probe is out
+    b.release(10.0)  # cancelled: no verdict
+    assert b.state is S.HALF_OPEN and b.allows(10.0)
+    b.dispatched(11.0)
+    assert b.record(True, 11.0) is S.CLOSED
+    b.release(12.0)  # closed: nothing to give back
+    assert b.probes == 0 and b.allows(12.0)
+
+
+def test_the_retry_budget_reports_its_counters() -> None:
+    budget = RetryBudget(ratio=0, min_retries=1)
+    assert budget.try_acquire(10) and not budget.try_acquire(10)
+    s = budget.statistics()
+    assert (s.active, s.granted, s.refused) == (1, 1, 1)
