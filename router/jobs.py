@@ -104,16 +104,18 @@ def parse_job(body: bytes) -> JobRequest:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise BadRequest("request body must be a JSON object")
-    metadata = raw.pop("metadata", None) or {}
+    metadata = raw.pop("metadata", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise BadRequest("metadata must be an object", param="metadata")
-    priority = raw.pop("priority", None) or "batch"
-    if priority not in PRIORITIES:
+    priority = raw.pop("priority", None)
+    priority = "batch" if priority is None else priority
+    if not isinstance(priority, str) or priority not in PRIORITIES:
         raise BadRequest("priority must be interactive, default or batch", param="priority")
     endpoint = raw.pop("endpoint", None)
     if endpoint is None:
         kind: Kind = "chat" if "messages" in raw else "completion"
-    elif endpoint in ENDPOINTS:
+    elif isinstance(endpoint, str) and endpoint in ENDPOINTS:
         kind = ENDPOINTS[endpoint]
     else:
         raise BadRequest(f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
@@ -161,6 +163,8 @@ class JobsAPI:
         if key is None:
             status, body = await self._create(request)
             return Response(status, body)
+        if not 1 <= len(key) <= 255:
+            raise BadRequest("Idempotency-Key must be 1 to 255 characters", param="idempotency-key")
         tenant = request.context.tenant
         found = await self.store.reserve(tenant, key, hashlib.sha256(request.body).hexdigest())
         if isinstance(found, IdemReplay):

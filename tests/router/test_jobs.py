@@ -210,6 +210,8 @@ async def test_an_idempotency_key_replays_the_first_response_409_while_in_flight
         bad = await client.post("/v1/jobs", json={"messages": 1}, headers={"idempotency-key": "k-3"})
         assert bad.status_code == 400
         assert (await client.post("/v1/jobs", json=chat(), headers={"idempotency-key": "k-3"})).status_code == 202
+        long_key = await client.post("/v1/jobs", json=chat(), headers={"idempotency-key": "k" * 256})
+        assert long_key.status_code == 400 and long_key.json()["error"]["param"] == "idempotency-key"
         await wait_for(client, first.json()["id"], "completed")
         assert len((await client.get("/v1/jobs")).json()["data"]) == 2  # k-1 once, k-3 once
 

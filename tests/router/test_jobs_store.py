@@ -7,10 +7,15 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backends.errors import ClientError
+from frontend.call import prepare_call
+from frontend.context import RequestContext
+from router.jobs import parse_job
 from router.store import (
     MIGRATIONS,
     TERMINAL,
@@ -29,6 +34,7 @@ from router.store import (
     new_job_id,
     transition,
 )
+from tests.router.fakes import FakeBackend
 
 
 class WallClock:
@@ -192,3 +198,22 @@ async def test_a_store_that_cannot_be_used_is_a_503_store_unavailable_not_a_raw_
     with pytest.raises(StoreUnavailable) as raised:
         await store.get("t", "job_x")
     assert raised.value.status == 503 and raised.value.code == "store_unavailable"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+FIELDS = st.sampled_from(["messages", "prompt", "model", "max_tokens", "metadata", "priority", "endpoint", "n", "stream", "temperature"])
+
+
+@given(st.dictionaries(FIELDS, JSON | st.sampled_from(["batch", "/v1/generate", "m", "hi"]), max_size=6) | JSON)
+def test_any_job_body_is_accepted_or_refused_with_a_client_error_never_anything_else(body: object) -> None:
+    """What POST /v1/jobs does before storing: parse, then prepare the call."""
+    context = RequestContext(request_id="r", tenant="t")
+    try:
+        parsed = parse_job(msgspec.json.encode(body))
+        prepare_call(parsed.kind, parsed.body, FakeBackend(), context)
+    except ClientError as exc:
+        assert 400 <= exc.status < 500 and exc.message
