@@ -158,6 +158,10 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Where the router can get this backend's tokenizer, to compute the engine's
     # block hashes itself: a GGUF file or HF folder path, or "bytes" (the mock's).
     tokenizer: str | None = None
+    # Names one run of the backend's KV event numbering: a restarted engine
+    # numbers its events from 1 again under a new epoch, so a subscriber
+    # holding an old seq knows to drop what it indexed and start over.
+    kv_epoch: str | None = None
 
 
 _MASK63 = (1 << 63) - 1

@@ -55,6 +55,7 @@ go through the frontend with their body replayed::
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -262,13 +263,16 @@ def build_app(
     return injector
 
 
+_KV_EPOCH = secrets.token_hex(8)  # this process's run of KV event numbers
+
+
 async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
     """The frontend's model list, plus what a router needs to hash blocks."""
     info = backend.info()
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": info.name,
          "max_model_len": info.max_context, "block_size": info.block_size, "kv_events": True,
-         "tokenizer": "bytes"}
+         "tokenizer": "bytes", "kv_epoch": _KV_EPOCH}
         for m in info.models
     ]
     return json_response({"object": "list", "data": data})

@@ -822,6 +822,9 @@ def _engine_fields(data: list[Any]) -> dict[str, Any]:
         if not isinstance(entry, dict):
             continue
         block, kv, tok = entry.get("block_size"), entry.get("kv_events"), entry.get("tokenizer")
+        epoch = entry.get("kv_epoch")
+        if isinstance(epoch, str) and epoch:
+            found.setdefault("kv_epoch", epoch)
         if isinstance(block, int) and not isinstance(block, bool) and block > 0:
             found.setdefault("block_size", block)
         if isinstance(kv, bool):

@@ -28,6 +28,7 @@ events also runs a subscriber beside its prober, in the same nursery::
                stream error ── backoff (doubling, capped) ──> resubscribe from kv_since (resume)
                garbage      ── on_kv_reset once per burst, one log line ──> backoff, resubscribe
     health DOWN / CLOSED ── cancel the subscription, on_kv_reset(name)
+    a new kv_epoch in /v1/models (a restart between probes) ── the same
 
 The subscriber never raises into the actor: a failing stream or sink is
 logged, reset and retried, and the prober goes on probing.
@@ -198,7 +199,14 @@ class BackendActor:
         """Re-read the backend's models (adapters over HTTP fetch them in
         ``refresh()``; in-process ones answer ``info()`` directly)."""
         refresh: Callable[[], Awaitable[BackendInfo]] | None = getattr(self.backend, "refresh", None)
+        before = self.info
         self.info = await refresh() if refresh is not None else self.backend.info()
+        if before is not None and before.kv_epoch != self.info.kv_epoch and before.kv_epoch is not None:
+            # A new run of the backend (it restarted between two probes): its
+            # event numbers began again, so what the sink indexed is stale.
+            log.info("backend %s: KV event epoch changed (%s -> %s): resubscribing from the start",
+                     self.name, before.kv_epoch, self.info.kv_epoch)
+            self._kv_lost()
 
     def _apply(self, event: HealthEvent) -> None:
         """Feed ``event`` to the health machine, the one place that moves the state."""

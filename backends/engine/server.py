@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import functools
 import os
+import secrets
 import sys
 from typing import Any, Literal
 
@@ -93,6 +94,7 @@ class _Routes:
         # config's model is the file it was read from (main resolves the default).
         model_file = backend.engine.config.model
         self.tokenizer = os.path.abspath(model_file) if model_file else None
+        self.kv_epoch = secrets.token_hex(8)  # this process's run of KV event numbers
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(backend))
 
@@ -112,6 +114,7 @@ class _Routes:
                 "block_size": info.block_size,
                 "kv_events": info.kv_events,
                 "tokenizer": tokenizer,
+                "kv_epoch": self.kv_epoch,
             }
             for m in info.models
         ]

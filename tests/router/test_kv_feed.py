@@ -317,9 +317,16 @@ class KVFake(FakeBackend):
         self.garbage = False
         self._changed = trio.Event()
         self._cut = False
+        self.epoch = "run-1"
 
     def info(self) -> BackendInfo:
-        return BackendInfo(name=self.name, models=self.models, kv_events=True, block_size=4)
+        return BackendInfo(name=self.name, models=self.models, kv_events=True, block_size=4, kv_epoch=self.epoch)
+
+    def restart(self) -> None:
+        """A new run: the event numbers start again, the old stream stays quiet."""
+        self.epoch = "run-2"
+        self.log = []
+        self.publish(2)
 
     def publish(self, n: int) -> None:
         for _ in range(n):
@@ -390,6 +397,34 @@ async def test_down_resets_the_sink_and_up_resubscribes_from_kv_since(clock: tri
         await trio.sleep(1.0)
         assert fake.subscriptions == [-1, -1, 4] and sink.resets == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_restart_between_probes_is_seen_by_its_new_epoch_and_resubscribes_from_the_start(
+    clock: trio.testing.MockClock,
+) -> None:
+    """Numbering starts again after a restart, so resuming from the old seq
+    would hear nothing new and keep a stale index: the epoch in the backend's
+    info changing resets the sink and resubscribes from -1."""
+    fake = KVFake()
+    fake.publish(5)
+    sink = RecordingSink()
+    actor = BackendActor("kv", fake, probe_interval=1.0, kv_sink=sink)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        await trio.sleep(0.1)
+        assert sink.seqs == [0, 1, 2, 3, 4]
+        fake.restart()  # never went down: no probe failed
+        await trio.sleep(1.5)
+        assert actor.state is HealthState.UP and sink.resets == 1
+        assert fake.subscriptions == [-1, -1] and sink.seqs == [0, 1, 2, 3, 4, 0, 1]  # then the new run's, from the start
+        nursery.cancel_scope.cancel()
+
+
+def test_the_engine_and_the_mock_name_their_kv_epoch_in_v1_models() -> None:
+    from backends.openai_http import _engine_fields
+
+    assert _engine_fields([{"id": "m", "kv_epoch": "abc", "kv_events": True}])["kv_epoch"] == "abc"
+    assert "kv_epoch" not in _engine_fields([{"id": "m", "kv_epoch": 7}])  # wrong type: ignored
 
 
 async def test_repeated_garbage_resets_once_logs_once_and_backs_off(
