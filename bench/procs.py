@@ -22,7 +22,7 @@ from backends.errors import BackendUnavailable
 
 __all__ = ["Server", "cpu_info", "cpu_seconds", "start_server"]
 
-_LISTENING = re.compile(rb"listening on (http://\S+)")
+_LISTENING = re.compile(rb"(?:listening|engine serving \S+) on (http://\S+)")  # servers; the engine
 
 
 class Server:
