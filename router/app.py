@@ -51,7 +51,7 @@ from router.dispatch import Dispatcher
 from router.jobs import JobRunner, JobsAPI
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.pipeline import Pipeline
-from router.prefix_keys import PrefixKeys
+from router.prefix_keys import PrefixKeys, TokenizerLoadError, load_encoder
 from router.routes import RouteTable
 from router.services import Service
 from router.store import SQLiteStore
@@ -288,6 +288,15 @@ class Router:
         model; a lookup afterwards), so routing keys are the engines' own
         block hashes; re-checked every probe interval for backends that come
         up later. A failure here only leaves that model on text blocks."""
+        for route in self.config.models:  # configured tokenizers win over learned ones
+            if route.tokenizer is not None:
+                try:
+                    encoder = await trio.to_thread.run_sync(load_encoder, route.tokenizer)
+                except TokenizerLoadError as exc:
+                    log.warning("model %s: %s; routing it by text blocks until one is learned", route.name, exc)
+                    continue
+                for model in dict.fromkeys((route.upstream_model or route.name, route.name)):
+                    self.keys.set_encoder(model, encoder, source=f"config {route.tokenizer}")
         while True:
             for actor in self.actors:
                 if actor.info is not None:

@@ -287,6 +287,10 @@ class ModelRoute(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # A split: each request picks one version, the same for every turn of a
     # conversation (router/routes.py). A route with versions serves nothing itself.
     versions: tuple[ModelVersion, ...] = ()
+    # The model's tokenizer for cache-aware routing keys: the GGUF file or HF
+    # folder its engines load (or "bytes", the mock's). None: learned from the
+    # backends' /v1/models, else text blocks.
+    tokenizer: str | None = None
 
 
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -8,14 +8,15 @@ and the engine's ``cached_tokens`` shows the hit; under round robin it does not.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import trio
 
+from backends.base import ChatMessage, GenerateRequest, chain_hashes
 from backends.engine.server import run_server
 from backends.mock import MockConfig
 from backends.openai_http import OpenAIHTTPBackend
@@ -23,8 +24,8 @@ from frontend.serving import ServeOptions
 from router.app import KVFanOut, NamedBackend, Router, kv_sink_for
 from router.config import decode_config
 from router.prefix_keys import load_tokenizer
-from tests.router.test_integration import serve_router
 from tests.backends.conftest import serve_mock
+from tests.router.test_integration import serve_router
 from tests.router.test_prefix_keys import fake_engine_backend, write_tokenizer_gguf
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,3 +155,25 @@ def test_a_backend_two_groups_share_feeds_both_policies_in_step() -> None:
     assert a.index.match([7, 8], ["x"]) == b.index.match([7, 8], ["x"]) == {"x": 2}
     b.on_kv_reset("x")  # out of step: the fan-out resets both and asks for everything
     assert fan.kv_since("x") == -1 and a.index.match([7, 8], ["x"]) == {}
+
+
+async def test_a_models_configured_tokenizer_gives_the_engines_keys_without_learning(nursery: trio.Nursery, tok_gguf: Path) -> None:
+    """``[[models]] tokenizer = PATH``: the keys are token blocks from that
+    file even though the backend (a plain mock) names no tokenizer; a path
+    that cannot be read leaves the model on text blocks, with one warning."""
+    mock = await serve_mock(nursery, MockConfig(name="m", models=("tiny",)), [])
+    config = decode_config({"backends": [{"kind": "mock", "name": "m"}],
+                            "models": [{"name": "tiny", "tokenizer": str(tok_gguf)},
+                                       {"name": "other", "tokenizer": "/nonexistent.gguf"}],
+                            "health": {"interval": 0.2}})
+    router = Router(config, [NamedBackend("m", OpenAIHTTPBackend(mock.url, name="m"))])
+    await serve_router(nursery, router)
+    with trio.fail_after(20):
+        while not router.keys.statistics().models.get("tiny", "").startswith("config"):
+            await trio.sleep(0.05)
+    request = GenerateRequest(model="tiny", messages=[ChatMessage(role="system", content=SYSTEM),
+                                                      ChatMessage(role="user", content="hi")])
+    keys = router.keys.keys(request)
+    engine = fake_engine_backend(load_tokenizer(str(tok_gguf)), model=str(tok_gguf))
+    assert keys.source == "tokens" and keys.block_hashes == tuple(chain_hashes(engine.prompt_ids(request), 16))
+    assert router.keys.keys(msgspec.structs.replace(request, model="other")).source == "text"
