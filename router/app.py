@@ -234,7 +234,7 @@ class Router:
         job_routes = {}
         if config.jobs.path is not None:
             self.job_store = SQLiteStore(config.jobs.path, idempotency_ttl=config.jobs.idempotency_ttl)
-            self.jobs = JobRunner(self.job_store, self.dispatcher, config.jobs, gate=self.pipeline)
+            self.jobs = JobRunner(self.job_store, self.dispatcher, config.jobs, gate=self.pipeline, ready=self.dispatcher.ready)
             services.append(self.jobs)
             job_routes = JobsAPI(self.job_store, self.jobs, self.dispatcher).routes()
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)

@@ -20,7 +20,8 @@ The job's outcome is written only through the store's transition table
 (:mod:`router.store`), so a ``DELETE`` racing the runner's finish leaves
 whichever came first. An upstream error or a refusal from admission (429,
 503) puts the job back in the queue after its ``Retry-After`` (or
-``retry_delay``), up to ``max_attempts`` runs; a client error (a 400 from
+``retry_delay``), up to ``max_attempts`` runs that end in an error (a run
+cut short by a crash does not count); a client error (a 400 from
 the backend) fails it at once. A runner that is cancelled (shutdown, a
 crash) leaves its jobs ``running`` on disk with a lease that lapses: after
 ``lease`` seconds the next runner (this process restarted, or another
@@ -33,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import parse_qs
 
@@ -133,6 +135,7 @@ def job_view(job: Job) -> dict[str, Any]:
         "priority": job.priority,
         "metadata": job.metadata,
         "attempts": job.attempts,
+        "errors": job.errors,
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
@@ -257,8 +260,18 @@ class JobRunner:
 
     name = "jobs"
 
-    def __init__(self, store: JobStore, backend: Backend, config: JobsConfig, *, gate: Gate = OPEN_GATE) -> None:
-        self.store, self.backend, self.config, self.gate = store, backend, config, gate
+    def __init__(
+        self,
+        store: JobStore,
+        backend: Backend,
+        config: JobsConfig,
+        *,
+        gate: Gate = OPEN_GATE,
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """``ready()``: whether jobs can run now (the dispatcher has a backend
+        up); none is claimed before, so a cold start burns no retries."""
+        self.store, self.backend, self.config, self.gate, self.ready = store, backend, config, gate, ready
         self._wake = trio.Event()
         self.owner = ""
         self._scopes: dict[str, trio.CancelScope] = {}
@@ -290,7 +303,7 @@ class JobRunner:
             while True:
                 self._wake = trio.Event()
                 free = self.config.concurrency - len(self._scopes)
-                if free > 0:
+                if free > 0 and self.ready():
                     claimed = await self.store.claim(slots=free, per_tenant=self.config.per_tenant, owner=self.owner)
                     for job in claimed:
                         scope = trio.CancelScope()
@@ -344,14 +357,15 @@ class JobRunner:
 
     async def _failed(self, job: Job, exc: HeadraceError) -> None:
         retryable = not isinstance(exc, ClientError) or isinstance(exc, RateLimited)
-        if retryable and job.attempts < self.config.max_attempts:
+        errors = job.errors + 1
+        if retryable and errors < self.config.max_attempts:
             delay = exc.retry_after if exc.retry_after is not None else self.config.retry_delay
             not_before = self.store.clock() + delay
-            await self._finish(job, JobEvent.REQUEUE, started_at=None, not_before=not_before)
+            await self._finish(job, JobEvent.REQUEUE, started_at=None, not_before=not_before, errors=errors)
             self._counts["requeued"] += 1
             return
         error = msgspec.json.encode(error_body(exc.message, exc.type, exc.param, exc.code)["error"])
-        await self._finish(job, JobEvent.FAIL, error=error)
+        await self._finish(job, JobEvent.FAIL, error=error, errors=errors)
         self._counts["failed"] += 1
 
     async def _finish(self, job: Job, event: JobEvent, **fields: Any) -> None:

@@ -159,7 +159,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     metadata: dict[str, Any] = {}
     result: bytes | None = None  # JSON, when completed
     error: bytes | None = None  # JSON OpenAI error body, when failed
-    attempts: int = 0
+    attempts: int = 0  # runs started (a run cut short by a crash counts)
+    errors: int = 0  # runs that ended in an error (what max_attempts limits)
     created_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
@@ -249,10 +250,15 @@ MIGRATIONS: Sequence[str] = (
     ALTER TABLE jobs ADD COLUMN owner TEXT;
     ALTER TABLE jobs ADD COLUMN heartbeat REAL;
     """,
+    # 3: runs that ended in an error, apart from ``attempts`` (runs started), so a
+    # run cut short by a crash does not use up the job's retries.
+    """
+    ALTER TABLE jobs ADD COLUMN errors INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 _COLUMNS = ("id", "tenant", "kind", "body", "status", "priority", "metadata", "result", "error", "attempts",
-            "created_at", "started_at", "finished_at", "not_before", "owner", "heartbeat")  # fmt: skip
+            "created_at", "started_at", "finished_at", "not_before", "owner", "heartbeat", "errors")  # fmt: skip
 _SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM jobs"
 _RANK = "CASE priority WHEN 'interactive' THEN 0 WHEN 'default' THEN 1 ELSE 2 END"
 

@@ -224,7 +224,7 @@ async def test_upstream_errors_are_retried_up_to_max_attempts_then_the_job_fails
     async with client:
         job_id = await submit(client, chat())
         job = await wait_for(client, job_id, "failed")
-    assert job["attempts"] == 2 and job["error"]["type"] in ("server_error", "upstream_error"), job
+    assert job["attempts"] == job["errors"] == 2 and job["error"]["type"] in ("server_error", "upstream_error"), job
     assert "result" not in job
 
 

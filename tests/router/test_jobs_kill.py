@@ -1,0 +1,94 @@
+"""Real processes: a router killed with SIGKILL again and again while it
+works off jobs; every acknowledged job completes, and the SQLite file passes
+``PRAGMA integrity_check``."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.router.test_faults import start_mock
+
+KILLS = 3
+
+
+async def start_router(config: Path) -> tuple[trio.Process, str]:
+    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--workers", "1"]
+    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    buffer = b""
+    with trio.fail_after(30):
+        while b"headrace listening on " not in buffer or not buffer.endswith(b"\n"):
+            chunk = await proc.stdout.receive_some()
+            assert chunk, "the router exited before printing its URL"
+            buffer += chunk
+    line = next(x for x in buffer.decode().splitlines() if x.startswith("headrace listening on "))
+    return proc, line.rsplit(" ", 1)[1]
+
+
+@pytest.fixture
+async def mock() -> AsyncIterator[str]:
+    proc, url = await start_mock("--tpot-ms", "20")
+    yield url
+    proc.kill()
+    await proc.wait()
+
+
+@pytest.mark.slow
+async def test_a_router_sigkilled_repeatedly_mid_jobs_loses_no_acknowledged_job(mock: str, tmp_path: Path) -> None:
+    db = tmp_path / "jobs.db"
+    config = tmp_path / "router.toml"
+    config.write_text(f"""
+[health]
+interval = 30
+[jobs]
+path = "{db}"
+per_tenant = 4
+lease = 0.5
+poll_interval = 0.05
+[[backends]]
+name = "m"
+url = "{mock}"
+""")
+    body = {"prompt": "hi", "max_tokens": 10, "model": "m"}  # ~0.2 s a job
+    acknowledged: list[str] = []
+    cut_short: list[str] = []  # running just before their router was killed
+    rerun: list[bool] = []  # for each: run again (requeued once its lease lapsed)?
+    for _ in range(KILLS):
+        proc, url = await start_router(config)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            for _ in range(6):
+                r = await client.post("/v1/jobs", json=body)
+                assert r.status_code == 202, r.text
+                acknowledged.append(r.json()["id"])
+            await trio.sleep(0.3)  # some done, some running, some queued
+            page = (await client.get("/v1/jobs", params={"limit": "100"})).json()["data"]
+            cut_short += [j["id"] for j in page if j["status"] == "running"]
+        proc.kill()  # SIGKILL: no shutdown code runs
+        await proc.wait()
+    proc, url = await start_router(config)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            with trio.fail_after(30):
+                for job_id in acknowledged:
+                    while (job := (await client.get(f"/v1/jobs/{job_id}")).json())["status"] != "completed":
+                        assert job["status"] in ("queued", "running"), job.get("error")
+                        await trio.sleep(0.05)
+                    if job_id in cut_short:
+                        rerun.append(job["attempts"] >= 2)
+    finally:
+        proc.kill()
+        await proc.wait()
+    with sqlite3.connect(db) as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        statuses = dict(raw.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall())
+    raw.close()
+    assert statuses == {"completed": KILLS * 6}
+    assert any(rerun), "no job was cut short by a kill"  # one may have finished between the look and the kill
