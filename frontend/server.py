@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from backends.base import Backend
-from backends.errors import BadRequest, HeadraceError, PayloadTooLarge
+from backends.errors import BadRequest, ClientError, HeadraceError, PayloadTooLarge
 from frontend.call import Emit, Producer, prepare_call
 from frontend.context import (
     OPEN_GATE,
@@ -55,6 +55,7 @@ from frontend.routes import RouteTable
 from frontend.wire import Kind, error_body
 
 __all__ = [
+    "DEFAULT_BODY_IDLE_TIMEOUT",
     "DEFAULT_MAX_BODY",
     "Authenticate",
     "Emit",
@@ -62,6 +63,7 @@ __all__ = [
     "Handler",
     "OpenAIServer",
     "Producer",
+    "RequestTimeout",
     "Response",
     "error_response",
     "json_response",
@@ -70,7 +72,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+DEFAULT_BODY_IDLE_TIMEOUT = 10.0  # seconds without a body byte before 408
 _encoder = msgspec.json.Encoder()
+
+
+class RequestTimeout(ClientError):
+    """408: the client stopped sending its request body. (Defined here, not
+    in backends/errors.py, only because this layer alone raises it.)"""
+
+    status = 408
+    code = "request_timeout"
 
 
 class HTTPRequest:
@@ -143,8 +154,10 @@ def error_response(exc: HeadraceError) -> Response:
 class OpenAIServer:
     """ASGI app serving ``backend`` with the OpenAI API.
 
-    ``authenticate(headers) -> Principal`` runs first and may raise
-    :class:`~backends.errors.Unauthorized`; ``extra_routes`` maps
+    ``authenticate(headers) -> Principal`` runs first, on the headers, before
+    any of the body is read, and may raise
+    :class:`~backends.errors.Unauthorized`; a body that sends nothing for
+    ``body_idle_timeout`` seconds is answered 408 (:class:`RequestTimeout`); ``extra_routes`` maps
     ``(method, path)`` to handlers (they take precedence over built-ins; a
     path may hold ``{name}`` parameters). ``gate`` admits each completions,
     chat or generate call once, before its fan-out into choices (the router's
@@ -166,8 +179,10 @@ class OpenAIServer:
         observe: Callable[[str, int, str, float], None] | None = None,
         gate: Gate = OPEN_GATE,
         coalesce: bool = False,
+        body_idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT,
     ) -> None:
         self.backend = backend
+        self.body_idle_timeout = body_idle_timeout
         self.authenticate = authenticate
         self.max_body_bytes = max_body_bytes
         self.observe = observe
@@ -203,15 +218,17 @@ class OpenAIServer:
         try:
             async with AsyncExitStack() as defer, trio.open_nursery() as nursery:
                 try:
-                    body = await self._read_body(headers, receive)
-                    # Only now watch for disconnect: the body has been consumed.
-                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
                     found = self.routes.match(scope["method"], scope["path"])
                     route = found.template if found is not None else "other"
+                    # On the headers, before any of the body is read: a client
+                    # without a key holds nothing while it trickles a body in.
                     if self.authenticate is not None:
                         principal = self.authenticate(headers)
                         context.tenant, context.key_id = principal.tenant, principal.key_id
                     apply_request_headers(context, headers)
+                    body = await self._read_body(headers, receive)
+                    # Only now watch for disconnect: the body has been consumed.
+                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
                     # No route: 404 or 405, told only to an authenticated client.
                     match = found or self.routes.resolve(scope["method"], scope["path"])
                     request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)
@@ -245,7 +262,11 @@ class OpenAIServer:
             raise PayloadTooLarge(f"request body over {self.max_body_bytes} bytes")
         chunks, size = [], 0
         while True:
-            message = await receive()
+            message: dict[str, Any] | None = None
+            with trio.move_on_after(self.body_idle_timeout):
+                message = await receive()
+            if message is None:
+                raise RequestTimeout(f"no request body bytes for {self.body_idle_timeout:g} s")
             if message["type"] == "http.disconnect":
                 raise BadRequest("client went away before sending the body")
             chunk = message.get("body", b"")

@@ -13,8 +13,12 @@ holds one connection for as long as it can. ``reuse_port`` binds with
 --workers N``); :func:`reserve_port` holds such a port in the parent.
 
 hypercorn's internals are patched in :func:`_patch_hypercorn`, against the
-0.18 series; tests/frontend/test_serving.py checks that each patched method
-and attribute still has the shape the patches rely on.
+0.18 series, and by frontend/hardening.py (ingress limits: streams per
+connection, bounded unsent output, write stalls, reset and control-frame
+budgets, connection caps with a reserve for ``reserved_paths``, request
+smuggling, secrets in library logs; ``ServeOptions(limits=...)``);
+tests/frontend/test_serving.py checks that each patched method and
+attribute still has the shape the patches rely on.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
-__all__ = ["ServeOptions", "reserve_port", "serve", "wait_for_signal"]
+from frontend import hardening
+from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
+
+__all__ = ["Limits", "ServeOptions", "reserve_port", "serve", "wait_for_signal"]
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +178,9 @@ def _end_stream_with_the_last_data() -> None:
     an empty DATA frame with END_STREAM and flushes again: two frames and two
     socket writes where one does. Where the buffer is complete once the data
     is taken (the app's last ``http.response.body`` carried it), END_STREAM
-    rides on that DATA frame. Same frames otherwise."""
+    rides on that DATA frame. Same frames otherwise.
+
+    And nothing is popped while the window is 0 (see frontend/hardening.py)."""
     protocol = hypercorn_h2.H2Protocol
 
     async def _send_data(self: Any, stream_id: int) -> None:
@@ -184,6 +193,12 @@ def _end_stream_with_the_last_data() -> None:
                     self.connection.max_outbound_frame_size,
                 ),
             )
+            if chunk_size == 0 and not buffer.complete:
+                # No window: leave the data buffered. hypercorn popped 0 bytes
+                # here, which released the writer's high-water wait, so a
+                # zero-window client made every stream buffer without bound.
+                self.priority.block(stream_id)
+                return
             data = await buffer.pop(chunk_size)
             if data:
                 end = buffer.complete
@@ -233,6 +248,8 @@ def _release_buffers_when_the_connection_closes() -> None:
 _patch_hypercorn()
 _end_stream_with_the_last_data()
 _release_buffers_when_the_connection_closes()
+hardening.install()  # after the patches above: its wrappers go outside theirs
+hardening.protect_secrets_in_library_logs()
 
 
 class _Config(HypercornConfig):
@@ -242,6 +259,10 @@ class _Config(HypercornConfig):
 
     _date_at = -1
     _date = b""
+    # Read by frontend/hardening.py's patches (hypercorn hands every
+    # connection this object): the limits, and who holds the connections.
+    headrace_limits: Limits = DEFAULT_LIMITS
+    headrace_connections: ConnectionLedger | None = None
 
     def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
         headers = super().response_headers(protocol) if not self.include_date_header else None
@@ -262,8 +283,10 @@ class ServeOptions:
 
     ``keep_alive_max_requests``: requests after which a connection is closed
     (GOAWAY over HTTP/2, ``Connection: close`` over HTTP/1.1); ``None``, the
-    default, never. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
-    processes may serve the same port."""
+    default, never. ``keep_alive_timeout``: seconds an idle connection is
+    kept. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
+    processes may serve the same port. ``limits``: streams, buffering,
+    write stalls, budgets and connection caps (frontend/hardening.py)."""
 
     def __init__(
         self,
@@ -273,10 +296,11 @@ class ServeOptions:
         certfile: str | None = None,
         keyfile: str | None = None,
         graceful_timeout: float = 30.0,
-        keep_alive_timeout: float = 75.0,
+        keep_alive_timeout: float = 60.0,
         keep_alive_max_requests: int | None = None,
         access_log: bool = False,
         reuse_port: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.host = host
         self.port = port
@@ -287,6 +311,7 @@ class ServeOptions:
         self.keep_alive_max_requests = keep_alive_max_requests
         self.access_log = access_log
         self.reuse_port = reuse_port
+        self.limits = limits
 
     def hypercorn_config(self) -> HypercornConfig:
         config = _Config()
@@ -300,8 +325,12 @@ class ServeOptions:
         # hypercorn compares the count with > (h2) or >= (h11); an int is needed.
         limit = self.keep_alive_max_requests
         config.keep_alive_max_requests = sys.maxsize if limit is None else limit
-        # Streams are long-lived; allow many concurrent ones per connection.
-        config.h2_max_concurrent_streams = 1000
+        # Advertised; a stream over it is refused, not a connection error.
+        config.h2_max_concurrent_streams = self.limits.max_concurrent_streams
+        limits = config.headrace_limits = self.limits
+        config.headrace_connections = ConnectionLedger(
+            limits.connection_cap(), limits.max_connections_per_client, limits.reserved_connections
+        )
         config.accesslog = "-" if self.access_log else None
         config.errorlog = "-"
         return config
@@ -352,6 +381,9 @@ async def serve(
             task_status.started(url)
 
     config = options.hypercorn_config()
+    ledger = getattr(config, "headrace_connections", None)
+    if ledger is not None and options.limits.reserved_connections:
+        app = hardening.reserve_gate(app, ledger, options.limits.reserved_paths)
     if options.reuse_port:
         # hypercorn sets SO_REUSEPORT only in its own multi-worker mode, which
         # its trio ``serve`` does not run: hand it a socket bound here (an

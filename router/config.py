@@ -130,6 +130,18 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     access_log: bool = False
     workers: PositiveInt | None = None  # router processes on the port (SO_REUSEPORT); None: one per core
     keep_alive_max_requests: PositiveInt | None = None  # requests before a client connection is closed; None: never
+    # Ingress limits (issue 17; frontend/hardening.py enforces them).
+    keep_alive_timeout: Positive = 60.0  # seconds an idle client connection is kept
+    body_idle_timeout: Positive = 10.0  # seconds without a request body byte before 408
+    write_stall_timeout: Positive = 30.0  # a client that reads nothing this long: stream reset, backend cancelled
+    max_concurrent_streams: PositiveInt = 100  # per HTTP/2 connection (advertised); more are refused
+    stream_buffer_bytes: PositiveInt = 64 * 1024  # unsent output held per stream before the backend is paused
+    connection_buffer_bytes: PositiveInt = 1024 * 1024  # unsent output held per connection
+    reset_burst: PositiveInt = 100  # stream resets per connection at once (Rapid Reset) ...
+    reset_rate: Positive = 33.0  # ... or per second sustained, before GOAWAY(ENHANCE_YOUR_CALM)
+    max_connections: PositiveInt | None = None  # client connections in total; None: 3/4 of the fd limit
+    max_connections_per_client: PositiveInt | None = 256  # per client address; None: no cap
+    reserved_connections: PositiveInt = 32  # of max_connections, kept for /health /ready /metrics
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -24,10 +24,10 @@ from functools import partial
 import msgspec
 import trio
 
-from frontend.serving import ServeOptions, serve, wait_for_signal
+from frontend.serving import Limits, ServeOptions, serve, wait_for_signal
 from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
-from router.app import Router
+from router.app import OPS_PATHS, Router
 from router.config import (
     BackendSpec,
     ConfigError,
@@ -108,15 +108,29 @@ def worker_count(config: RouterConfig) -> int:
 
 def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptions:
     s = config.server
+    limits = Limits(
+        max_concurrent_streams=s.max_concurrent_streams,
+        stream_buffer_bytes=s.stream_buffer_bytes,
+        connection_buffer_bytes=s.connection_buffer_bytes,
+        write_stall_timeout=s.write_stall_timeout,
+        reset_burst=s.reset_burst,
+        reset_rate=s.reset_rate,
+        max_connections=s.max_connections,
+        max_connections_per_client=s.max_connections_per_client,
+        reserved_connections=s.reserved_connections,
+        reserved_paths=OPS_PATHS,
+    )
     return ServeOptions(
         s.host,
         s.port,
         certfile=s.certfile,
         keyfile=s.keyfile,
         graceful_timeout=s.drain_timeout,
+        keep_alive_timeout=s.keep_alive_timeout,
         keep_alive_max_requests=s.keep_alive_max_requests,
         access_log=s.access_log,
         reuse_port=reuse_port,
+        limits=limits,
     )
 
 

@@ -25,7 +25,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from frontend import serving
+from frontend import hardening, serving
 from frontend.serving import ServeOptions, reserve_port, serve
 
 # ---------------------------------------------------------------- 1,000 requests
@@ -346,10 +346,92 @@ def test_the_hypercorn_entry_points_serve_uses_are_unchanged() -> None:
 
 def test_the_patches_are_installed() -> None:
     from hypercorn.protocol import h2 as hypercorn_h2
+    from hypercorn.protocol import h11 as hypercorn_h11
 
     assert getattr(hypercorn_h2.H2Protocol, "_headrace_patched", False)
     assert TCPServer._close.__module__ == serving.__name__
-    assert TCPServer.run.__module__ == serving.__name__
+    # frontend/hardening.py's wrappers go outside serving's own
+    for method in (TCPServer.run, TCPServer.protocol_send, TCPServer._read_data, hypercorn_h2.H2Protocol.__init__,
+                   hypercorn_h2.H2Protocol._create_stream, hypercorn_h2.H2Protocol._handle_events,
+                   hypercorn_h2.H2Protocol.stream_send, hypercorn_h11.H11Protocol._create_stream):  # fmt: skip
+        assert method.__module__ == hardening.__name__, method
+    assert hypercorn_h2.StreamBuffer is hardening.StreamBuffer
+
+
+# ---------------------------------------------------------------- the shape of frontend/hardening.py's internals
+
+
+def test_the_h2_series_the_guarded_connection_was_written_for() -> None:
+    """hardening.GuardedH2Connection subclasses h2's H2Connection and
+    overrides _receive_frame and _receive_headers_frame: if this fails, re-read
+    them, re-run tests/hardening, then move this check (and pin h2 <5)."""
+    assert importlib.metadata.version("h2").startswith("4.")
+
+
+def test_the_h2_internals_the_guarded_connection_uses_are_unchanged() -> None:
+    import h2.connection
+    import h2.errors
+    import h2.exceptions
+    from hyperframe.frame import HeadersFrame
+
+    cls = _class_node(h2.connection, "H2Connection")
+    methods = _methods(cls)
+    assert methods["_receive_frame"] == ["self", "frame"]
+    assert methods["_receive_headers_frame"] == ["self", "frame"]
+    assert methods["reset_stream"] == ["self", "stream_id", "error_code"]
+    source = _source(h2.connection)
+    # the frame loop calls _receive_frame, and answers any ProtocolError with GOAWAY(its code)
+    assert "events.extend(self._receive_frame(frame))" in source
+    assert "self._terminate_connection(e.error_code)" in source
+    # the concurrency check we lift for a stream we then refuse
+    headers = ast.get_source_segment(source, next(
+        n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_receive_headers_frame"
+    )) or ""
+    for line in ("value = self.open_inbound_streams", "max_open_streams = self.local_settings.max_concurrent_streams",
+                 "raise TooManyStreamsError(msg)", "stream.receive_headers("):  # fmt: skip
+        assert line in headers, line
+    assert isinstance(inspect.getattr_static(h2.connection.H2Connection, "open_inbound_streams"), property)
+    assert h2.exceptions.DenialOfServiceError.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    # the dispatch table is built from bound methods in __init__, so a subclass's override is used
+    conn = hardening.GuardedH2Connection()
+    assert conn._frame_dispatch_table[HeadersFrame] == conn._receive_headers_frame
+
+
+def test_the_hypercorn_internals_hardening_uses_are_unchanged() -> None:
+    from hypercorn.protocol import h2 as hypercorn_h2
+    from hypercorn.protocol import h11 as hypercorn_h11
+    from hypercorn.trio import tcp_server
+
+    h2_source = _source(hypercorn_h2)
+    # the buffer is made by name, once per stream, and used through these methods only
+    assert "self.stream_buffers[request.stream_id] = StreamBuffer(self.context.event_class)" in h2_source
+    used = set(__import__("re").findall(r"self\.stream_buffers\[[^]]+\]\.(\w+)", h2_source))
+    assert used <= {"push", "pop", "drain", "close", "set_complete", "complete"}, used
+    # the connection is h2's, set up in __init__ as _guarded_connection copies it
+    assert "self.connection = h2.connection.H2Connection(" in h2_source
+    assert "self.connection.DEFAULT_MAX_INBOUND_FRAME_SIZE = config.h2_max_inbound_frame_size" in h2_source
+    assert "self.connection.local_settings = h2.settings.Settings(" in h2_source
+    # a protocol error while reading: flush (the GOAWAY) and close
+    handle = ast.get_source_segment(h2_source, next(
+        n for n in _class_node(hypercorn_h2, "H2Protocol").body if isinstance(n, ast.AsyncFunctionDef) and n.name == "handle"
+    )) or ""
+    assert "except h2.exceptions.ProtocolError:" in handle and "await self.send(Closed())" in handle
+    # stream_send lets our WriteStalled through (it catches only these)
+    assert "BufferCompleteError,\n            KeyError,\n            priority.MissingStreamError,\n            h2.exceptions.ProtocolError," in h2_source
+    assert _methods(_class_node(hypercorn_h2, "H2Protocol"))["_create_stream"] == ["self", "request"]
+    assert _methods(_class_node(hypercorn_h2, "H2Protocol"))["_close_stream"] == ["self", "stream_id"]
+    # H11: _create_stream(request) and the error response we send for CL + TE
+    h11_methods = _methods(_class_node(hypercorn_h11, "H11Protocol"))
+    assert h11_methods["_create_stream"] == ["self", "request"]
+    assert h11_methods["_send_error_response"] == ["self", "status_code"]
+    assert "await self._create_stream(event)" in _source(hypercorn_h11)
+    # TCPServer: the reader, the idle task, per-connection config read in run
+    tcp = _source(tcp_server)
+    methods = _methods(_class_node(tcp_server, "TCPServer"))
+    assert methods["_read_data"] == ["self"]
+    assert "await self.idle_task.restart(self._task_group, self._idle_timeout)" in tcp
+    assert "with trio.move_on_after(self.config.keep_alive_timeout):" in tcp
+    assert "self.config,\n                    self.context,\n                    task_group," in tcp  # ProtocolWrapper gets self.config
 
 
 # ---------------------------------------------------------------- SO_REUSEPORT

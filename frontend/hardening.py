@@ -1,0 +1,550 @@
+"""Ingress limits for hypercorn 0.18: one slow or hostile client must never
+hurt the others (issue 17). Installed by frontend/serving.py with its other
+hypercorn patches; tests/frontend/test_serving.py checks the shape of every
+internal used here, tests/hardening/ attacks a real router with raw clients.
+
+What each limit stops, and where it acts::
+
+    accept ─> ConnectionLedger.admit        total / per client address caps; the last
+              (TCPServer.run)               ``reserved`` slots serve ``reserved_paths`` only
+    read   ─> GuardedH2Connection           reset budget (Rapid Reset) and control-frame
+              (h2, frame by frame)          budget (PING / SETTINGS / PRIORITY / empty DATA
+                                            floods): GOAWAY(ENHANCE_YOUR_CALM), close;
+                                            a stream over MAX_CONCURRENT_STREAMS: its own
+                                            RST_STREAM(REFUSED_STREAM); a malformed header
+                                            block: RST_STREAM(PROTOCOL_ERROR), not GOAWAY
+           ─> H11: Content-Length plus      400 and close (RFC 9112 6.1): no smuggled
+              Transfer-Encoding             request behind it is ever read
+    write  ─> StreamBuffer.push / drain     at most ``stream_buffer_bytes`` unsent per stream
+              (the app's ``send``)          and ``connection_buffer_bytes`` per connection;
+                                            blocked ``write_stall_timeout``: RST_STREAM(CANCEL)
+                                            and ``http.disconnect`` to the app (which cancels
+                                            its backend request)
+           ─> TCPServer.protocol_send       one socket write blocked ``write_stall_timeout``
+                                            (the client stopped reading): close the connection
+
+Why the buffer is replaced rather than patched: hypercorn's ``_send_data``
+pops ``min(window, frame size)`` bytes, which is 0 on a zero window, and a pop
+of fewer than low-water bytes releases the writer's high-water wait; so a
+client that advertises ``SETTINGS_INITIAL_WINDOW_SIZE=0`` let every stream
+buffer without bound (59 -> 229 MB in 40 s with 100 streams). Here only bytes
+actually taken wake a writer, and serving.py's ``_send_data`` no longer pops
+on a zero window.
+
+The limits, budgets and ledger are plain objects in frontend/limits.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import msgspec
+import trio
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol import h2 as hypercorn_h2
+from hypercorn.protocol import h11 as hypercorn_h11
+from hypercorn.protocol.h2 import BufferCompleteError
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import parse_socket_addr
+from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
+
+from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
+from frontend.wire import error_body
+
+__all__ = [
+    "RESERVE_IDLE_TIMEOUT",
+    "GuardedH2Connection",
+    "StreamBuffer",
+    "WriteStalled",
+    "install",
+    "protect_secrets_in_library_logs",
+    "reserve_gate",
+]
+
+log = logging.getLogger(__name__)
+
+
+RESERVE_IDLE_TIMEOUT = 2.0  # seconds a connection in the reserve may sit idle
+
+
+# ---------------------------------------------------------------- bounded output
+
+
+class WriteStalled(Exception):
+    """A stream's client took none of its output for ``write_stall_timeout``."""
+
+
+class _Unsent:
+    """Bytes a connection holds for its client, over all its streams; the
+    buffers waiting for it to drop below ``limit`` are woken when it does."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self.waiting: set[StreamBuffer] = set()
+
+    @property
+    def full(self) -> bool:
+        return self.bytes >= self.limit
+
+    def add(self, n: int) -> None:
+        self.bytes += n
+
+    def take(self, n: int) -> None:
+        self.bytes -= n
+        if self.waiting and not self.full:
+            waiting, self.waiting = self.waiting, set()
+            for buffer in waiting:
+                buffer._wake()
+
+
+_UNBOUNDED = _Unsent(sys.maxsize)
+
+
+class StreamBuffer:
+    """hypercorn's ``StreamBuffer`` (same methods), bounded: ``push`` returns
+    once the stream holds under ``limit`` bytes and its connection under its
+    own limit, and raises :class:`WriteStalled` when that takes ``stall``
+    seconds; ``drain`` likewise. Only bytes actually taken by ``pop`` (sent)
+    wake a writer: a pop of 0 bytes (zero window) releases nobody."""
+
+    def __init__(self, event_class: object = None) -> None:
+        self.buffer = bytearray()
+        self._complete = self._closed = False
+        self._taken = trio.Event()
+        self._blocked_since: float | None = None  # blocked, and nothing taken since
+        self.unsent = _UNBOUNDED
+        self.limit = DEFAULT_LIMITS.stream_buffer_bytes
+        self.stall = DEFAULT_LIMITS.write_stall_timeout
+
+    def attach(self, unsent: _Unsent, limits: Limits) -> None:
+        """Count this buffer in its connection's ``unsent`` from now on."""
+        self.unsent.take(len(self.buffer))
+        unsent.add(len(self.buffer))
+        self.unsent, self.limit, self.stall = unsent, limits.stream_buffer_bytes, limits.write_stall_timeout
+
+    @property
+    def complete(self) -> bool:
+        return self._complete and not self.buffer
+
+    def set_complete(self) -> None:
+        self._complete = True
+
+    async def close(self) -> None:
+        self._complete = self._closed = True
+        self.unsent.take(len(self.buffer))
+        self.buffer = bytearray()
+        self._wake()
+
+    async def push(self, data: bytes) -> None:
+        if self._complete:
+            raise BufferCompleteError()
+        self.buffer.extend(data)
+        self.unsent.add(len(data))
+        await self._wait(self._over)
+
+    async def pop(self, max_length: int) -> bytes:
+        data = bytes(self.buffer[:max_length])
+        if data:
+            del self.buffer[: len(data)]
+            self._blocked_since = None
+            self.unsent.take(len(data))
+            self._wake()
+        return data
+
+    async def drain(self) -> None:
+        await self._wait(lambda: bool(self.buffer))
+
+    def _over(self) -> bool:
+        return len(self.buffer) >= self.limit or self.unsent.full
+
+    def _wake(self) -> None:
+        self._taken.set()
+        self._taken = trio.Event()
+
+    async def _wait(self, blocked: Callable[[], bool]) -> None:
+        """Until not ``blocked()``: woken by our own bytes taken, by closing,
+        or (while the connection is over its limit) by the connection
+        dropping under it. The stall clock runs from the first wait after
+        our last bytes were taken: room made by other streams does not
+        reset it, only progress of our own."""
+        if not blocked():
+            return
+        if self._blocked_since is None:
+            self._blocked_since = trio.current_time()
+        deadline = self._blocked_since + self.stall
+        try:
+            while blocked() and not self._closed:
+                if self.unsent.full:
+                    self.unsent.waiting.add(self)
+                with trio.move_on_at(deadline) as waited:
+                    await self._taken.wait()
+                if waited.cancelled_caught:
+                    raise WriteStalled()
+        finally:
+            self.unsent.waiting.discard(self)
+
+
+# ---------------------------------------------------------------- h2: refuse, don't die
+
+
+class GuardedH2Connection(h2.connection.H2Connection):
+    """h2's server connection, spending two budgets frame by frame (a read
+    of 64 KiB holds thousands of frames: a check per read would let a Rapid
+    Reset client open 2,400 streams before it) and with two connection
+    errors made stream errors (RFC 9113 5.1.2 and 8.1.1 allow both):
+
+    - a HEADERS frame that opens a stream over our MAX_CONCURRENT_STREAMS:
+      h2 raises TooManyStreamsError (GOAWAY, every stream lost); here the
+      header block is still decoded (HPACK state must follow) and the stream
+      is refused with RST_STREAM(REFUSED_STREAM), which the client may retry;
+    - a malformed request header block (uppercase or connection-specific
+      names, bad pseudo-headers, a bad content-length): RST_STREAM(PROTOCOL_ERROR)
+      on that stream only.
+
+    Budgets: RST_STREAM frames received for streams younger than
+    ``premature_reset`` and streams we refused or reset for their headers
+    spend the reset budget; PING, SETTINGS, PRIORITY frames and
+    empty DATA frames without END_STREAM spend the control budget. Over
+    either, h2 answers :class:`~h2.exceptions.DenialOfServiceError` as it
+    answers any protocol error: GOAWAY (here ENHANCE_YOUR_CALM), and hypercorn
+    closes the connection."""
+
+    _lifting = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard(DEFAULT_LIMITS, None)
+
+    def guard(self, limits: Limits, peer: object) -> None:
+        """Spend ``limits``' budgets; ``peer`` names the client in the log."""
+        self.limits, self.peer = limits, peer
+        self.resets = Budget(limits.reset_burst, limits.reset_rate)
+        self.opened: dict[int, float] = {}  # stream -> when, for streams younger than premature_reset
+        self.control = Budget(limits.control_burst, limits.control_rate)
+
+    @property
+    def open_inbound_streams(self) -> int:
+        return 0 if self._lifting else super().open_inbound_streams
+
+    def _receive_frame(self, frame: Any) -> list[Any]:
+        kind = type(frame)
+        if kind is RstStreamFrame:
+            opened = self.opened.pop(frame.stream_id, None)
+            if opened is not None and trio.current_time() - opened < self.limits.premature_reset:
+                self._spend(self.resets, "stream resets")
+        elif kind in _CONTROL_FRAMES or (kind is DataFrame and not frame.data and "END_STREAM" not in frame.flags):
+            self._spend(self.control, "control frames")
+        events: list[Any] = super()._receive_frame(frame)
+        return events
+
+    def _spend(self, budget: Budget, what: str) -> None:
+        if not budget.spend(trio.current_time()):
+            log.warning("closing the HTTP/2 connection from %s: %s over %d at once or %g/s (GOAWAY ENHANCE_YOUR_CALM)",
+                        self.peer, what, budget.burst, budget.rate)
+            raise h2.exceptions.DenialOfServiceError(f"{what} over budget")
+
+    def _opening(self, sid: int) -> None:
+        """Remember when ``sid`` opened; forget streams past premature_reset."""
+        now = trio.current_time()
+        opened = self.opened
+        while opened:
+            first = next(iter(opened))
+            if now - opened[first] < self.limits.premature_reset:
+                break
+            del opened[first]
+        opened[sid] = now
+
+    def _receive_headers_frame(self, frame: Any) -> tuple[list[Any], list[Any]]:
+        sid = frame.stream_id
+        new = sid not in self.streams
+        if new:
+            self._opening(sid)
+        over = new and sid % 2 == 1 and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        self._lifting = over
+        try:
+            frames, events = super()._receive_headers_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            # Only a new stream's own header block: every other failure
+            # (connection state, stream ids, HPACK) stays a connection error.
+            if not (new and type(exc) is h2.exceptions.ProtocolError and sid in self.streams):
+                raise
+            return self._reset_new(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR, [], [])
+        finally:
+            self._lifting = False
+        if over:
+            return self._reset_new(sid, h2.errors.ErrorCodes.REFUSED_STREAM, frames, events)
+        return frames, events
+
+    def _reset_new(self, sid: int, code: int, frames: list[Any], events: list[Any]) -> tuple[list[Any], list[Any]]:
+        self.reset_stream(sid, code)
+        self._spend(self.resets, "streams refused or reset")
+        kept = [e for e in events if getattr(e, "stream_id", None) != sid]
+        return frames, kept
+
+
+_CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame)
+
+
+def _guarded_connection(old: h2.connection.H2Connection, limits: Limits, peer: object) -> GuardedH2Connection:
+    """A :class:`GuardedH2Connection` set up as hypercorn set up ``old``."""
+    conn = GuardedH2Connection(config=old.config)
+    conn.DEFAULT_MAX_INBOUND_FRAME_SIZE = old.DEFAULT_MAX_INBOUND_FRAME_SIZE
+    conn.local_settings = old.local_settings
+    conn.guard(limits, peer)
+    return conn
+
+
+# ---------------------------------------------------------------- per-connection state
+
+
+class _Guard:
+    """One HTTP/2 connection's output ledger, and its streams given up."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.unsent = _Unsent(limits.connection_buffer_bytes)
+        self.stalled = 0
+
+
+def _limits_of(config: object) -> Limits:
+    limits = getattr(config, "headrace_limits", None)
+    return limits if isinstance(limits, Limits) else DEFAULT_LIMITS
+
+
+def _guard_of(protocol: Any) -> _Guard:
+    guard: _Guard | None = getattr(protocol, "_headrace_guard", None)
+    if guard is None:
+        guard = protocol._headrace_guard = _Guard(_limits_of(protocol.config))
+    return guard
+
+
+async def _give_up(protocol: Any, stream_id: int) -> None:
+    """A stream's client read nothing for the write-stall timeout: reset the
+    stream and tell the app it is gone (its backend request is cancelled)."""
+    guard = _guard_of(protocol)
+    guard.stalled += 1
+    level = logging.WARNING if guard.stalled == 1 else logging.DEBUG
+    log.log(level, "HTTP/2 client %s read nothing of stream %d for %.0f s: stream reset (%d on this connection)",
+            protocol.client, stream_id, guard.limits.write_stall_timeout, guard.stalled)
+    try:
+        protocol.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+    except h2.exceptions.ProtocolError:
+        pass
+    # Flushed first: once the app is told, it is cancelled, flush and all.
+    await protocol._flush()
+    buffer = protocol.stream_buffers.get(stream_id)
+    if buffer is not None:
+        await buffer.close()
+    await protocol._close_stream(stream_id)  # http.disconnect: the app cancels its work
+    await protocol._window_updated(stream_id)  # the sender forgets the stream
+
+
+# ---------------------------------------------------------------- the patches
+
+
+def _patch_h2_protocol() -> None:
+    protocol = hypercorn_h2.H2Protocol
+    hypercorn_h2.StreamBuffer = StreamBuffer  # type: ignore[assignment, misc]
+    init, create_stream = protocol.__init__, protocol._create_stream
+    handle_events, stream_send = protocol._handle_events, protocol.stream_send
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        limits = _limits_of(self.config)
+        self.connection = _guarded_connection(self.connection, limits, self.client)
+        self._headrace_guard = _Guard(limits)
+
+    async def _create_stream(self: Any, request: h2.events.RequestReceived) -> None:
+        await create_stream(self, request)
+        buffer = self.stream_buffers.get(request.stream_id)
+        if isinstance(buffer, StreamBuffer):
+            guard = _guard_of(self)
+            buffer.attach(guard.unsent, guard.limits)
+
+    async def _handle_events(self: Any, events: list[h2.events.Event]) -> None:
+        # Priority signals are deprecated (RFC 9113 5.3.2) and ignored: hypercorn
+        # put every PRIORITY frame's stream in a tree that fails at 1,000.
+        await handle_events(self, [e for e in events if not isinstance(e, h2.events.PriorityUpdated)])
+
+    async def _stream_send(self: Any, event: Any) -> None:
+        try:
+            await stream_send(self, event)
+        except WriteStalled:
+            await _give_up(self, event.stream_id)
+
+    protocol.__init__ = __init__  # type: ignore[method-assign]
+    protocol._create_stream = _create_stream  # type: ignore[method-assign]
+    protocol._handle_events = _handle_events  # type: ignore[method-assign]
+    protocol.stream_send = _stream_send  # type: ignore[method-assign]
+
+
+def _patch_tcp_server() -> None:
+    """A socket write blocked for the write-stall timeout closes the
+    connection (hypercorn's write is shielded and waits forever); a
+    connection over the caps is closed as soon as it is accepted; a client
+    gone (end of file) gives its socket back at once, not after the
+    keep-alive timeout (hypercorn's idle task held it that long)."""
+    protocol_send, run, read_data = TCPServer.protocol_send, TCPServer.run, TCPServer._read_data
+
+    async def _read_data(self: Any) -> None:
+        await read_data(self)
+        self._headrace_read_done = True
+        await self.idle_task.stop()
+
+    async def _protocol_send(self: Any, event: Any) -> None:
+        if isinstance(event, Updated) and getattr(self, "_headrace_read_done", False):
+            return  # no idle wait for a client that is gone
+        if not isinstance(event, RawData):
+            await protocol_send(self, event)
+            return
+        stall = _limits_of(self.config).write_stall_timeout
+        async with self.send_lock:
+            try:
+                # Shielded: a write cut in half would corrupt the stream; bounded instead.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + stall) as scope:
+                    await self.stream.send_all(event.data)
+                if scope.cancelled_caught:
+                    log.warning("closing a connection: a write made no progress for %.0f s", stall)
+                    await self.protocol.handle(Closed())
+                    await self.stream.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+
+    async def _run(self: Any) -> None:
+        ledger: ConnectionLedger | None = getattr(self.config, "headrace_connections", None)
+        client = _peer(self.stream) if ledger is not None else None
+        if ledger is None or client is None:
+            await run(self)
+            return
+        admission = ledger.admit(client)
+        if admission == "refused":
+            await self.stream.aclose()
+            return
+        if admission == "reserve":
+            # One request, and a short idle wait: idle connections must not
+            # sit in the reserve that probes need.
+            self.config = copy.copy(self.config)
+            self.config.keep_alive_timeout = min(self.config.keep_alive_timeout, RESERVE_IDLE_TIMEOUT)
+            self.config.keep_alive_max_requests = 1
+        try:
+            await run(self)
+        finally:
+            ledger.release(client)
+
+    TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
+    TCPServer.run = _run  # type: ignore[method-assign]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]
+
+
+def _peer(stream: Any) -> tuple[str, int] | None:
+    sock = getattr(getattr(stream, "transport_stream", stream), "socket", None)
+    try:
+        return parse_socket_addr(sock.family, sock.getpeername()) if sock is not None else None
+    except OSError:
+        return None
+
+
+def _patch_h11_framing() -> None:
+    """RFC 9112 6.1: a request with both Content-Length and Transfer-Encoding
+    may be a smuggling attempt; h11 frames it by Transfer-Encoding and keeps
+    the connection, so what the length hid was read as a second request.
+    Answer 400 with ``Connection: close`` and read nothing more."""
+    protocol = hypercorn_h11.H11Protocol
+    create_stream = protocol._create_stream
+
+    async def _create_stream(self: Any, request: Any) -> None:
+        names = {name.lower() for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            await self._send_error_response(400)
+            await self.send(Closed())
+            return
+        await create_stream(self, request)
+
+    protocol._create_stream = _create_stream  # type: ignore[method-assign]
+
+
+def install() -> None:
+    """Install the patches once (frontend/serving.py calls this at import)."""
+    if getattr(TCPServer, "_headrace_hardened", False):
+        return
+    _patch_h2_protocol()
+    _patch_tcp_server()
+    _patch_h11_framing()
+    TCPServer._headrace_hardened = True  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the reserve
+
+
+def reserve_gate(app: Callable[..., Any], ledger: ConnectionLedger, paths: frozenset[str]) -> Callable[..., Any]:
+    """``app``, except that a connection in the reserve is answered 503 for
+    any path but ``paths`` (and closed, over HTTP/1.1)."""
+    body = msgspec.json.encode(error_body("the server is at its connection limit; retry", "server_error", None, "overloaded"))
+
+    async def gated(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in paths or not ledger.is_reserve(scope.get("client")):
+            await app(scope, receive, send)
+            return
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")]
+        if scope.get("http_version") in ("1.0", "1.1"):
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return gated
+
+
+# ---------------------------------------------------------------- secrets in logs
+
+# A credential header's name, the separator after it (": ", "', b'", "=") and its value.
+_SECRET_HEADERS = re.compile(
+    r"(authorization|proxy-authorization|x-api-key|api-key|cookie|set-cookie)(['\"]?\s*[:,=]\s*b?['\"]?)([^'\"\r\n,)]*)",
+    re.IGNORECASE,
+)
+_PROTOCOL_LOGGERS = ("hpack", "h2", "hyperframe")
+
+
+class _DropDebug(logging.Filter):
+    """hpack's DEBUG records are header blocks, decoded (``authorization:
+    Bearer <key>``) or encoded: none may ever be written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.INFO
+
+
+class _Redact(logging.Filter):
+    """Values of credential headers in a record's message become ``<redacted>``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = _SECRET_HEADERS.sub(lambda m: m.group(1) + m.group(2) + "<redacted>", message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+def protect_secrets_in_library_logs() -> None:
+    """Hold the HTTP/2 libraries' loggers at INFO and drop their DEBUG
+    records whatever level is set later (``--log-level DEBUG`` made hpack
+    log ``authorization: Bearer <key>``); redact credential headers in
+    hypercorn's error and access logs."""
+    for name in _PROTOCOL_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    for name in ("hpack.hpack", "hpack.table"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropDebug) for f in logger.filters):
+            logger.addFilter(_DropDebug())
+    for name in ("hypercorn.error", "hypercorn.access"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Redact) for f in logger.filters):
+            logger.addFilter(_Redact())

@@ -1,0 +1,117 @@
+"""Slow readers: a client that stops taking its output, by HTTP/2 flow
+control (a zero window) or at the TCP level (it never reads the socket),
+holds a bounded amount of the router's memory, and after
+``write_stall_timeout`` its streams are reset and their backend requests
+cancelled; a neighbour on another connection sees no error.
+
+Sized for two shared cores: 8 streams (not 100: what is bounded is per
+stream and per connection, and filling what the router may legitimately
+hold, its upstream client's 1 MiB window per stream included, costs the
+mocks CPU) of 4 KB tokens at 500 tokens/s each (16 MB/s offered, so an
+unbounded buffer shows at once), a 10 s stall timeout instead of 30 s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h2.errors
+import h2.events
+import trio
+
+from tests.hardening.harness import (
+    ATTACK_PROMPT,
+    CountingMock,
+    Neighbour,
+    RawH2,
+    RouterProcess,
+    completion,
+    of,
+    start_mocks,
+    start_router,
+)
+
+STREAMS = 8
+STALL = 10.0
+MOCK: dict[str, Any] = {"vocab": ("x" * 4000,), "tpot_s": 0.002, "max_tokens": 1_000_000, "max_context": 2_000_000}
+
+
+async def _generating(mocks: list[CountingMock], seconds: float) -> int:
+    before = sum(m.events for m in mocks)
+    await trio.sleep(seconds)
+    return sum(m.events for m in mocks) - before
+
+
+async def _attack(nursery: trio.Nursery, tmp: Path, *, window: int | None, read: bool) -> None:
+    urls, mocks = await start_mocks(nursery, **MOCK)
+    router: RouterProcess = await start_router(nursery, tmp, urls, {"server.write_stall_timeout": STALL})
+    neighbour = Neighbour(router.url)
+    stop = trio.Event()
+    nursery.start_soon(neighbour.run, stop)
+    await trio.sleep(1.5)
+    baseline = Neighbour(router.url, latencies=list(neighbour.latencies))
+    rss0, fds0, cpu0 = router.usage()
+
+    attacker = await RawH2.open(router.port, window=window)
+    started = trio.current_time()
+    for i in range(STREAMS):
+        attacker.request(1 + 2 * i, body=completion(1_000_000, prompt=ATTACK_PROMPT))
+    await attacker.flush()
+    if read:  # headers come back; no DATA can (window 0), nothing is acknowledged
+        nursery.start_soon(lambda: attacker.read(60, ack=False))
+    # The backends fill what the router will hold (its upstream client's
+    # windows included), then stop: wait for that plateau, then watch it.
+    plateau = None
+    with trio.move_on_after(STALL - 2):
+        while await _generating(mocks, 0.5) > STREAMS:
+            pass
+        plateau = trio.current_time() - started
+    rss1, _, _ = router.usage()
+    seen = len(neighbour.latencies)
+    generated = await _generating(mocks, 2.0)
+    rss2, fds2, _ = router.usage()
+    steady = Neighbour(router.url, latencies=neighbour.latencies[seen:])
+    cancelled_after = None
+    with trio.move_on_after(STALL + 4 - (trio.current_time() - started)):
+        while sum(m.statistics().cancelled for m in mocks) < STREAMS:
+            await trio.sleep(0.1)
+        cancelled_after = trio.current_time() - started
+    rss3, fds3, cpu3 = router.usage()
+    stop.set()
+    await attacker.aclose()
+    await trio.sleep(0.5)
+    _, fds4, _ = router.usage()
+    print(
+        f"\nplateau after {plateau} s, all {STREAMS} backend requests cancelled after {cancelled_after} s;"
+        f" RSS {rss0:.0f} -> {rss1:.0f} -> {rss2:.0f} (2 s later) -> {rss3:.0f} MiB; fds {fds0} -> {fds2} -> {fds3} -> {fds4};"
+        f" router CPU {cpu3 - cpu0:.1f} s; backend events in those 2 s: {generated};"
+        f" neighbour {len(neighbour.latencies)} requests, {len(neighbour.errors)} errors,"
+        f" p99 {baseline.p99() * 1000:.0f} ms before, {steady.p99() * 1000:.0f} ms on the plateau,"
+        f" {Neighbour(router.url, latencies=neighbour.latencies[len(baseline.latencies):]).p99() * 1000:.0f} ms over the attack"
+    )
+    assert plateau is not None, "the backends never stopped generating"
+    assert cancelled_after is not None, "the stalled streams' backend requests were not cancelled"
+    assert rss2 - rss1 < 4, "the router's memory kept growing while the client read nothing"
+    assert generated <= STREAMS, "the backends kept generating for a client that reads nothing"
+    assert rss3 - rss0 < 64
+    assert not neighbour.errors
+    assert fds4 <= fds0 + 2
+    if read:
+        resets = of(attacker.events, h2.events.StreamReset)
+        assert {e.stream_id for e in resets} == {1 + 2 * i for i in range(STREAMS)}
+        assert {e.error_code for e in resets} == {h2.errors.ErrorCodes.CANCEL}
+
+
+async def test_a_zero_window_client_holds_bounded_memory_and_its_streams_are_reset(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """SETTINGS_INITIAL_WINDOW_SIZE=0 and 32 streams: hypercorn 0.18 buffered
+    the whole generation (unbounded); now each stream holds at most its
+    buffer, the backends stop, and after the stall timeout every stream gets
+    RST_STREAM(CANCEL) and its backend request is cancelled."""
+    await _attack(nursery, tmp_path, window=0, read=True)
+
+
+async def test_a_client_that_stops_reading_the_socket_is_cut_off(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Normal windows, but the client never reads the socket: the router's
+    write blocks; after the stall timeout its streams are reset, their
+    backend requests cancelled and the connection closed."""
+    await _attack(nursery, tmp_path, window=None, read=False)
