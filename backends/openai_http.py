@@ -409,7 +409,10 @@ class _H2:
 
 class _H1:
     """HTTP/1.1 (cleartext or TLS) through httpx. Leaving a response early
-    closes its connection, which is how HTTP/1.1 cancels."""
+    closes its connection, which is how HTTP/1.1 cancels. Probes and model
+    lists (``get``) have their own small pool, so streams stuck on slow
+    clients (every request connection busy) never make a healthy backend's
+    probe time out."""
 
     version = "1.1"
 
@@ -422,21 +425,25 @@ class _H1:
         connect_timeout: float,
         max_connections: int,
     ) -> None:
-        self.client = httpx.AsyncClient(
-            base_url=base_url,
-            http1=True,
-            http2=False,
-            headers=headers,
-            timeout=httpx.Timeout(
-                connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
-            ),
-            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=30.0),
-            verify=verify,
-            trust_env=False,
-        )
+        def client(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=base_url,
+                http1=True,
+                http2=False,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    connect=connect_timeout, read=None, write=connect_timeout, pool=connect_timeout
+                ),
+                limits=httpx.Limits(max_connections=connections, keepalive_expiry=30.0),
+                verify=verify,
+                trust_env=False,
+            )
+
+        self.client = client(max_connections)
+        self.probes = client(2)
 
     async def get(self, path: str) -> tuple[int, bytes]:
-        response = await self.client.get(path)
+        response = await self.probes.get(path)
         return response.status_code, response.content
 
     def open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AbstractAsyncContextManager[_Reply]:
@@ -450,6 +457,7 @@ class _H1:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.probes.aclose()
 
 
 async def _resend_if_refused(send: Callable[[], Awaitable[T]]) -> T:

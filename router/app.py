@@ -251,6 +251,7 @@ class Router:
             },
             authenticate=self._authenticate if config.auth.enabled else None,
             max_body_bytes=limit,
+            body_idle_timeout=config.server.body_idle_timeout,
             observe=self.metrics.observe,
             gate=self.pipeline,
             coalesce=True,
@@ -259,6 +260,7 @@ class Router:
             self.dispatcher,
             extra_routes={("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics},
             max_body_bytes=limit,
+            body_idle_timeout=config.server.body_idle_timeout,
             observe=self.metrics.observe,
         )
 

@@ -75,6 +75,23 @@ async def test_forced_versions_against_an_http1_only_server(http: str, ok: bool)
             await client.aclose()
 
 
+async def test_http1_probes_have_their_own_pool_so_busy_streams_never_starve_them() -> None:
+    """One request connection, held by a slow stream: the health probe still
+    answers at once (it used to queue behind the stream and time out, so a
+    slow client made a healthy HTTP/1.1 backend look dead)."""
+    async with serving_http1(build_app(MockBackend(MockConfig(tpot_s=0.2)))) as url:  # type: ignore[arg-type]
+        client = OpenAIHTTPBackend(url, http="1.1", max_connections=1)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect, client, GenerateRequest(prompt="hi", max_tokens=20, ignore_eos=True))
+                await trio.sleep(0.3)  # the stream holds the only request connection
+                with trio.fail_after(1.0):
+                    assert (await client.health()).ok
+                nursery.cancel_scope.cancel()
+        finally:
+            await client.aclose()
+
+
 def test_every_adapter_option_is_settable_in_config_and_checked() -> None:
     config = decode_config({"backends": [{
         "url": "http://127.0.0.1:9", "model": "m",

@@ -185,3 +185,10 @@ async def test_idle_connections_from_one_address_cannot_exhaust_descriptors(nurs
     assert health == 200
     assert not neighbour.errors and len(neighbour.latencies) > 10
     assert "EMFILE" not in log and "Too many open files" not in log
+
+
+async def test_the_router_applies_the_configured_body_idle_timeout_to_both_listeners() -> None:
+    from router.app import Router
+
+    router = Router(decode_config({"server": {"body_idle_timeout": 3.5}}), [])
+    assert router.api.body_idle_timeout == router.ops.body_idle_timeout == 3.5
