@@ -68,8 +68,8 @@ class KVAware:
         prefix_tokens: int = 256  # the prefix_hash key for cold starts and ties
         vnodes: int = 160
         max_blocks: int = 1_000_000  # the KV index bound (distinct block hashes)
-        recent_ttl_s: float = 120.0  # how long a send counts as cached where no events come
-        pending_ttl_s: float = 5.0  # the same for backends with events, until their events arrive
+        recent_ttl_s: float = 120.0  # how long a prefilled prompt counts as cached where no events come
+        pending_ttl_s: float = 5.0  # the same for backends with events, until their own events arrive
         # Uncached tokens prefilled away from the request's home (its
         # prefix_hash placement) cost this much more: they copy a prefix
         # into a cache that is not its home and evict what is at home there.
@@ -100,9 +100,9 @@ class KVAware:
 
     def cached_tokens(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> dict[str, int]:
         """Prompt tokens each candidate is estimated to hold (absent: none):
-        by its events if it publishes them, else by what was sent to it; and
-        either way by what was sent in the last ``pending_ttl_s`` (its events
-        may not have arrived yet)."""
+        by its events if it publishes them, else by the prompts it prefilled
+        for this router; and either way by those of the last ``pending_ttl_s``
+        (its events may not have arrived yet)."""
         hashes = request.block_hashes
         if not hashes:
             return {}
@@ -211,9 +211,6 @@ class KVAware:
         self._last_pick = None
         if request.request_id:
             self._predicted[(backend, request.request_id)] = cached
-        if request.block_hashes:
-            record = self.pending if self.index.follows(backend) else self.recent
-            record.record(backend, request.block_hashes, now)
         owed = max(request.prompt_tokens - cached, 0)
         if owed and request.request_id:
             key = (backend, request.request_id)
@@ -221,7 +218,14 @@ class KVAware:
             self._queued[backend] = self._queued.get(backend, 0) + owed
 
     def on_first_token(self, backend: str, request: RouteRequest, now: float) -> None:
+        """Prefill done: the backend now holds the prompt's blocks (recorded
+        here, not at dispatch: a request sent while another with its prefix
+        is still prefilling does not share that prefill, so counting it
+        cached then would be a wrong prediction)."""
         self._settle(backend, request)
+        if request.block_hashes:
+            record = self.pending if self.index.follows(backend) else self.recent
+            record.record(backend, request.block_hashes, now)
 
     def on_complete(
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None
