@@ -25,8 +25,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check frontend router backends policies conformance bench tests
-	$(BIN)/mypy frontend router policies
+	$(BIN)/ruff check frontend router backends policies conformance bench sim tests
+	$(BIN)/mypy frontend router policies sim
 
 conformance: $(STAMP)
 	@test -n "$(TARGET)" || (echo "usage: make conformance TARGET=http://host:port" >&2; exit 2)
