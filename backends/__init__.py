@@ -33,6 +33,7 @@ from backends.errors import (
     StreamBroken,
     Unauthorized,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.fakes import FlakyBackend, SlowBackend, StallingBackend
 from backends.mock import Fault, MockBackend, MockConfig, parse_fault
@@ -70,6 +71,7 @@ __all__ = [
     "TopLogprob",
     "Unauthorized",
     "UpstreamError",
+    "UpstreamRateLimited",
     "Usage",
     "parse_fault",
 ]

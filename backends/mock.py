@@ -58,6 +58,7 @@ from backends.errors import (
     ModelNotFound,
     StreamBroken,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.mock_cache import PrefixCache, PrefixCacheStatistics
 from backends.tally import StreamTally
@@ -469,6 +470,7 @@ class MockBackend:
         return BackendInfo(
             name=c.name, models=c.models, max_context=c.max_context, token_ids=True, seeds=True,
             kv_events=self.cache is not None, block_size=c.block_size or None,
+            tokenizer="bytes",  # its token ids are the prompt's bytes (encode_text)
         )
 
     async def health(self) -> Health:
@@ -602,7 +604,9 @@ def _raise_status(faults: list[Fault]) -> None:
     for f in faults:
         if f.kind != "status":
             continue
-        if f.status in (429, 503):
+        if f.status == 429:  # as an HTTP adapter translates a real 429
+            raise UpstreamRateLimited("injected fault: status 429", retry_after=f.retry_after)
+        if f.status == 503:
             raise BackendUnavailable(
                 f"injected fault: status {f.status}", retry_after=f.retry_after
             )

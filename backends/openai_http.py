@@ -19,7 +19,8 @@ over a connection of its own, since it stays open for as long as the router runs
 Every transport, TLS and JSON failure is translated here, once::
 
     connect refused, DNS, reset before the response   BackendUnavailable
-    HTTP 429 / 503 (+ Retry-After)                     BackendUnavailable(retry_after)
+    HTTP 429 (+ Retry-After)                           UpstreamRateLimited(retry_after)
+    HTTP 503 (+ Retry-After)                           BackendUnavailable(retry_after)
     HTTP 400 context length / 404 / other 4xx          ContextLengthExceeded / ModelNotFound / ClientError
     HTTP 5xx                                           UpstreamError
     no bytes for ``stall_timeout`` (or headers late)   BackendTimeout

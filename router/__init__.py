@@ -4,12 +4,14 @@ a policy, Prometheus metrics, and ``headrace serve``."""
 from __future__ import annotations
 
 from router.actors import ActorStatistics, BackendActor, Supervisor
-from router.app import NamedBackend, Router
+from router.app import KVFanOut, NamedBackend, Router
 from router.config import (
     AuthConfig,
     BackendSpec,
     ConfigError,
     HealthConfig,
+    ModelRoute,
+    ModelVersion,
     RouterConfig,
     RoutingConfig,
     ServerConfig,
@@ -21,6 +23,8 @@ from router.dispatch import Dispatcher, DispatchStatistics, Progress, Recorder
 from router.factory import build_backend, build_backends, default_backends
 from router.health import HealthEvent, HealthState, LifecycleError
 from router.metrics import RouterMetrics
+from router.prefix_keys import PrefixKeys, PromptKeys
+from router.routes import RouteTable
 from router.server import run_router
 
 __all__ = [
@@ -34,10 +38,16 @@ __all__ = [
     "HealthConfig",
     "HealthEvent",
     "HealthState",
+    "KVFanOut",
     "LifecycleError",
+    "ModelRoute",
+    "ModelVersion",
     "NamedBackend",
+    "PrefixKeys",
     "Progress",
+    "PromptKeys",
     "Recorder",
+    "RouteTable",
     "Router",
     "RouterConfig",
     "RouterMetrics",

@@ -18,6 +18,7 @@ from backends.errors import (
     ModelNotFound,
     StreamBroken,
     UpstreamError,
+    UpstreamRateLimited,
 )
 from backends.mock import (
     BYTE_IDS,
@@ -235,7 +236,7 @@ async def test_stall_fault_sleeps_forever_after_n_tokens(
     ("spec", "error", "retry_after"),
     [
         ("status=503:retry-after=7", BackendUnavailable, 7.0),
-        ("429:retry-after=2", BackendUnavailable, 2.0),
+        ("429:retry-after=2", UpstreamRateLimited, 2.0),
         ("status=500", UpstreamError, None),
     ],
 )

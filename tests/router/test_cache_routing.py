@@ -177,3 +177,14 @@ async def test_a_models_configured_tokenizer_gives_the_engines_keys_without_lear
     engine = fake_engine_backend(load_tokenizer(str(tok_gguf)), model=str(tok_gguf))
     assert keys.source == "tokens" and keys.block_hashes == tuple(chain_hashes(engine.prompt_ids(request), 16))
     assert router.keys.keys(msgspec.structs.replace(request, model="other")).source == "text"
+
+
+async def test_an_in_process_mock_names_its_byte_tokenizer_so_keys_are_its_own() -> None:
+    from backends.mock import MockBackend, encode_text, render_chat
+    from router.prefix_keys import PrefixKeys
+
+    mock = MockBackend(MockConfig(name="m", models=("mock",), block_size=16))
+    keys = PrefixKeys()
+    await keys.learn(mock, mock.info())
+    request = GenerateRequest(model="mock", messages=[ChatMessage(role="user", content=SYSTEM)])
+    assert keys.keys(request).block_hashes == tuple(chain_hashes(encode_text(render_chat(request.messages or [])), 16))
