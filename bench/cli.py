@@ -221,9 +221,19 @@ def _load_main(argv: list[str]) -> int:
 
 
 def describe_stop(exc: BaseException) -> str:
-    """Why a run stopped early, for the report's ``interrupted``."""
-    inner = leaf(exc)
-    return f"{type(inner).__name__}: {inner}"[:300]
+    """Why a run stopped early, for the report's ``interrupted``: the
+    innermost error, or, when a group holds several (two requests hit by one
+    Ctrl-C), the first of them and how many there were."""
+    leaves = _leaves(exc)
+    inner = leaf(exc) if len(leaves) == 1 else leaves[0]
+    more = f" (and {len(leaves) - 1} more)" if len(leaves) > 1 else ""
+    return f"{type(inner).__name__}: {inner}{more}"[:300]
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [e for sub in exc.exceptions for e in _leaves(sub)]
+    return [exc]
 
 
 def is_interrupt(exc: BaseException) -> bool:

@@ -138,3 +138,11 @@ async def test_the_lean_http2_client_times_a_stream_and_counts_a_reset_by_type()
             result = await _send(pool, spec)
         assert result.error == "StreamReset" and result.e2e is not None
         nursery.cancel_scope.cancel()
+
+
+def test_a_stop_by_several_errors_at_once_is_named_by_them() -> None:
+    from bench.cli import describe_stop
+
+    both = BaseExceptionGroup("two", [KeyboardInterrupt(), BaseExceptionGroup("inner", [KeyboardInterrupt()])])
+    assert describe_stop(both).startswith("KeyboardInterrupt: ") and describe_stop(both).endswith("(and 1 more)")
+    assert describe_stop(RuntimeError("bug")) == "RuntimeError: bug"
