@@ -64,7 +64,9 @@ def test_engine_cli_against_a_streaming_server_writes_a_table_json_and_png(
     assert roof["achieved_fraction"] == pytest.approx(single / roof["ceiling_tok_s"])
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 3]
     assert all(lv["ok"] == lv["requests"] > 0 for lv in doc["levels"])
-    assert doc["levels"][1]["aggregate_tok_s"] > doc["levels"][0]["aggregate_tok_s"]
+    # Each level reports its aggregate rate (which is faster is the benchmark's
+    # finding, not this test's: on a loaded CI box c=3 can come out slower).
+    assert all(lv["aggregate_tok_s"] > 0 for lv in doc["levels"])
     assert all(b["ignore_eos"] is True and b["max_tokens"] == 8 for b in app.bodies)
     assert next(tmp_path.glob("engine-*.png")).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
