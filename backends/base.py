@@ -162,6 +162,10 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     # numbers its events from 1 again under a new epoch, so a subscriber
     # holding an old seq knows to drop what it indexed and start over.
     kv_epoch: str | None = None
+    # The same request gives the same tokens whatever else the backend serves and
+    # whatever it has cached, and a request whose prompt is another's prompt plus its
+    # first k output tokens continues it exactly (stream migration relies on it).
+    exact_resume: bool = False
 
 
 _MASK63 = (1 << 63) - 1

@@ -21,11 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backends.engine.invariant import KeyBlocks, key_blocks
+
 __all__ = [
     "AttentionMetadata",
     "PrefillSpan",
     "decode_attention",
     "paged_attention",
+    "row_key_blocks",
     "split_decodes",
     "write_kv",
 ]
@@ -56,6 +59,12 @@ class AttentionMetadata:
     decode_mask: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
     num_decode_seqs: int = 0  # sequences the decode rows belong to
+    # Decode rows [start, end) that are one sequence's consecutive tokens (the runner's
+    # batch-invariant layout makes every token a decode row): their keys are read once.
+    spans: tuple[tuple[int, int], ...] = ()
+    # The batch-invariant kernels' key blocks of every row (invariant.py): derived once
+    # per forward pass by the model (row_key_blocks) and shared by every layer.
+    key_blocks: KeyBlocks | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -89,6 +98,34 @@ def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, Attention
         num_decode_seqs=0,
     )
     return decode, prefill
+
+
+def row_key_blocks(meta: AttentionMetadata, block_size: int, n_kv: int) -> KeyBlocks:
+    """Every row's key blocks: a decode row's over its own table and context, the rows
+    of a prefill span over the span's table, each up to its own position."""
+    rows = int(meta.slot_mapping.shape[0])
+    dev = meta.slot_mapping.device
+    in_order = torch.equal(meta.decode_rows, torch.arange(rows, device=dev))
+    if not meta.prefills and in_order:  # the runner's layout: decode rows only, in order
+        return key_blocks(
+            meta.decode_block_tables, meta.decode_context_lens, block_size, n_kv, meta.spans
+        )
+    width = max(
+        [int(meta.decode_block_tables.shape[1])] + [int(s.block_table.shape[0]) for s in meta.prefills]
+    )
+    tables = torch.zeros(rows, width, dtype=torch.int64, device=dev)
+    lens = torch.ones(rows, dtype=torch.int64, device=dev)
+    n = meta.num_decodes
+    if n:
+        tables[meta.decode_rows, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        lens[meta.decode_rows] = meta.decode_context_lens
+    for span in meta.prefills:
+        n_new = span.end - span.start
+        tables[span.start : span.end, : span.block_table.shape[0]] = span.block_table
+        first = span.context_len - n_new + 1
+        lens[span.start : span.end] = torch.arange(first, span.context_len + 1, device=dev)
+    spans = meta.spans + tuple((s.start, s.end) for s in meta.prefills if s.end - s.start > 1)
+    return key_blocks(tables, lens, block_size, n_kv, spans)
 
 
 def write_kv(

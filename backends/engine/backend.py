@@ -80,7 +80,10 @@ def build_engine(
     max_len = config.resolve_max_model_len(loaded.args.max_seq_len)
     per_block = kv_bytes_per_block(loaded.args, config.block_size, dtype)
     num_blocks = config.resolve_num_kv_blocks(per_block, max_len, device.type)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device=device, dtype=dtype)
+    runner = ModelRunner(
+        loaded.model, num_blocks, config.block_size, device=device, dtype=dtype,
+        batch_invariant=config.batch_invariant,
+    )
     if config.packed_weights and loaded.q4:
         attach_q4(runner.model, loaded.q4)
         runner.model.native_plan()  # compile and lay out the native kernels now, not mid-request
@@ -216,6 +219,7 @@ class EngineBackend:
             kv_events=self.engine.config.enable_kv_events,
             seeds=True,
             block_size=self.engine.block_size,
+            exact_resume=bool(getattr(self.engine.runner, "batch_invariant", False)),
         )
 
     async def health(self) -> Health:

@@ -78,6 +78,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Run GGUF Q4_0/Q4_1 weights packed (4-bit kernel, bfloat16 on CPU) for small
     # batches instead of dequantised: see backends/engine/quant.py.
     packed_weights: bool = True
+    # Every token computed by batch-invariant kernels (invariant.py): the same tokens
+    # whatever the batch, the prefix-cache state, the prefill chunking, and for a
+    # request resumed with its first k tokens appended to the prompt (BackendInfo
+    # ``exact_resume``). Off: faster kernels chosen by batch size, whose last bits (and
+    # so, now and then, tokens) depend on what else the step holds.
+    batch_invariant: bool = True
     # Sampling for fields a request leaves unset, as vLLM does: "auto" takes the
     # model's recommendation (GGUF general.sampling.*, generation_config.json, else
     # the engine's per-model table), "off" keeps OpenAI's defaults (temperature 1).

@@ -17,6 +17,7 @@ in that layout; Hugging Face checkpoints are permuted once at load time
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.engine import invariant
 from backends.engine.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
+    row_key_blocks,
     split_decodes,
     write_kv,
 )
@@ -74,12 +77,16 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
+    batch_invariant = False  # Transformer.set_batch_invariant: fixed row tiles
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.dim() == 2:
+            return invariant.rms_norm(x, self.weight, self.eps)
         # torch's fused kernel: in float32 the same result as transformers' LlamaRMSNorm
         # (x * rsqrt(mean(x^2) + eps) * weight); in bfloat16 it rounds once instead of
         # twice. A third of the time of the spelled-out seven ops on CPU.
@@ -252,6 +259,38 @@ class LinearGroup:
             return (y,)
         return tuple(torch.split_with_sizes(y, self._sizes, dim=-1))
 
+    def tiled(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``group(x)`` with every row computed by one dense kernel on fixed tiles of
+        rows (:func:`backends.engine.invariant.by_tiles`), never the 4-bit one: a row's
+        result does not depend on how many rows come with it. x: [M, K]."""
+        y = self.tiled_fused(x)
+        if y is None:
+            rows = invariant.tile_rows(x)
+            return tuple(
+                invariant.by_tiles(functools.partial(F.linear, weight=lin.weight, bias=lin.bias),
+                                   x, rows)
+                for lin in self.linears
+            )
+        if len(self._sizes) == 1:
+            return (y,)
+        return tuple(torch.split_with_sizes(y, self._sizes, dim=-1))
+
+    def tiled_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``cat(group.tiled(x), -1)`` where the group runs as one matmul, else None."""
+        self._refresh()
+        weight, kernel = (self._packed, _onednn) if self._packed is not None else (
+            self._dense, F.linear)
+        if weight is None:
+            return None
+        return invariant.by_tiles(functools.partial(kernel, weight=weight), x,
+                                  invariant.tile_rows(x))
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's matmul with a weight prepacked by ``_reorder_linear_weight``."""
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return y
+
 
 def _version(t: torch.Tensor) -> int:
     return 0 if t.is_inference() else t._version
@@ -268,6 +307,8 @@ def permute_qk_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # Transformer.set_batch_invariant: invariant.py's kernels
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -287,6 +328,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x: [T, dim] -> [T, dim]; rope: the tables of :func:`rope_tables`."""
+        if self.batch_invariant:
+            return self._invariant(x, rope, kv_cache, meta)
         t, h, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self._qkv.fused(x)  # [T, (H + 2 Hkv) D] or None
         if qkv is not None:  # q and k are adjacent: rotate them in one go
@@ -303,8 +346,39 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
         return self._out(out.reshape(t, h * d))[0]
 
+    def _invariant(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The same layer by batch-invariant kernels (invariant.py): tiled linears, each
+        row attending on its own over fixed blocks of its keys. x: [P, dim], the step's
+        T rows first (P > T: zero rows padding the residual stream to whole tiles)."""
+        t, h, hkv, d = int(meta.slot_mapping.shape[0]), self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self._qkv.tiled_fused(x)  # [P, (H + 2 Hkv) D] or None
+        if qkv is not None:  # q and k are adjacent: rotate them in one go
+            qk = apply_rope(qkv[:t, : (h + hkv) * d].view(t, h + hkv, d), rope)
+            q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
+            v = qkv[:t, (h + hkv) * d :].view(t, hkv, d)  # [T, Hkv, D]
+        else:
+            q2, k2, v2 = self._qkv.tiled(x)  # [P, H D], [P, Hkv D], [P, Hkv D]
+            q = apply_rope(q2[:t].reshape(t, h, d), rope)
+            k = apply_rope(k2[:t].reshape(t, hkv, d), rope)
+            v = v2[:t].reshape(t, hkv, d)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        blocks = meta.key_blocks or row_key_blocks(meta, *k_cache.shape[1:3])
+        out = invariant.attention(q, k_cache, v_cache, blocks).reshape(t, h * d)  # [T, H D]
+        if x.shape[0] > t:
+            out = torch.cat([out, out.new_zeros(x.shape[0] - t, h * d)])
+        return self._out.tiled(out)[0]
+
 
 class FeedForward(nn.Module):
+    batch_invariant = False  # Transformer.set_batch_invariant: invariant.py's kernels
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
@@ -314,8 +388,15 @@ class FeedForward(nn.Module):
         self._down = LinearGroup(self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            gate, up = self._gate_up.tiled(x)
+            return self._down.tiled(invariant.rowwise(_swiglu, gate, up))[0]
         gate, up = self._gate_up(x)
         return self._down(F.silu(gate) * up)[0]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):
@@ -481,6 +562,9 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 class Transformer(nn.Module):
+    # Every token by batch-invariant kernels (invariant.py); set with set_batch_invariant.
+    batch_invariant = False
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -492,6 +576,15 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not a buffer: it must stay float32 when the weights move to bfloat16.
         self.rope = rope_cache(args, device=self.tok_embeddings.weight.device)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Compute every token with batch-invariant kernels (or not), in every module
+        that has a choice: a token's result is then the same whatever the step holds,
+        provided each step's metadata gives each token its own query row (the runner's
+        ``batch_invariant``; a prefill span here is split into such rows)."""
+        for module in self.modules():
+            if isinstance(module, (Transformer, RMSNorm, Attention, FeedForward)):
+                module.batch_invariant = on
 
     def reset_rope(self) -> None:
         """Recompute the RoPE table on the weights' device (after building on ``meta``,
@@ -506,6 +599,8 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, dim] (normed)."""
+        if self.batch_invariant:
+            return self._invariant_forward(input_ids, positions, kv_caches, meta)
         n = meta.num_decodes
         if meta.prefills and n and self.native_plan() is not None:
             # The decode rows go through the native kernels, the prefill rows through
@@ -526,6 +621,34 @@ class Transformer(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, rope, kv_cache, meta)
+        y: torch.Tensor = self.norm(x)
+        return y
+
+    def _invariant_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The batch-invariant forward pass: a step of decode rows only goes through the
+        native kernels' batched matmul where they apply (each row on its own there),
+        anything else through the modules' invariant kernels."""
+        x = self.tok_embeddings(input_ids)  # [T, dim]
+        rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
+        rows = int(input_ids.shape[0])
+        native = self.native_plan() if not meta.prefills and meta.num_decodes == rows else None
+        if native is not None:
+            x = native(x, rope, kv_caches, meta, batched=True)
+        else:
+            if meta.key_blocks is None:  # once for every layer
+                blocks = row_key_blocks(meta, *kv_caches[0][0].shape[1:3])
+                meta = dataclasses.replace(meta, key_blocks=blocks)
+            pad = -rows % invariant.tile_rows(x)  # whole tiles, padded once
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rope, kv_cache, meta)
+            return self.norm(x)[:rows]  # type: ignore[no-any-return]
         y: torch.Tensor = self.norm(x)
         return y
 
@@ -597,6 +720,9 @@ class Transformer(nn.Module):
         the step holds."""
         head = self.output
         if type(head) is not nn.Linear:  # tensor parallel: a vocab-parallel head
+            if self.batch_invariant:  # every rank sees the same rows: the same tiles
+                return invariant.by_tiles(lambda t: head(t).float(), hidden,
+                                          invariant.tile_rows(hidden))
             return head(hidden).float()  # type: ignore[no-any-return]
         if native is not None and bool(native[1].any()):
             plan, native_rows = native
@@ -614,7 +740,7 @@ class Transformer(nn.Module):
         group: LinearGroup | None = self.__dict__.get("_head")
         if group is None or group.linears[0] is not head:
             group = self.__dict__["_head"] = LinearGroup(head)
-        logits = group(hidden)[0].float()
+        logits = (group.tiled(hidden) if self.batch_invariant else group(hidden))[0].float()
         if hidden.dtype != torch.float32 and logits.shape[0]:
             refine_top_logits(logits, hidden, head.weight)
         return logits
@@ -635,8 +761,11 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     row's result does not depend on the others. In place on ``logits`` [N, V] float32;
     ``hidden`` [N, dim] and ``weight`` [V, dim] in the serving dtype."""
     top = logits.amax(-1, keepdim=True)  # [N, 1]
-    # One step of bfloat16 at the maximum: 2 ** (e - 7) for |max| in [2 ** e, 2 ** (e + 1)).
-    step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)
+    # One step of bfloat16 at the maximum: 2 ** (e - 7) for |max| in [2 ** e, 2 ** (e + 1)),
+    # by frexp, exactly (log2 rounds: a maximum just under a power of two could get the
+    # step above it).
+    exponent = torch.frexp(top.abs().clamp_min(1e-30)).exponent  # |max| in [2 ** (x-1), 2 ** x)
+    step = torch.ldexp(torch.ones_like(top), exponent - 8)
     rows, cols = torch.nonzero(logits >= top - step, as_tuple=True)
     exact = (weight[cols].float() * hidden[rows].float()).sum(-1)
     logits[rows, cols] = exact

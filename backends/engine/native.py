@@ -20,6 +20,14 @@ Mixed steps run their decode rows through it apart from the prefill rows
 (:func:`backends.engine.attention.split_decodes`), so a decode token is computed the
 same way whatever else the step holds.
 
+The two kernels round differently (so do torch's prefill kernels), so a token's bits
+depend on which one a step takes: on a CPU with AMX the switch falls between 2 and 3
+decoding sequences, elsewhere between 8 and 9. With ``batch_invariant`` (the engine's
+default, invariant.py) the runner makes every token of every step a row of this call,
+prefill rows included, always with ``batched=True``, and takes the logits from
+:meth:`NativeDecode.head`: one kernel for every token, whatever the batch, the cache
+state or the chunking.
+
 Numerics: float32 activations and residual stream (the torch path rounds them to
 bfloat16 at every op), K/V stored in bfloat16 as the torch path stores them. Each
 row's result is independent of the other rows and of the thread count, within each

@@ -16,6 +16,14 @@ many) and everything else through the dense ones; the choice depends on how many
 sequences decode, not on how many rows they add, so a token is computed the same way
 decoded alone, batched with a few others, or verified in a speculative span.
 
+With ``batch_invariant`` (the engine's default), every token of every step is its own
+query row (prefill chunks included), and the model computes each with batch-invariant
+kernels (invariant.py): one dense kernel on fixed tiles for every linear, never the
+4-bit one; where the native kernels apply, all rows through their batched matmul and
+the logits through their float32 head. A token then gets the same numbers, bit for bit,
+alone or batched, prefilled cold, after a cached prefix, in chunks of any size, or
+decoded (a resumed request continues with the same tokens).
+
 The KV cache is one tensor ``[L, 2, num_blocks, block_size, n_kv_heads, head_dim]``;
 layer ``i`` gets the views ``kv[i, 0]`` and ``kv[i, 1]``.
 """
@@ -62,12 +70,16 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        batch_invariant: bool = True,
     ) -> None:
         weight = model.tok_embeddings.weight
         self.device = torch.device(device) if device is not None else weight.device
         self.dtype = dtype or weight.dtype
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.model.reset_rope()
+        self.model.set_batch_invariant(batch_invariant)
+        self.batch_invariant = batch_invariant
         self.args = model.args
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -124,11 +136,15 @@ class ModelRunner:
         plan = self.model.native_plan()  # checked once here for the step's choices
         limit = self.model.packed_seq_limit(plan)
         packed = meta.num_decodes if meta.num_decode_seqs <= limit else 0
+        if self.batch_invariant:  # one kernel for every row: dense, or native batched
+            packed = 0
         with packed_rows(packed):
             hidden = self.model(input_ids, positions, self._kv_views, meta)  # [T, dim]
         # Which rows are sampled depends on the batch: the dense head, except for the
         # decode rows of a few-sequence native step (the native head, row by row).
         native = (plan, rows < meta.num_decodes) if packed and plan is not None else None
+        if self.batch_invariant and plan is not None:  # every row: the native head
+            native = (plan, torch.ones_like(rows, dtype=torch.bool))
         with packed_rows(0):
             return self.model.compute_logits(hidden[rows], native)  # [N, V]
 
@@ -153,7 +169,8 @@ class ModelRunner:
         decoding = [
             i
             for i, it in enumerate(scheduled)
-            if it.end - it.start <= _SHORT_SPAN and (it.start > 0 or it.end == 1)
+            if self.batch_invariant
+            or (it.end - it.start <= _SHORT_SPAN and (it.start > 0 or it.end == 1))
         ]
         is_decode = set(decoding)
         order = decoding + [i for i in range(len(scheduled)) if i not in is_decode]
@@ -164,6 +181,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        spans: list[tuple[int, int]] = []  # decode rows of one sequence's tokens
         for i in order:
             item = scheduled[i]
             seq, start, end = item.seq, item.start, item.end
@@ -180,6 +198,8 @@ class ModelRunner:
                 for p in range(start, end):
                     decode_tables.append(table[: -(-(p + 1) // bs)])
                     decode_lens.append(p + 1)
+                if end - start > 1:
+                    spans.append((row0, len(ids)))
             else:
                 block_table = torch.tensor(
                     table[: -(-end // bs)], dtype=torch.int64, device=self.device
@@ -208,6 +228,7 @@ class ModelRunner:
             ).masked_fill_((key_pos[None, :] >= context_lens[:, None])[:, None, None, :], -torch.inf),
             prefills=tuple(prefills),
             num_decode_seqs=len(decoding),
+            spans=tuple(spans),
         )
         return (
             torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -621,6 +621,8 @@ def build_draft_proposer(
         target_runner.block_size,
         target_runner.device,
         target_runner.dtype,
+        # a layer-skip draft shares the target's modules: the same kernels for both
+        batch_invariant=getattr(target_runner, "batch_invariant", True),
     )
     return DraftProposer(runner)
 

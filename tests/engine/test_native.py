@@ -65,8 +65,12 @@ def test_the_kernel_layout_holds_the_files_weights(rows: tuple[int, int]) -> Non
 
 
 def _runner(path: Path, dtype: torch.dtype, packed: bool) -> ModelRunner:
+    """A runner on the kernels chosen by batch size (few-sequence and batched; the
+    batch-invariant mode takes the batched one for every row: tests/engine_invariance)."""
     loaded = load_model(str(path), dtype=dtype)
-    runner = ModelRunner(loaded.model, num_kv_blocks=256, block_size=4, dtype=dtype)
+    runner = ModelRunner(
+        loaded.model, num_kv_blocks=256, block_size=4, dtype=dtype, batch_invariant=False
+    )
     if packed:
         attach_q4(runner.model, loaded.q4)
     return runner
@@ -193,7 +197,7 @@ def test_tokens_alone_equal_tokens_batched_with_prefills_in_the_step(tiny_q4: Pa
     """Requests arrive while others decode, so steps mix prefill and decode rows: the
     decode rows still run natively, and each request gets the tokens it gets alone, as
     long as the steps stay on the few-sequence kernel."""
-    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16")
+    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", batch_invariant=False)
     engine, _, _ = build_engine(config)
     few = PROMPTS[: engine.runner.model.packed_seq_limit()]
     together = _serve(engine, few, [0, 2, 3, 5][: len(few)])
@@ -208,7 +212,7 @@ def test_many_sequences_get_the_same_tokens_however_they_arrive(tiny_q4: Path) -
     """On the many-sequence kernel too: twelve requests at once, or ten and then two
     more that meet them mid-decode (mixed steps) and end with them (so no step falls
     back to a few sequences), give every request the same tokens."""
-    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16")
+    config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", batch_invariant=False)
     lengths = [12] * 10 + [10, 10]
     at_once, _, _ = build_engine(config)
     staggered, _, _ = build_engine(config)

@@ -124,7 +124,10 @@ def test_engine_serves_q4_packed_and_stays_batch_invariant(tiny_q4: Path) -> Non
     prompts = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43, 44, 45, 46], [12, 13]]
 
     def run(packed: bool, batch: list[list[int]]) -> list[list[int]]:
-        config = EngineConfig(model=str(tiny_q4), dtype="bfloat16", packed_weights=packed)
+        # the batch-size-chosen kernels (batch_invariant=False): the packed rows
+        config = EngineConfig(
+            model=str(tiny_q4), dtype="bfloat16", packed_weights=packed, batch_invariant=False
+        )
         engine, _, _ = build_engine(config)
         engine.runner.model.native_decode = False  # torch's kernel: test_native.py has the rest
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -178,7 +181,9 @@ def test_the_fast_decode_path_gives_the_module_paths_tokens(
     if packed and not int4_supported(torch.empty(0, dtype=torch.bfloat16)):
         pytest.skip("torch has no CPU int4 kernel here")
     prompts = [[5, 6, 7, 8, 9], [30, 31, 32], [40, 41, 42, 43], [12, 13]]
-    config = EngineConfig(model=str(tiny_q4), dtype=dtype, packed_weights=packed)
+    config = EngineConfig(
+        model=str(tiny_q4), dtype=dtype, packed_weights=packed, batch_invariant=False
+    )
     fast_engine, _, _ = build_engine(config)
     slow_engine, _, _ = build_engine(config)
     fast, slow = fast_engine.runner.model, slow_engine.runner.model
