@@ -294,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-kv-events", action="store_true", help="do not record KV events")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="the same tokens whatever the batch, prefix cache, chunking or resume point "
+                        "(--no-batch-invariant: faster kernels chosen by batch size)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--packed-weights",
@@ -377,6 +380,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
             enable_kv_events=not args.no_kv_events,
+            batch_invariant=args.batch_invariant,
             packed_weights=args.packed_weights,
             generation_config=args.generation_config,
             sampling_defaults=_sampling_defaults(args.sampling_defaults),

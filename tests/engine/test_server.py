@@ -312,3 +312,10 @@ def test_cli_speculative_flags_build_a_spec_config_and_bad_values_are_client_err
     assert _spec_config(parser.parse_args(["--speculative", "ngram"])).k_max == 15
     with pytest.raises(BadRequest):
         _spec_config(parser.parse_args(["--num-speculative-tokens", "0"]))
+
+
+def test_batch_invariance_is_on_by_default_and_can_be_turned_off() -> None:
+    from backends.engine.server import _config, _parser
+
+    assert _config(_parser().parse_args(["--dtype", "float32"])).batch_invariant is True
+    assert _config(_parser().parse_args(["--dtype", "float32", "--no-batch-invariant"])).batch_invariant is False
