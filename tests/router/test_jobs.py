@@ -260,17 +260,18 @@ async def test_without_a_jobs_path_there_is_no_jobs_api(nursery: trio.Nursery) -
 async def test_two_routers_on_one_file_share_the_queue_and_run_each_job_once_though_jobs_outlast_the_lease(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    """As ``[server] workers`` processes do: each job runs 0.5 s, longer
-    than the 0.3 s lease, so only the heartbeats keep the other router from
-    requeueing it; ``per_tenant = 1`` holds across both (no two of a
-    tenant's jobs overlap)."""
+    """As ``[server] workers`` processes do: each job runs about 1.5 s,
+    longer than the 1 s lease, so only the heartbeats (every 1/3 s) keep the
+    other router from requeueing it; ``per_tenant = 1`` holds across both
+    (no two of a tenant's jobs overlap). The lease leaves room for a loaded
+    CI box, where a 0.3 s lease lost heartbeats and ran a job twice."""
     db = tmp_path / "jobs.db"
     steady = MockConfig(name="m", models=("mock",), tpot_s=0.05)
-    first, client, served = await jobs_router(nursery, db, steady, per_tenant=1)
-    second, other, served_2 = await jobs_router(nursery, db, steady, per_tenant=1)
+    first, client, served = await jobs_router(nursery, db, steady, per_tenant=1, lease=1.0)
+    second, other, served_2 = await jobs_router(nursery, db, steady, per_tenant=1, lease=1.0)
     async with client, other:
         where = ((client, ALICE), (other, BOB)) * 3
-        ids = [await submit(c, chat(max_tokens=10), headers=h) for c, h in where]
+        ids = [await submit(c, chat(max_tokens=30), headers=h) for c, h in where]
         spans: dict[str, list[tuple[float, float]]] = {"alice": [], "bob": []}
         for job_id, (c, h) in zip(ids, where, strict=True):
             job = await wait_for(c, job_id, "completed", headers=h)
