@@ -65,11 +65,12 @@ import msgspec
 import trio
 
 from backends.base import Event
-from backends.errors import BadRequest, HeadraceError
+from backends.errors import HeadraceError
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
 from frontend.call import Call, prepare_call
 from frontend.context import RequestContext, new_request_id
+from frontend.kv_stream import kv_events_response
 from frontend.server import (
     DEFAULT_MAX_BODY,
     Handler,
@@ -280,30 +281,7 @@ async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
 
 async def _kv_events(backend: MockBackend, request: HTTPRequest) -> Response:
     """``backends.engine.server``'s KV event stream, over the mock's cache."""
-    events = backend.kv_events(_since(request))
-    encoder = msgspec.json.Encoder()
-
-    async def produce(emit: Any) -> None:
-        try:
-            await emit(b": kv events\n\n")
-            async for event in events:
-                await emit(b"id: %d\ndata: %s\n\n" % (event.seq, encoder.encode(event)))
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-
-    return Response(200, content_type="text/event-stream", headers=[("cache-control", "no-cache")],
-                    stream=produce)
-
-
-def _since(request: HTTPRequest) -> int:
-    """Resume point: ``?since=SEQ`` or the SSE ``Last-Event-ID`` header; -1 = all kept
-    (the engine server's rule; not imported from there, which would load torch)."""
-    params = dict(p.split("=", 1) for p in request.query.decode("latin-1").split("&") if "=" in p)
-    raw = params.get("since", request.headers.get("last-event-id", "-1"))
-    try:
-        return int(raw)
-    except ValueError:
-        raise BadRequest(f"since must be an integer, got {raw!r}", param="since") from None
+    return kv_events_response(request, backend.kv_events)
 
 
 # ---------------------------------------------------------------- fast path

@@ -44,6 +44,7 @@ from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
+from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
 
@@ -149,24 +150,7 @@ class _Routes:
         return json_response({"prompt": self.backend.tokenizer.decode(req.tokens)})
 
     async def kv_events(self, request: HTTPRequest) -> Response:
-        since = _since(request)
-        events = self.backend.kv_events(since)
-        encoder = msgspec.json.Encoder()
-
-        async def produce(emit: Any) -> None:
-            try:
-                await emit(b": kv events\n\n")
-                async for event in events:
-                    await emit(b"id: %d\ndata: %s\n\n" % (event.seq, encoder.encode(event)))
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
-
-        return Response(
-            200,
-            content_type="text/event-stream",
-            headers=[("cache-control", "no-cache")],
-            stream=produce,
-        )
+        return kv_events_response(request, self.backend.kv_events)
 
     async def metrics(self, request: HTTPRequest) -> Response:
         return Response(
@@ -174,16 +158,6 @@ class _Routes:
             generate_latest(self.registry),
             content_type="text/plain; version=0.0.4; charset=utf-8",
         )
-
-
-def _since(request: HTTPRequest) -> int:
-    """Resume point: ``?since=SEQ`` or the SSE ``Last-Event-ID`` header; -1 = all kept."""
-    params = dict(p.split("=", 1) for p in request.query.decode("latin-1").split("&") if "=" in p)
-    raw = params.get("since", request.headers.get("last-event-id", "-1"))
-    try:
-        return int(raw)
-    except ValueError:
-        raise BadRequest(f"since must be an integer, got {raw!r}", param="since") from None
 
 
 class _EngineCollector:

