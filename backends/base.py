@@ -79,7 +79,7 @@ class GenerateRequest(Sampling, kw_only=True, omit_defaults=True):
     and who asked. Exactly one of ``prompt``, ``prompt_token_ids`` or
     ``messages`` is the input; ``prompt_token_ids`` wins when several are set
     (a resumed request keeps the original text for logs but continues from
-    the ids)."""
+    the ids; ``resumed_tokens`` says how many of them are earlier output)."""
 
     request_id: str = ""
     model: str | None = None
@@ -88,6 +88,14 @@ class GenerateRequest(Sampling, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     priority: int = 0  # higher runs first
     tenant: str = "default"
+    # A resumed generation (stream migration): the last ``resumed_tokens`` of
+    # ``prompt_token_ids`` are this generation's own earlier output, already
+    # relayed to the client. The backend continues as if it had produced them:
+    # penalties, ``min_tokens``, stop strings, text offsets and ``usage`` count
+    # them as output; only the text after them is emitted. ``max_tokens`` and
+    # ``min_tokens`` are what remains (already reduced by ``resumed_tokens``).
+    # Wire spelling: ``"resumed_tokens": k`` next to a token-id ``prompt``.
+    resumed_tokens: int = 0
     # OpenAI fields we do not interpret; passed through to HTTP backends.
     extra: dict[str, Any] = {}
 
