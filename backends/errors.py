@@ -19,7 +19,8 @@ place (``frontend.server.error_response``)::
         ├── UpstreamRateLimited        429     (+ retry_after): the backend said 429
         ├── BackendTimeout             504     no progress within the deadline
         ├── BackendProtocolError       502     malformed answer from a backend
-        └── StreamBroken               502     died mid-stream (migratable)
+        ├── StreamBroken               502     died mid-stream (migratable)
+        └── MigrationFailed            502/503 a broken stream that could not be resumed (terminal)
 
 Client errors are the caller's fault and are never retried; upstream errors
 may be retried on another backend (before the first token) or migrated (after).
@@ -40,6 +41,7 @@ __all__ = [
     "ContextLengthExceeded",
     "HeadraceError",
     "MethodNotAllowed",
+    "MigrationFailed",
     "ModelNotFound",
     "NotFound",
     "PayloadTooLarge",
@@ -141,6 +143,21 @@ class StreamBroken(UpstreamError):
 
     status = 502
     code = "stream_broken"
+
+
+class MigrationFailed(UpstreamError):
+    """A stream broke after its first token and could not be resumed (no
+    backend left, the migration limit, a replay that diverged): the end of
+    the answer, never retried. ``code`` says which; 503 when no backend was
+    left to resume on (``retry_after`` then says when to come back)."""
+
+    status = 502
+    code = "migration_failed"
+
+    def __init__(self, message: str, *, status: int | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        if status is not None:
+            self.status = status
 
 
 class Unauthorized(ClientError):

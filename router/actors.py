@@ -326,6 +326,11 @@ class BackendActor:
             self.in_flight -= 1
             self.pending_prefill_tokens -= pending
 
+    def stalled(self) -> None:
+        """The dispatcher's watchdog gave up on a stream of this backend (it
+        saw the cancel, not a failure): a late failure for its health."""
+        self._failed(True)
+
     def _failed(self, relayed: bool) -> None:
         self.report(HealthEvent.REQUEST_FAILED_LATE if relayed else HealthEvent.REQUEST_FAILED_EARLY)
 

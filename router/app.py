@@ -46,10 +46,11 @@ from policies.ratelimit import Limits
 from policies.registry import create, create_policy
 from router.actors import BackendActor, Supervisor
 from router.admission import Queue, RateLimits, Tenants
-from router.config import ModelRoute, RouterConfig
+from router.config import MigrationConfig, ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
 from router.jobs import JobRunner, JobsAPI
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
+from router.migration import Settings as MigrationSettings
 from router.pipeline import Pipeline
 from router.prefix_keys import PrefixKeys, TokenizerLoadError, load_encoder
 from router.routes import RouteTable
@@ -169,7 +170,8 @@ class Router:
         h = config.health
         r = config.routing
         default = policy if policy is not None else create_policy(r.policy, options=r.options)
-        routes = RouteTable(config.models, default, self._route_policy)
+        migration = migration_settings(config.migration)
+        routes = RouteTable(config.models, default, self._route_policy, migration)
         self.actors = [
             BackendActor(
                 b.name,
@@ -201,6 +203,7 @@ class Router:
             retry_budget=RetryBudget(retry.budget_ratio, retry.min_retries),
             backoff_base=retry.backoff_base,
             backoff_cap=retry.backoff_cap,
+            migration=migration,
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
@@ -405,3 +408,11 @@ class Router:
         weights = {v.model: v.weight for v in change.versions}
         data = self.dispatcher.routes.set_weights(change.model, weights)
         return json_response({"object": "list", "data": [msgspec.to_builtins(v) for v in data]})
+
+
+def migration_settings(m: MigrationConfig) -> MigrationSettings:
+    """The dispatcher's migration settings from ``[migration]``."""
+    fields = msgspec.structs.asdict(m)
+    if fields["stall_timeout"] == "auto":
+        fields["stall_timeout"] = None
+    return MigrationSettings(**fields)

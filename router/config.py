@@ -44,6 +44,10 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     budget_ratio = 0.2           # retries in flight <= 20% of streams in flight ...
     min_retries = 3              # ... or this many
 
+    [migration]                  # a stream whose backend dies mid-answer continues elsewhere
+    max_migrations = 3
+    stall_timeout = "auto"       # max(2 x the backend's p99 inter-token latency, 1 s); or seconds
+
     [[backends]]
     url = "http://10.0.0.5:8000"
     kind = "openai"              # "openai" | "engine" | "mock"
@@ -90,6 +94,7 @@ __all__ = [
     "ConfigError",
     "HealthConfig",
     "JobsConfig",
+    "MigrationConfig",
     "ModelRoute",
     "ModelVersion",
     "PolicyConfig",
@@ -303,6 +308,28 @@ class ModelRoute(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # folder its engines load (or "bytes", the mock's). None: learned from the
     # backends' /v1/models, else text blocks.
     tokenizer: str | None = None
+    # This model's stream watchdog and migration limit ([migration] when unset).
+    stall_timeout: Positive | None = None
+    first_token_timeout: Positive | None = None
+    max_migrations: Annotated[int, Meta(ge=0)] | None = None
+
+
+class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Stream migration: a stream whose backend fails after its first token
+    continues on another backend of its route (router/migration.py)."""
+
+    enabled: bool = True
+    max_migrations: Annotated[int, Meta(ge=0)] = 3  # per request; then the terminal error
+    # Seconds without an event before a stream counts as stalled and migrates;
+    # "auto": max(stall_factor x the backend's p99 inter-token latency, stall_floor),
+    # stall_initial until stall_samples gaps are measured.
+    stall_timeout: Positive | Literal["auto"] = "auto"
+    stall_factor: Positive = 2.0
+    stall_floor: Positive = 1.0
+    stall_initial: Positive = 10.0
+    stall_samples: PositiveInt = 64
+    first_token_timeout: Positive | None = None  # None: each backend adapter's own
+    replay: bool = True  # replay and verify on backends that report no token ids
 
 
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -317,6 +344,7 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     breaker: BreakerConfig = BreakerConfig()
     retry: RetryConfig = RetryConfig()
     jobs: JobsConfig = JobsConfig()
+    migration: MigrationConfig = MigrationConfig()
     backends: tuple[BackendSpec, ...] = ()
     models: tuple[ModelRoute, ...] = ()
 

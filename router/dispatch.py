@@ -40,6 +40,7 @@ token, inter-token latency); :mod:`router.metrics` implements it.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Protocol
@@ -50,8 +51,10 @@ import trio
 from backends.base import BackendInfo, Event, GenerateRequest, Health
 from backends.errors import (
     BackendUnavailable,
+    ClientError,
     ContextLengthExceeded,
     HeadraceError,
+    MigrationFailed,
     UpstreamError,
     UpstreamRateLimited,
 )
@@ -65,6 +68,18 @@ from policies.breaker import (
 )
 from router.actors import BackendActor, closing_stream
 from router.config import ConfigError
+from router.migration import (
+    MigrationStatistics,
+    Progress,
+    Replay,
+    StallTimeout,
+    StallWatch,
+    continuation,
+    no_final,
+    reason_of,
+    resume_request,
+)
+from router.migration import Settings as MigrationSettings
 from router.prefix_keys import PrefixKeys
 from router.routes import RouteTable, Target, VersionStatistics
 
@@ -87,6 +102,7 @@ class Recorder(Protocol):
     def queue_time(self, backend: str, seconds: float) -> None: ...
     def time_to_first_token(self, backend: str, seconds: float) -> None: ...
     def inter_token_latency(self, backend: str, seconds: float) -> None: ...
+    def resume_gap(self, backend: str, seconds: float) -> None: ...
 
 
 class NullRecorder:
@@ -97,6 +113,9 @@ class NullRecorder:
         pass
 
     def inter_token_latency(self, backend: str, seconds: float) -> None:
+        pass
+
+    def resume_gap(self, backend: str, seconds: float) -> None:
         pass
 
 
@@ -112,6 +131,7 @@ class DispatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
     versions: tuple[VersionStatistics, ...] = ()  # per (split route, version)
     breakers: tuple[BreakerStatistics, ...] = ()  # per backend, when the breakers report them
     retry_budget: RetryBudgetStatistics | None = None  # None: no budget
+    migration: MigrationStatistics = MigrationStatistics()
 
 
 class Cooldowns:
@@ -139,24 +159,6 @@ class Cooldowns:
 
     def cooling(self, now: float) -> tuple[str, ...]:
         return tuple(name for name in list(self._until) if self.remaining(name, now) > 0)
-
-
-class Progress:
-    """What has been relayed so far: enough to resume elsewhere later."""
-
-    def __init__(self) -> None:
-        self.prompt_token_ids: list[int] | None = None
-        self.token_ids: list[int] = []
-        self.seed: int | None = None
-        self.events = 0
-
-    def add(self, event: Event) -> None:
-        self.events += 1
-        self.token_ids += event.token_ids
-        if event.prompt_token_ids is not None:
-            self.prompt_token_ids = event.prompt_token_ids
-        if event.seed is not None:
-            self.seed = event.seed
 
 
 def route_request(request: GenerateRequest, keys: PrefixKeys | None = None) -> RouteRequest:
@@ -216,6 +218,30 @@ class _Outcome:
         self.wait = seconds if self.wait is None else min(self.wait, seconds)
 
 
+class _Broken:
+    """A stream that failed after its first event: why, where, and when."""
+
+    __slots__ = ("at", "backend", "error", "settings", "sub", "target")
+
+    def __init__(
+        self, error: UpstreamError, backend: str, target: Target, sub: GenerateRequest, settings: MigrationSettings, at: float
+    ) -> None:
+        self.error, self.backend, self.target, self.sub, self.settings, self.at = error, backend, target, sub, settings, at
+
+
+async def _next(events: AsyncIterator[Event], wait: float, backend: str, progress: Progress) -> Event | None:
+    """The stream's next event (None at its end), or :class:`StallTimeout`
+    after ``wait`` seconds without one. The deadline covers the wait for
+    the backend only, never the consumer's time."""
+    with trio.CancelScope(deadline=trio.current_time() + wait):
+        try:
+            return await events.__anext__()
+        except StopAsyncIteration:
+            return None
+    what = "its first event" if not progress.events else "an event"
+    raise StallTimeout(f"backend {backend} sent no {what} for {wait:.3g}s (after {progress.events} events)")
+
+
 class Dispatcher:
     """Backend-shaped: ``stream``, ``info``, ``health``, ``aclose``.
 
@@ -241,6 +267,7 @@ class Dispatcher:
         backoff_base: float = 0.025,
         backoff_cap: float = 0.25,
         draw: Callable[[], float] = random.random,
+        migration: MigrationSettings | None = None,
     ) -> None:
         """``breakers`` (default: none) filter the candidates and hear every
         attempt's outcome; ``retry_budget`` (default: unlimited) bounds the
@@ -252,6 +279,11 @@ class Dispatcher:
         if breakers is not None and hasattr(breakers, "add"):
             breakers.add(self.actors)  # the fleet rule counts every backend
         self.retry_budget = retry_budget
+        self.migration = migration or MigrationSettings()
+        self.stall = StallWatch(self.migration)
+        self._migrations: dict[str, int] = {}  # "reason:outcome" -> count
+        self._divergences = 0
+        self._inexact = 0
         self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
         self._active = 0  # streams in flight (the retry budget's base)
         self.keys = keys
@@ -319,10 +351,13 @@ class Dispatcher:
         plan = self.routes.plan(request)
         outcome = _Outcome()
         attempts = 0  # over the whole chain: every one after the first is a retry
+        progress = Progress()  # what the client has been sent (nothing, until the first event)
+        broken: _Broken | None = None
         for step, target in enumerate(plan.targets):
             sub = request if target.upstream == request.model else msgspec.structs.replace(request, model=target.upstream)
             route = route_request(sub, self.keys)
             feedback = _Feedback(target.policy)
+            settings = target.migration or self.migration
             tried: set[str] = set()
             for _ in range(self.max_attempts):
                 retry = attempts > 0
@@ -342,14 +377,20 @@ class Dispatcher:
                         self.breakers.dispatched(actor.name, self.clock())
                     if feedback.dispatch is not None:
                         feedback.dispatch(actor.name, route, self.clock())
-                    progress = Progress()
                     recorder, name, last_at = self.recorder, actor.name, arrived
+                    first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
                     cached: int | None = None
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
                     try:
                         async with closing_stream(actor.stream(sub, prompt_tokens=route.prompt_tokens)) as events:
-                            async for event in events:
+                            while True:
+                                if progress.events:
+                                    event = await _next(events, self.stall.timeout(name, settings), name, progress)
+                                else:
+                                    event = await _next(events, first_wait, name, progress)
+                                if event is None:
+                                    break
                                 now = self.clock()
                                 if progress.events == 0:
                                     recorder.time_to_first_token(name, now - arrived)
@@ -358,11 +399,14 @@ class Dispatcher:
                                         feedback.first_token(name, route, now)
                                 elif event.token_ids:
                                     recorder.inter_token_latency(name, now - last_at)
+                                    self.stall.add(name, now - last_at)
                                 if event.usage is not None:
                                     cached = event.usage.cached_tokens
                                 last_at = now
                                 progress.add(event)
                                 yield event
+                        if progress.events and not progress.finished:
+                            raise no_final(progress.events)
                         finished = verdict = True
                         return
                     except ContextLengthExceeded as exc:
@@ -375,11 +419,12 @@ class Dispatcher:
                     except UpstreamError as exc:
                         verdict = None if isinstance(exc, UpstreamRateLimited) else False
                         if progress.events:
-                            self._counts["failed"] += 1
-                            plan.failed()
-                            raise  # after the first token: the migration issue resumes here
-                        # The actor's stream already told its health (and woke its prober).
-                        self._failed_early(actor, exc, outcome)
+                            if isinstance(exc, StallTimeout):
+                                actor.stalled()  # the actor saw a cancel, not a failure
+                            broken = _Broken(exc, actor.name, target, sub, settings, self.clock())
+                        else:
+                            # The actor's stream already told its health (and woke its prober).
+                            self._failed_early(actor, exc, outcome)
                     finally:
                         self._judge(name, verdict)
                         if feedback.complete is not None:
@@ -387,8 +432,157 @@ class Dispatcher:
                 finally:
                     if retry and self.retry_budget is not None:
                         self.retry_budget.release()
+                if broken is not None:
+                    break
+            if broken is not None:
+                break
+        if broken is not None:
+            try:
+                async with closing_stream(self._migrate(broken, progress)) as continued:
+                    async for event in continued:
+                        yield event
+            except UpstreamError:
+                self._counts["failed"] += 1
+                plan.failed()
+                raise
+            return
         plan.failed()
         raise self._final_error(outcome, request.model)
+
+    # ------------------------------------------------------------ migration
+
+    async def _migrate(self, b: _Broken, progress: Progress) -> AsyncIterator[Event]:
+        """Continue a stream that broke after its first event on another
+        backend of its route (never one that failed it), until it finishes,
+        or raise :class:`MigrationFailed`."""
+        target, settings, error = b.target, b.settings, b.error
+        failed = {b.backend}
+        migrations = 0
+        while True:
+            reason = reason_of(error)
+            log.warning("stream on %s broke after %d tokens (%s: %s)", b.backend, len(progress.token_ids), reason, error.message)
+            if not settings.enabled:
+                self._migrated(reason, "failed")
+                raise error
+            if migrations >= settings.max_migrations:
+                raise self._migration_failed(reason, f"the stream broke {migrations + 1} times (limit {settings.max_migrations} migrations)", "migration_limit")
+            candidates = self._candidates(target, failed, _Outcome())
+            by_ids = [a for a in candidates if a.info is not None and a.info.token_ids]
+            replay: Replay | None = None
+            if progress.resumable_by_ids and by_ids:
+                candidates, sub = by_ids, resume_request(b.sub, progress)
+            elif settings.replay and candidates:
+                replay = Replay(progress)
+                sub = b.sub if progress.seed is None else msgspec.structs.replace(b.sub, seed=progress.seed)
+            else:
+                raise self._migration_failed(reason, "no other backend can continue this stream", "no_backend_to_resume", status=503)
+            if self.retry_budget is not None and not self.retry_budget.try_acquire(self._active):
+                self._counts["retries_refused"] += 1
+                raise self._migration_failed(reason, "the retry budget is spent", "retry_budget_spent", status=503)
+            migrations += 1
+            actor: BackendActor | None = None
+            try:
+                route = route_request(sub, self.keys)
+                name = target.policy.pick([a.view() for a in candidates], route, self.clock())
+                actor = self.actors.get(name) if name is not None else None
+                if actor is None or actor not in candidates:
+                    raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
+                failed.add(actor.name)
+                info = actor.info
+                if replay is None and (info is None or not info.exact_resume):
+                    self._inexact += 1
+                log.info("resuming the stream on %s (%s, %d tokens sent)", actor.name, "replay" if replay else "token ids", len(progress.token_ids))
+                async for event in self._continue(actor, sub, route, target, settings, progress, replay, b.at):
+                    yield event
+                self._migrated(reason, "replayed" if replay is not None else "resumed")
+                return
+            except MigrationFailed as exc:
+                if exc.code == "replay_diverged":  # the others were counted where they were raised
+                    self._migrated(reason, "failed")
+                raise
+            except UpstreamError as exc:
+                error = exc
+            except ClientError as exc:  # the new backend refused the continuation: try another
+                error = UpstreamError(f"backend refused the resumed request: {exc.message}")
+            finally:
+                if self.retry_budget is not None:
+                    self.retry_budget.release()
+            b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
+
+    async def _continue(
+        self,
+        actor: BackendActor,
+        sub: GenerateRequest,
+        route: RouteRequest,
+        target: Target,
+        settings: MigrationSettings,
+        progress: Progress,
+        replay: Replay | None,
+        broke_at: float,
+    ) -> AsyncIterator[Event]:
+        """One continuation attempt, its events as the client gets them."""
+        name, feedback = actor.name, _Feedback(target.policy)
+        if self.breakers is not None:
+            self.breakers.dispatched(name, self.clock())
+        if feedback.dispatch is not None:
+            feedback.dispatch(name, route, self.clock())
+        finished, verdict, first, cached = False, None, True, None
+        last_at = self.clock()
+        gap_from: float | None = broke_at  # until the first new token reaches the client
+        first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
+        try:
+            async with closing_stream(actor.stream(sub, prompt_tokens=route.prompt_tokens)) as events:
+                while True:
+                    event = await _next(events, first_wait if first else self.stall.timeout(name, settings), name, progress)
+                    if event is None:
+                        break
+                    now = self.clock()
+                    if first:
+                        first = False
+                        if feedback.first_token is not None:
+                            feedback.first_token(name, route, now)
+                    elif event.token_ids:
+                        self.recorder.inter_token_latency(name, now - last_at)
+                        self.stall.add(name, now - last_at)
+                    last_at = now
+                    if event.usage is not None:
+                        cached = event.usage.cached_tokens
+                    out = replay.feed(event) if replay is not None else continuation(event, progress)
+                    if out is None:
+                        continue
+                    if gap_from is not None and (out.token_ids or out.text):
+                        self.recorder.resume_gap(name, now - gap_from)
+                        gap_from = None
+                    progress.add(out)
+                    yield out
+            if not progress.finished:
+                raise no_final(progress.events)
+            finished = verdict = True
+        except MigrationFailed:
+            self._divergences += 1
+            raise
+        except UpstreamError as exc:
+            verdict = None if isinstance(exc, UpstreamRateLimited) else False
+            if isinstance(exc, StallTimeout):
+                actor.stalled()
+            raise
+        finally:
+            self._judge(name, verdict)
+            if feedback.complete is not None:
+                feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+
+    def _migrated(self, reason: str, outcome: str) -> None:
+        key = f"{reason}:{outcome}"
+        self._migrations[key] = self._migrations.get(key, 0) + 1
+
+    def _migration_failed(self, reason: str, why: str, code: str, *, status: int | None = None) -> MigrationFailed:
+        self._migrated(reason, "failed")
+        return MigrationFailed(
+            f"the backend failed mid-stream and the answer could not be resumed: {why}",
+            code=code,
+            status=status,
+            retry_after=self.retry_after if status == 503 else None,
+        )
 
     # ------------------------------------------------------------ helpers
 
@@ -497,6 +691,7 @@ class Dispatcher:
             versions=tuple(self.routes.statistics()),
             breakers=self._breaker_statistics(),
             retry_budget=self.retry_budget.statistics() if self.retry_budget is not None else None,
+            migration=MigrationStatistics(migrations=dict(self._migrations), divergences=self._divergences, inexact=self._inexact),
         )
 
     def _breaker_statistics(self) -> tuple[BreakerStatistics, ...]:

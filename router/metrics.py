@@ -131,10 +131,26 @@ class StatisticsCollector(Collector):
             failed.add_metric([v.route, v.version], v.failed)
         yield from (weight, requests, failed)
         yield from _breakers(d)
+        yield from _migrations(d)
         if self._pipeline is not None:
             yield from _pipeline(self._pipeline())
         if self._queue is not None:
             yield from _queue(self._queue())
+
+
+def _migrations(d: DispatchStatistics) -> Iterable[Metric]:
+    m = d.migration
+    family = CounterMetricFamily(
+        "headrace_migrations",
+        "Streams that broke after their first token, by why and how it ended (resumed by token ids, replayed and verified, failed)",
+        labels=["reason", "outcome"],
+    )
+    for key, count in sorted(m.migrations.items()):
+        reason, _, outcome = key.partition(":")
+        family.add_metric([reason, outcome], count)
+    yield family
+    yield CounterMetricFamily("headrace_migration_replay_divergences", "Replays whose text differed from what the client had", value=m.divergences)
+    yield CounterMetricFamily("headrace_migration_inexact", "Resumes on a backend that does not promise exact resume", value=m.inexact)
 
 
 def _breakers(d: DispatchStatistics) -> Iterable[Metric]:
@@ -247,6 +263,7 @@ class RouterMetrics:
         self.latency = Histogram("headrace_request_duration_seconds", "Request latency, to the last byte", ["route"], buckets=REQUEST_BUCKETS, registry=r)
         self.ttft = Histogram("headrace_time_to_first_token_seconds", "From arrival to the backend's first event", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.itl = Histogram("headrace_inter_token_latency_seconds", "Between consecutive token events", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
+        self.resume = Histogram("headrace_resume_gap_seconds", "From a stream breaking mid-answer to its next token from the backend it migrated to", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.queue = Histogram("headrace_queue_time_seconds", "From arrival to the backend being chosen", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
         self.worker_requests = Counter("headrace_worker_requests", "HTTP requests served, by router worker process", ["worker"], registry=r)
         self._this_worker = self.worker_requests.labels("0")
@@ -255,6 +272,7 @@ class RouterMetrics:
         self._queue: dict[str, Histogram] = {}
         self._ttft: dict[str, Histogram] = {}
         self._itl: dict[str, Histogram] = {}
+        self._resume: dict[str, Histogram] = {}
 
     def set_worker(self, index: int) -> None:
         """Count this process's requests as worker ``index``'s."""
@@ -284,6 +302,9 @@ class RouterMetrics:
 
     def inter_token_latency(self, backend: str, seconds: float) -> None:
         _child(self._itl, self.itl, backend).observe(seconds)
+
+    def resume_gap(self, backend: str, seconds: float) -> None:
+        _child(self._resume, self.resume, backend).observe(seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

@@ -38,6 +38,7 @@ from backends.base import ChatMessage, GenerateRequest
 from backends.errors import BadRequest, NotFound
 from policies.base import RoutingPolicy
 from router.config import ModelRoute
+from router.migration import Settings as MigrationSettings
 
 __all__ = ["KEY_CHARS", "Plan", "RouteTable", "Target", "VersionStatistics", "conversation_key", "pick_version"]
 
@@ -47,10 +48,15 @@ KEY_CHARS = 256  # characters of each leading message (or of the prompt) in a co
 class Target:
     """One served route: what a backend is asked for, and by which group."""
 
-    __slots__ = ("backends", "name", "policy", "upstream")
+    __slots__ = ("backends", "migration", "name", "policy", "upstream")
 
     def __init__(
-        self, name: str | None, upstream: str | None, policy: RoutingPolicy, backends: tuple[str, ...] | None = None
+        self,
+        name: str | None,
+        upstream: str | None,
+        policy: RoutingPolicy,
+        backends: tuple[str, ...] | None = None,
+        migration: MigrationSettings | None = None,
     ) -> None:
         self.name = name  # the public name: the response's ``model``
         self.upstream = upstream  # the model named in the backend request
@@ -58,6 +64,8 @@ class Target:
         # The group, trusted to serve ``upstream`` whatever it lists; None:
         # every backend that lists ``upstream`` (or lists nothing).
         self.backends = backends
+        # How its streams are watched and migrated; None: the router's [migration].
+        self.migration = migration
 
     def __repr__(self) -> str:
         return f"Target({self.name!r} -> {self.upstream!r} on {self.backends or 'any'})"
@@ -156,7 +164,10 @@ class RouteTable:
         routes: Sequence[ModelRoute],
         default: RoutingPolicy,
         make_policy: Callable[[ModelRoute], RoutingPolicy] | None = None,
+        migration: MigrationSettings | None = None,
     ) -> None:
+        """``migration``: the router's [migration] settings, which a route's
+        own timeouts and migration limit override."""
         self.default = default
         self._routes: dict[str, _Route] = {}
         self._names: dict[str, str] = {}  # public name or alias -> route name
@@ -166,7 +177,9 @@ class RouteTable:
             target = None
             if not route.versions:
                 policy = make_policy(route) if make_policy is not None else default
-                target = Target(route.name, route.upstream_model or route.name, policy, route.backends)
+                target = Target(
+                    route.name, route.upstream_model or route.name, policy, route.backends, _migration(route, migration)
+                )
             versions = [_Version(self._names[v.model], v.weight) for v in route.versions]
             fallbacks = tuple(self._names[f] for f in route.fallbacks)
             self._routes[route.name] = _Route(route.name, target, versions, fallbacks)
@@ -239,6 +252,18 @@ class RouteTable:
             for r in self._routes.values()
             for v in r.versions
         ]
+
+
+def _migration(route: ModelRoute, base: MigrationSettings | None) -> MigrationSettings | None:
+    """The route's migration settings: the router's, with what the route sets."""
+    own = {
+        name: getattr(route, name)
+        for name in ("stall_timeout", "first_token_timeout", "max_migrations")
+        if getattr(route, name) is not None
+    }
+    if not own:
+        return None
+    return msgspec.structs.replace(base or MigrationSettings(), **own)
 
 
 class _Key:

@@ -12,6 +12,7 @@ from backends.errors import BackendProtocolError, BackendUnavailable, BadRequest
 from policies.routing import LeastLoaded, RoundRobin
 from router.actors import BackendActor
 from router.dispatch import Dispatcher, route_request
+from router.migration import Settings as MigrationSettings
 from tests.router.fakes import FakeBackend
 
 
@@ -75,9 +76,21 @@ async def test_client_errors_are_not_retried() -> None:
     assert b.started == 0
 
 
-async def test_failure_after_first_token_is_passed_on_not_retried() -> None:
+async def test_failure_after_first_token_migrates_to_another_backend() -> None:
     a, b = FakeBackend("a", break_after=2), FakeBackend("b")
     d = Dispatcher(await actors_for(a, b), RoundRobin())
+    events = [e async for e in d.stream(GenerateRequest(max_tokens=5))]
+    assert [t for e in events for t in e.token_ids] == [0, 1, 2, 3, 4]
+    assert "".join(e.text for e in events) == " t0 t1 t2 t3 t4"
+    assert b.started == 1 and events[-1].finish_reason == "length"
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 5
+    assert events[-1].usage.prompt_tokens == 3  # the original prompt, once
+    assert d.statistics().migration.migrations == {"broken:resumed": 1}
+
+
+async def test_with_migration_off_a_failure_after_first_token_is_passed_on() -> None:
+    a, b = FakeBackend("a", break_after=2), FakeBackend("b")
+    d = Dispatcher(await actors_for(a, b), RoundRobin(), migration=MigrationSettings(enabled=False))
     got = []
     with pytest.raises(StreamBroken):
         async for event in d.stream(GenerateRequest(max_tokens=5)):

@@ -1,0 +1,296 @@
+"""Stream migration: what a broken stream needs to continue on another backend.
+
+A stream that fails after its first event is resumed by the dispatcher
+(:mod:`router.dispatch`) on another backend of the same route, in the same
+response. This module holds the parts that do no I/O::
+
+    Progress         what the client has been sent: prompt ids, output ids, text,
+                     the seed the backend drew, the logprob entries
+    resume_request   the continuation by token ids: prompt + emitted ids, the
+                     ``resumed_tokens`` contract, max/min_tokens reduced, same seed
+    Replay           for backends without token ids: the original request again
+                     (same seed); its text must begin with exactly what the client
+                     has, which is dropped; anything else is a divergence
+    StallWatch       each backend's inter-token latency, for the stall watchdog:
+                     max(2 x p99, floor) once measured, the initial timeout before
+    Settings         the knobs ([migration] and per [[models]] overrides)
+
+The client never sees a byte twice or a gap: a continuation's events are
+relayed as they come (token mode) or after the replayed prefix has been
+checked and cut (replay mode); ``usage`` is rewritten to count the original
+prompt once and every generated token once. When a stream cannot be resumed
+(no backend left, the migration limit, a replay that diverged) the client
+gets :class:`~backends.errors.MigrationFailed`, never a truncated success.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import msgspec
+
+from backends.base import Event, GenerateRequest, Logprob, Usage
+from backends.errors import (
+    BackendProtocolError,
+    BackendTimeout,
+    MigrationFailed,
+    StreamBroken,
+    UpstreamError,
+)
+
+__all__ = [
+    "REASONS",
+    "MigrationStatistics",
+    "Progress",
+    "Replay",
+    "Settings",
+    "StallTimeout",
+    "StallWatch",
+    "reason_of",
+    "resume_request",
+]
+
+# Why a stream broke, as the metrics label it.
+REASONS = ("broken", "stall", "timeout", "protocol", "error", "no_final")
+
+
+class StallTimeout(BackendTimeout):
+    """The router's watchdog: no event from the backend for too long."""
+
+    code = "backend_stalled"
+
+
+class _NoFinal(StreamBroken):
+    """The backend's stream ended without its final event."""
+
+
+def no_final(events: int) -> StreamBroken:
+    return _NoFinal(f"the backend stream ended before its final event (after {events} events)")
+
+
+def reason_of(exc: UpstreamError) -> str:
+    """The metrics label of a mid-stream failure."""
+    if isinstance(exc, StallTimeout):
+        return "stall"
+    if isinstance(exc, _NoFinal):
+        return "no_final"
+    if isinstance(exc, BackendTimeout):
+        return "timeout"
+    if isinstance(exc, BackendProtocolError):
+        return "protocol"
+    if isinstance(exc, StreamBroken):
+        return "broken"
+    return "error"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """How streams are watched and migrated (``[migration]`` in the config,
+    overridden per model route)."""
+
+    enabled: bool = True
+    max_migrations: int = 3  # per request
+    # None: auto, max(stall_factor x the backend's p99 inter-token latency, stall_floor),
+    # and stall_initial until the backend has stall_samples measurements.
+    stall_timeout: float | None = None
+    stall_factor: float = 2.0
+    stall_floor: float = 1.0
+    stall_initial: float = 10.0
+    stall_samples: int = 64
+    first_token_timeout: float | None = None  # None: the backend adapter's own
+    replay: bool = True  # replay and verify on backends that report no token ids
+
+
+class MigrationStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    # (reason, outcome) -> count; outcome: resumed (by token ids), replayed
+    # (replay and verify), failed (the client got the terminal error).
+    migrations: dict[str, int] = {}
+    divergences: int = 0  # replays whose text differed from what the client had
+    inexact: int = 0  # resumed on a backend that does not promise exact resume
+
+
+class Progress:
+    """What has been relayed so far: enough to resume elsewhere."""
+
+    __slots__ = ("cached", "events", "finished", "ids_complete", "logprobs", "prompt_token_ids", "seed", "text", "token_ids")
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.seed: int | None = None
+        self.events = 0
+        self.logprobs = 0  # logprob entries relayed
+        self.finished = False  # the final event (finish_reason) was relayed
+        self.ids_complete = True  # every event with text carried its token ids
+        self.cached: int | None = None
+
+    def add(self, event: Event) -> None:
+        self.events += 1
+        if event.token_ids:
+            self.token_ids += event.token_ids
+        elif event.text:
+            self.ids_complete = False
+        self.text += event.text
+        if event.logprobs:
+            self.logprobs += len(event.logprobs)
+        if event.prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = event.prompt_token_ids
+        if event.seed is not None and self.seed is None:
+            self.seed = event.seed
+        if event.finish_reason is not None:
+            self.finished = True
+        if event.usage is not None and self.cached is None:
+            self.cached = event.usage.cached_tokens
+
+    @property
+    def resumable_by_ids(self) -> bool:
+        return self.prompt_token_ids is not None and self.ids_complete and bool(self.token_ids)
+
+    def usage(self, reported: Usage | None) -> Usage:
+        """The whole generation's usage: the original prompt once, every
+        token the client received once."""
+        prompt = len(self.prompt_token_ids) if self.prompt_token_ids is not None else (reported.prompt_tokens if reported else 0)
+        cached = reported.cached_tokens if reported is not None else (self.cached or 0)
+        return Usage(prompt_tokens=prompt, completion_tokens=len(self.token_ids), cached_tokens=min(cached, prompt))
+
+
+def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequest:
+    """The continuation of ``request`` after what ``progress`` relayed: by
+    token ids, with the resume contract (:attr:`GenerateRequest.resumed_tokens`)."""
+    assert progress.prompt_token_ids is not None
+    k = len(progress.token_ids)
+    return msgspec.structs.replace(
+        request,
+        prompt=None,
+        messages=None,
+        prompt_token_ids=[*progress.prompt_token_ids, *progress.token_ids],
+        resumed_tokens=k,
+        max_tokens=None if request.max_tokens is None else request.max_tokens - k,
+        min_tokens=max(0, request.min_tokens - k),
+        seed=progress.seed if progress.seed is not None else request.seed,
+    )
+
+
+def continuation(event: Event, progress: Progress) -> Event:
+    """A token-mode continuation's event as the client gets it: the prompt
+    ids, the seed and the model were said already; usage covers it all."""
+    if event.prompt_token_ids is None and event.seed is None and event.model is None and event.usage is None:
+        return event
+    out = msgspec.structs.replace(event, prompt_token_ids=None, seed=None, model=None)
+    if event.usage is not None:
+        progress_after = len(progress.token_ids) + len(event.token_ids)
+        usage = progress.usage(event.usage)
+        out.usage = Usage(usage.prompt_tokens, progress_after, usage.cached_tokens)
+    return out
+
+
+class Replay:
+    """Replay and verify: a regenerated stream whose text (and token ids,
+    when both runs carry them) must begin with exactly what the client has;
+    that prefix is dropped and the rest relayed. ``feed`` raises
+    :class:`MigrationFailed` (code ``replay_diverged``) on any difference."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.sent_text = progress.text
+        self.sent_ids = progress.token_ids if progress.ids_complete else None
+        self.sent_logprobs = progress.logprobs
+        self.text = ""  # replayed text not yet past the client's
+        self.ids: list[int] = []
+        self.logprobs = 0
+        self.caught_up = not self.sent_text and not self.sent_ids
+
+    def feed(self, event: Event) -> Event | None:
+        """The part of ``event`` the client has not seen (None: nothing new yet)."""
+        if self.caught_up:
+            return msgspec.structs.replace(event, prompt_token_ids=None, seed=None, model=None)
+        self.text += event.text
+        sent = self.sent_text
+        drop_ids = 0
+        if self.sent_ids is not None and event.token_ids:
+            room = len(self.sent_ids) - len(self.ids)
+            head = event.token_ids[: max(0, room)]
+            if head != self.sent_ids[len(self.ids) : len(self.ids) + len(head)]:
+                raise self._diverged("token ids")
+            self.ids += head
+            drop_ids = len(head)
+        if len(self.text) < len(sent):
+            if not sent.startswith(self.text):
+                raise self._diverged("text")
+            if event.finish_reason is not None:
+                raise self._diverged("length: the replay ended before reaching the text already sent")
+            self._count_logprobs(event)
+            return None
+        if not self.text.startswith(sent):
+            raise self._diverged("text")
+        self.caught_up = True
+        rest = self.text[len(sent) :]
+        logprobs = self._rest_logprobs(event)
+        if not rest and not event.token_ids[drop_ids:] and event.finish_reason is None and not logprobs:
+            return None
+        return Event(
+            token_ids=event.token_ids[drop_ids:],
+            text=rest,
+            logprobs=logprobs,
+            finish_reason=event.finish_reason,
+            usage=event.usage,
+        )
+
+    def _count_logprobs(self, event: Event) -> None:
+        self.logprobs += len(event.logprobs or ())
+
+    def _rest_logprobs(self, event: Event) -> list[Logprob] | None:
+        if not event.logprobs:
+            return event.logprobs
+        skip = max(0, self.sent_logprobs - self.logprobs)
+        self.logprobs += len(event.logprobs)
+        rest = event.logprobs[skip:]
+        return rest or None
+
+    def _diverged(self, what: str) -> MigrationFailed:
+        return MigrationFailed(
+            f"the stream broke and its replay on another backend differed ({what}); the answer cannot be completed exactly",
+            code="replay_diverged",
+        )
+
+
+class StallWatch:
+    """Inter-token latency per backend over its last ``window`` gaps, and the
+    stall timeout it implies. The p99 is recomputed every ``every`` samples
+    (a sort of ``window`` floats), not per token."""
+
+    def __init__(self, settings: Settings, window: int = 512, every: int = 32) -> None:
+        self.settings = settings
+        self.window, self.every = window, every
+        self._gaps: dict[str, deque[float]] = {}
+        self._since: dict[str, int] = {}
+        self._p99: dict[str, float] = {}
+
+    def add(self, backend: str, seconds: float) -> None:
+        gaps = self._gaps.get(backend)
+        if gaps is None:
+            gaps = self._gaps[backend] = deque(maxlen=self.window)
+            self._since[backend] = 0
+        gaps.append(seconds)
+        n = self._since[backend] + 1
+        if n >= self.every:
+            n = 0
+            ordered = sorted(gaps)
+            self._p99[backend] = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        self._since[backend] = n
+
+    def p99(self, backend: str) -> float | None:
+        gaps = self._gaps.get(backend)
+        if gaps is None or len(gaps) < self.settings.stall_samples:
+            return None
+        return self._p99.get(backend)
+
+    def timeout(self, backend: str, settings: Settings | None = None) -> float:
+        """Seconds without an event after which ``backend``'s stream counts as stalled."""
+        s = settings or self.settings
+        if s.stall_timeout is not None:
+            return s.stall_timeout
+        p99 = self.p99(backend)
+        if p99 is None:
+            return s.stall_initial
+        return max(s.stall_factor * p99, s.stall_floor)
