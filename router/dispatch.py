@@ -476,9 +476,9 @@ class Dispatcher:
                 sub = b.sub if progress.seed is None else msgspec.structs.replace(b.sub, seed=progress.seed)
             else:
                 raise self._migration_failed(reason, "no other backend can continue this stream", "no_backend_to_resume", status=503)
-            if self.retry_budget is not None and not self.retry_budget.try_acquire(self._active):
-                self._counts["retries_refused"] += 1
-                raise self._migration_failed(reason, "the retry budget is spent", "retry_budget_spent", status=503)
+            # Not charged to the retry budget: a backend that dies takes all its
+            # streams with it, and each has earned its continuation (bounded by
+            # max_migrations), where a retry storm is new load on a sick fleet.
             migrations += 1
             actor: BackendActor | None = None
             try:
@@ -504,9 +504,6 @@ class Dispatcher:
                 error = exc
             except ClientError as exc:  # the new backend refused the continuation: try another
                 error = UpstreamError(f"backend refused the resumed request: {exc.message}")
-            finally:
-                if self.retry_budget is not None:
-                    self.retry_budget.release()
             b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
 
     async def _continue(
@@ -577,6 +574,7 @@ class Dispatcher:
 
     def _migration_failed(self, reason: str, why: str, code: str, *, status: int | None = None) -> MigrationFailed:
         self._migrated(reason, "failed")
+        log.warning("stream not resumed (%s): %s", code, why)
         return MigrationFailed(
             f"the backend failed mid-stream and the answer could not be resumed: {why}",
             code=code,

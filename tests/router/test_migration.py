@@ -14,6 +14,7 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from hypothesis import given, settings
 
@@ -331,5 +332,5 @@ async def test_a_client_that_leaves_mid_migration_cancels_the_continuation() -> 
     d = Dispatcher(await actors(FlakyBackend(mock(), fail_first=1, after_events=2), slow), Prefer("a", "b"))
     with trio.move_on_after(0.5):
         await run(d, REQUEST)
-    await trio.sleep(0)
+    await trio.lowlevel.checkpoint()
     assert slow.in_flight == 0  # the continuation was cancelled with the client
