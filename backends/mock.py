@@ -5,7 +5,10 @@ at absolute position ``p`` is drawn from a small word vocabulary by a CRC-32
 of every preceding id, started from the seed's (the count of ids hashed is the
 position). So a request resumed with ``prompt + emitted ids``, the same seed
 and ``max_tokens - k`` continues exactly like the uninterrupted run, and a
-test can tell an exact resume from a sloppy one. The CRC runs in C and rolls
+test can tell an exact resume from a sloppy one; with ``resumed_tokens = k``
+(the resume contract, ``GenerateRequest.resumed_tokens``) the stop strings,
+the output cap and ``usage`` also count those k ids as output, so the rest of
+the events is the uninterrupted run's, byte for byte. The CRC runs in C and rolls
 forward one id at a time (``zlib.crc32(id, state)``, ~0.2 us); the splitmix64
 in Python it replaced cost ~2 us per id, 270 us for a 130-byte prompt, most
 of what a benchmark run spent in the mock.
@@ -125,11 +128,23 @@ DEFAULT_VOCAB: tuple[str, ...] = tuple(
     ]
 )
 
-FaultKind = Literal["cut", "stall", "status", "malformed", "no_done", "slow_first_token"]
+FaultKind = Literal[
+    "cut", "stall", "status", "malformed", "no_done", "no_final", "slow_first_token", "diverge"
+]
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
-    """One injected failure. ``after`` counts tokens already sent."""
+    """One injected failure. ``after`` counts tokens already sent (by this
+    stream: a resumed request's earlier output is not counted).
+
+    ``no_done``: the stream ends after its final event (finish reason and
+    usage) without ``data: [DONE]``, a complete answer; in-process, where
+    there is no ``[DONE]``, nothing changes. ``no_final``: the stream ends
+    right before its final event (the event with the finish reason, and the
+    last token in it): in-process :class:`StreamBroken` where it would come,
+    over HTTP a clean end of the body. ``diverge``: the output is not a
+    function of the request (the request counter is mixed into the seed), so
+    a replay of the same request gives other text."""
 
     kind: FaultKind
     after: int = 0
@@ -140,8 +155,9 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_fault(spec: str) -> Fault:
     """Parse the CLI spelling: ``cut-after=N``, ``stall-after=N``,
-    ``malformed-after=N``, ``no-done``, ``slow-first-token=MS``,
-    ``status=500|503[:retry-after=S]``, ``429[:retry-after=S]``."""
+    ``malformed-after=N``, ``no-done``, ``no-final``, ``diverge``,
+    ``slow-first-token=MS``, ``status=500|503[:retry-after=S]``,
+    ``429[:retry-after=S]``."""
     head, _, tail = spec.strip().partition(":")
     name, _, value = head.partition("=")
     retry_after = _parse_retry_after(tail, spec)
@@ -151,8 +167,8 @@ def parse_fault(spec: str) -> Fault:
                 name
             ]
             return Fault(kind=kind, after=_non_negative(int(value)))  # type: ignore[arg-type]
-        if name == "no-done" and not value:
-            return Fault(kind="no_done")
+        if name in _BARE_FAULTS and not value and not tail:
+            return Fault(kind=_BARE_FAULTS[name])
         if name == "slow-first-token":
             return Fault(kind="slow_first_token", delay_s=_non_negative(float(value)) / 1000)
         if name == "status" or (name.isdigit() and not value):
@@ -164,8 +180,12 @@ def parse_fault(spec: str) -> Fault:
         pass
     raise ValueError(
         f"bad fault {spec!r}: use cut-after=N, stall-after=N, malformed-after=N, no-done, "
-        "slow-first-token=MS, status=500|503[:retry-after=S] or 429[:retry-after=S]"
+        "no-final, diverge, slow-first-token=MS, status=500|503[:retry-after=S] or "
+        "429[:retry-after=S]"
     )
+
+
+_BARE_FAULTS: dict[str, FaultKind] = {"no-done": "no_done", "no-final": "no_final", "diverge": "diverge"}
 
 
 def _parse_retry_after(tail: str, spec: str) -> float | None:
@@ -204,6 +224,10 @@ class MockConfig(msgspec.Struct, frozen=True, kw_only=True):
     faults: Sequence[Fault] = ()
     fault_rate: float = 1.0
     seed: int = 0  # for fault draws and for seeds drawn for seedless requests
+    # False: a backend that does not report token ids (an ordinary OpenAI
+    # server): events carry no token ids, prompt ids or seed, and info() says
+    # token_ids=False (the HTTP mock ignores ``return_token_ids``).
+    token_ids: bool = True
     # The prefix-cache cost model (backends.mock_cache), on when block_size > 0:
     # tokens per KV block, the LRU's capacity in blocks, and the prefill cost of
     # each uncached prompt token (paid in the replica's one prefill lane).
@@ -287,7 +311,15 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
 
 class _Generation:
     """The sans-I/O core of one stream: each ``step()`` draws one token and
-    returns what to emit. Holds back text that may begin a stop string."""
+    returns what to emit. Holds back text that may begin a stop string.
+
+    A resumed generation (the last ``resumed`` ids of ``prompt`` are its own
+    earlier output) replays that output first, emitting nothing: it counts
+    towards ``emitted`` and ``limit`` (which is what remains of it), and its
+    text goes through the stop-string look-behind, so text held back before
+    the break comes out, and a stop string straddling it stops, exactly as
+    in the uninterrupted run. The tokens themselves need nothing: they are a
+    function of every id before them, whatever the split."""
 
     def __init__(
         self,
@@ -296,16 +328,34 @@ class _Generation:
         limit: int,
         request: GenerateRequest,
         vocab: Sequence[str],
+        resumed: int = 0,
     ) -> None:
-        self.seed, self.limit, self.vocab = seed, limit, vocab
+        self.seed, self.vocab = seed, vocab
+        self.limit = resumed + limit
         self.position = len(prompt)
         # Started from the seed; the ids fed so far are the position and history.
         self.hash = zlib.crc32(_ids_bytes(prompt), zlib.crc32((seed & MASK64).to_bytes(8, "little")))
         self.stops = list(request.stop)
         self.stop_ids = set(request.stop_token_ids)
         self.logprobs = request.logprobs
+        self.resumed = resumed
         self.emitted = 0
         self.pending = ""
+        self._replay(prompt[len(prompt) - resumed :])
+
+    def _replay(self, output: list[int]) -> None:
+        """Take in earlier output without emitting it; one that should have
+        stopped already is not a generation to continue."""
+        for token in output:
+            self.emitted += 1
+            stopped = token in self.stop_ids
+            if self.stops and not stopped:
+                stopped = self._text(_word(token, self.vocab))[1]
+            if stopped:
+                raise BadRequest(
+                    f"resumed token {self.emitted} ends the generation (a stop): "
+                    "there is nothing to continue", param="resumed_tokens",
+                )
 
     def step(self) -> tuple[int, str, list[Logprob] | None, Literal["stop", "length"] | None]:
         token = BYTE_IDS + self.hash % len(self.vocab)
@@ -373,16 +423,24 @@ class MockRun:
     usage). :meth:`MockBackend.stream` paces these events in time; the HTTP
     fast path of ``backends.mock_server`` renders them straight to bytes.
 
+    ``prompt`` is every id the request gave (what the prefix cache sees); a
+    resumed request's last ``resumed`` of them are its earlier output, so its
+    first event reports the prompt before them and its usage counts them as
+    completion tokens, as the uninterrupted run's does. With ``ids`` off (a
+    backend that does not report token ids) events carry no token ids, prompt
+    ids or seed.
+
     Used as a context manager it counts in the backend's statistics like a
     stream: *completed* once :meth:`sent` reports the final event delivered,
     *cancelled* when left before that."""
 
     def __init__(
         self, tally: StreamTally, prompt: list[int], seed: int, gen: _Generation,
-        faults: list[Fault],
+        faults: list[Fault], *, ids: bool = True,
     ) -> None:
         self._tally = tally
-        self.prompt, self.seed, self.faults = prompt, seed, faults
+        self.prompt, self.seed, self.faults, self.ids = prompt, seed, faults, ids
+        self.resumed = gen.resumed
         self._gen = gen
         self.finished = False  # the final event has been produced
         self._delivered = False
@@ -391,43 +449,52 @@ class MockRun:
 
     @property
     def emitted(self) -> int:
+        """Output tokens so far, a resumed request's earlier ones included."""
         return self._gen.emitted
+
+    @property
+    def sent_tokens(self) -> int:
+        """Output tokens this run has produced (what faults' ``after`` counts)."""
+        return self._gen.emitted - self.resumed
+
+    @property
+    def original_prompt(self) -> list[int]:
+        """The prompt without a resumed request's earlier output."""
+        return self.prompt[: len(self.prompt) - self.resumed]
 
     def step(self) -> Event:
         token, text, logprobs, finish = self._gen.step()
-        first = self._gen.emitted == 1
-        event = Event(
-            token_ids=[token],
-            text=text,
-            logprobs=logprobs,
-            prompt_token_ids=self.prompt if first else None,
-            seed=self.seed if first else None,
-        )
+        event = Event(token_ids=[token], text=text, logprobs=logprobs)
+        if self.sent_tokens == 1:
+            event.prompt_token_ids, event.seed = self.original_prompt, self.seed
         if finish is not None:
             self.finished = True
-            if not any(f.kind == "no_done" for f in self.faults):
-                event.finish_reason = finish
-                event.usage = Usage(prompt_tokens=len(self.prompt),
-                                    completion_tokens=self.emitted, cached_tokens=self.cached_tokens)
+            event.finish_reason, event.usage = finish, self._usage()
+        if not self.ids:
+            event.token_ids, event.prompt_token_ids, event.seed = [], None, None
         return event
+
+    def _usage(self) -> Usage:
+        prompt = len(self.prompt) - self.resumed
+        return Usage(prompt_tokens=prompt, completion_tokens=self.emitted,
+                     cached_tokens=min(self.cached_tokens, prompt))
 
     def rest(self) -> list[Event]:
         """Every remaining event at once: what a run without delays sends."""
         gen = self._gen
-        if not gen.plain() or self.faults or self.finished:
+        if not gen.plain() or self.faults or self.finished or not self.ids:
             events = []
             while not self.finished:
                 events.append(self.step())
             return events
-        first = gen.emitted == 0
+        first = self.sent_tokens == 0
         vocab = gen.vocab
         events = [Event(token_ids=[t], text=vocab[t - BYTE_IDS])
                   for t in gen.draw(gen.limit - gen.emitted)]
         if first:
-            events[0].prompt_token_ids, events[0].seed = self.prompt, self.seed
+            events[0].prompt_token_ids, events[0].seed = self.original_prompt, self.seed
         events[-1].finish_reason = "length"
-        events[-1].usage = Usage(prompt_tokens=len(self.prompt), completion_tokens=gen.emitted,
-                                 cached_tokens=self.cached_tokens)
+        events[-1].usage = self._usage()
         self.finished = True
         return events
 
@@ -466,11 +533,15 @@ class MockBackend:
         self._kv_changed = trio.Event()
 
     def info(self) -> BackendInfo:
+        """Its output is a function of the request alone (``exact_resume``),
+        unless it does not report token ids or the ``diverge`` fault is on."""
         c = self.config
+        diverges = any(f.kind == "diverge" for f in c.faults)
         return BackendInfo(
-            name=c.name, models=c.models, max_context=c.max_context, token_ids=True, seeds=True,
-            kv_events=self.cache is not None, block_size=c.block_size or None,
+            name=c.name, models=c.models, max_context=c.max_context, token_ids=c.token_ids,
+            seeds=not diverges, kv_events=self.cache is not None, block_size=c.block_size or None,
             tokenizer="bytes",  # its token ids are the prompt's bytes (encode_text)
+            exact_resume=c.token_ids and not diverges,
         )
 
     async def health(self) -> Health:
@@ -496,10 +567,13 @@ class MockBackend:
         return encode_text(request.prompt or "")
 
     def _limit(self, request: GenerateRequest, n_prompt: int) -> int:
+        """The tokens left to generate. A resumed request's earlier output is
+        in ``n_prompt`` and spent from the output cap, so it stops where the
+        uninterrupted run would have."""
         c = self.config
         if request.model and c.models and request.model not in c.models:
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-        asked = request.max_tokens
+        asked, resumed = request.max_tokens, request.resumed_tokens
         if asked is not None and asked < 1:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
         if n_prompt + (asked or 1) > c.max_context:
@@ -508,7 +582,24 @@ class MockBackend:
                 f"{n_prompt} prompt tokens and asks for {asked or 1} more.",
                 param="max_tokens",
             )
-        return min(asked or c.max_tokens, c.max_tokens, c.max_context - n_prompt)
+        if resumed >= c.max_tokens:
+            raise BadRequest(
+                f"resumed_tokens {resumed} reaches the output cap of {c.max_tokens} tokens",
+                param="resumed_tokens",
+            )
+        return min(asked or c.max_tokens, c.max_tokens - resumed, c.max_context - n_prompt)
+
+    @staticmethod
+    def _resumed(request: GenerateRequest, n_prompt: int) -> int:
+        k = request.resumed_tokens
+        if k and request.prompt_token_ids is None:
+            raise BadRequest("resumed_tokens needs a token-id prompt", param="resumed_tokens")
+        if not 0 <= k <= n_prompt:
+            raise BadRequest(
+                f"resumed_tokens must be between 0 and the prompt's {n_prompt} tokens",
+                param="resumed_tokens",
+            )
+        return k
 
     def _seed(self, request: GenerateRequest) -> int:
         """The request's seed; else 0 when greedy (temperature 0 output must
@@ -519,23 +610,30 @@ class MockBackend:
             return 0
         return self._seeds.getrandbits(63)
 
-    def _draw_faults(self) -> list[Fault]:
-        index, self._requests = self._requests, self._requests + 1
+    def _faults(self, index: int) -> list[Fault]:
+        """The faults that hit request number ``index``."""
         c = self.config
         return list(c.faults) if c.faults and fault_applies(c.seed, index, c.fault_rate) else []
 
     def admit(self, request: GenerateRequest) -> MockRun:
         """Check ``request`` and set up its generation; raises the
         :class:`~backends.errors.HeadraceError` a stream would raise first."""
+        index = self._requests  # taken only by a request that is admitted
         try:
             prompt = self.prompt_ids(request)
+            resumed = self._resumed(request, len(prompt))
             limit = self._limit(request, len(prompt))
+            seed = self._seed(request)
+            faults = self._faults(index)
+            # diverge: the same request draws other tokens each time (the seed
+            # it reports is still the one asked for, as a sloppy server's is).
+            drawn = _mix(seed, index) if any(f.kind == "diverge" for f in faults) else seed
+            gen = _Generation(prompt, drawn, limit, request, self.config.vocab, resumed)
         except HeadraceError:
             self._rejected += 1
             raise
-        seed = self._seed(request)
-        gen = _Generation(prompt, seed, limit, request, self.config.vocab)
-        return MockRun(self._tally, prompt, seed, gen, self._draw_faults())
+        self._requests += 1
+        return MockRun(self._tally, prompt, seed, gen, faults, ids=self.config.token_ids)
 
     async def prefill(self, run: MockRun, delay: float = 0.0) -> None:
         """Wait out ``run``'s time to first token: ``ttft_s + delay``, then, with
@@ -591,9 +689,15 @@ class MockBackend:
         delay = sum(f.delay_s for f in faults if f.kind == "slow_first_token")
         await self.prefill(run, delay)
         _raise_status(faults)
+        no_final = any(f.kind == "no_final" for f in faults)
         while True:
-            await _token_fault(faults, run.emitted)
+            await _token_fault(faults, run.sent_tokens)
             event = run.step()
+            if run.finished and no_final:
+                raise StreamBroken(
+                    f"injected fault: the stream ended before its final event "
+                    f"({run.sent_tokens - 1} tokens sent)"
+                )
             yield event
             if run.finished:
                 return

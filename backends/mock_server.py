@@ -13,8 +13,26 @@ server breaks::
                        HTTP/1.1 closes the connection, HTTP/2 resets the stream
     stall-after=N      after N tokens, stop sending; keep the connection open
     malformed-after=N  after N tokens, send a garbage ``data:`` line and end
-    no-done            end the stream without ``data: [DONE]``
+    no-done            send the final chunk (and the usage chunk, when asked
+                       for), then end the body without ``data: [DONE]``: a
+                       complete answer
+    no-final           end the body cleanly right before the chunk with the
+                       finish reason (and the last token in it): a broken one
     slow-first-token=MS  delay the response head (and so the first token)
+
+One fault is the backend's, not the HTTP layer's: ``diverge`` (``MockConfig.faults``)
+mixes the request counter into the seed, so two identical requests (the same
+prompt and seed) get different text, as from a server whose output is not a
+function of the request; replay-and-verify has to notice. And ``--no-token-ids``
+(``MockConfig.token_ids=False``) makes an ordinary OpenAI server of it: chunks
+never carry ``token_ids``, ``prompt_token_ids`` or ``seed`` (``return_token_ids``
+is dropped from the request before the frontend reads it), ``/v1/generate`` (the
+native route, all token ids) is a 404, and ``/v1/models`` says ``token_ids:
+false``.
+
+Each ``/v1/models`` entry says ``token_ids`` and ``exact_resume`` (true unless
+one of those two is on: the mock's output is a function of the request, and a
+request resumed with ``resumed_tokens`` continues it exactly).
 
 ``GET /stats`` reports the backend's counters (in flight, cancelled...) so a
 test in another process can see a cancellation arrive.
@@ -65,7 +83,7 @@ import msgspec
 import trio
 
 from backends.base import Event
-from backends.errors import HeadraceError
+from backends.errors import HeadraceError, NotFound
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
 from frontend.call import Call, prepare_call
@@ -92,6 +110,7 @@ GENERATION_KINDS: dict[str, Kind] = {
 }
 GENERATION_PATHS = frozenset(GENERATION_KINDS)
 GARBAGE = b'data: {"choices": [{"text": "\n\n'
+BACKEND_FAULTS = frozenset({"diverge"})  # injected by MockBackend, not here
 _DONE = b"data: [DONE]\n\n"
 _STATUS_ERRORS = {
     429: ("rate_limit_error", "rate_limit_exceeded"),
@@ -122,6 +141,9 @@ class FaultInjector:
         seed: int = 0,
         fast: ASGIApp | None = None,
     ) -> None:
+        backend_faults = [f.kind for f in faults if f.kind in BACKEND_FAULTS]
+        if backend_faults:
+            raise ValueError(f"{backend_faults[0]} is a fault of the backend: MockConfig(faults=...)")
         self.app, self.faults, self.rate, self.seed = app, list(faults), rate, seed
         self.fast = fast or app  # serves the generation requests no fault touches
         self.requests = 0
@@ -176,6 +198,7 @@ class _FaultySend:
         self.delay = sum(f.delay_s for f in faults if f.kind == "slow_first_token")
         self.breaking = [f for f in faults if f.kind in ("cut", "stall", "malformed")]
         self.no_done = any(f.kind == "no_done" for f in faults)
+        self.no_final = any(f.kind == "no_final" for f in faults)
         self.sse = False
         self.tokens = 0
 
@@ -186,10 +209,16 @@ class _FaultySend:
             self.sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
         elif message["type"] == "http.response.body" and message.get("body"):
             body: bytes = message["body"]
-            if self.sse and body == _DONE and self.no_done:
-                return
+            if self.sse and self.no_done and body.endswith(_DONE):
+                body = body.removesuffix(_DONE)
+                message = {**message, "body": body}
+                if not body:
+                    return
             await self._maybe_break()
-            self.tokens += _count_tokens(body) if self.sse else 0
+            chunk = _chunk(body) if self.sse else None
+            if self.no_final and chunk is not None and _is_final(chunk):
+                raise _Stop
+            self.tokens += _count_tokens(chunk) if chunk is not None else 0
         await self.send(message)
 
     async def _maybe_break(self) -> None:
@@ -205,20 +234,31 @@ class _FaultySend:
         raise _Stop
 
 
-def _count_tokens(chunk: bytes) -> int:
-    """Tokens in one SSE event as the frontend frames it (one event per send)."""
-    payload = chunk.strip().removeprefix(b"data:").strip()
+def _chunk(body: bytes) -> dict[str, Any] | None:
+    """One SSE event as the frontend frames it (one event per send), decoded."""
+    payload = body.strip().removeprefix(b"data:").strip()
     try:
         obj = msgspec.json.decode(payload)
     except msgspec.DecodeError:
-        return 0
-    if not isinstance(obj, dict):
-        return 0
-    if isinstance(obj.get("choices"), list):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _count_tokens(chunk: dict[str, Any]) -> int:
+    """Tokens in one chunk (one per choice when it carries no ids)."""
+    if isinstance(chunk.get("choices"), list):
         return sum(
-            max(1, len(c.get("token_ids") or [])) for c in obj["choices"] if isinstance(c, dict)
+            max(1, len(c.get("token_ids") or [])) for c in chunk["choices"] if isinstance(c, dict)
         )
-    return len(obj.get("token_ids") or [])
+    return len(chunk.get("token_ids") or [])
+
+
+def _is_final(chunk: dict[str, Any]) -> bool:
+    """Whether the chunk carries a finish reason (of a choice, or native)."""
+    choices = chunk.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+    return chunk.get("finish_reason") is not None
 
 
 async def _refuse(fault: Fault, receive: Any, send: Any) -> None:
@@ -254,11 +294,16 @@ def build_app(
         counters.update(requests=injector.requests, faults_injected=injector.injected)
         return json_response(counters)
 
-    routes: dict[tuple[str, str], Handler] = {("GET", "/stats"): stats}
+    routes: dict[tuple[str, str], Handler] = {
+        ("GET", "/stats"): stats, ("GET", "/v1/models"): partial(_models, backend),
+    }
     if backend.cache is not None:
-        routes |= {("GET", "/v1/models"): partial(_models, backend),
-                   ("GET", "/v1/kv_events"): partial(_kv_events, backend)}
-    server = OpenAIServer(backend, extra_routes=routes)
+        routes[("GET", "/v1/kv_events")] = partial(_kv_events, backend)
+    if not backend.config.token_ids:
+        routes[("POST", "/v1/generate")] = _no_native
+    server: ASGIApp = OpenAIServer(backend, extra_routes=routes)
+    if not backend.config.token_ids:
+        server = _WithoutTokenIds(server)
     fast_path = FastPath(backend, server) if fast else None
     injector = FaultInjector(server, faults, rate=fault_rate, seed=seed, fast=fast_path)
     return injector
@@ -268,15 +313,57 @@ _KV_EPOCH = secrets.token_hex(8)  # this process's run of KV event numbers
 
 
 async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
-    """The frontend's model list, plus what a router needs to hash blocks."""
+    """The frontend's model list, plus what a router resumes streams by
+    (``token_ids``, ``exact_resume``) and, with the prefix-cache model on,
+    what it needs to hash blocks."""
     info = backend.info()
+    extra: dict[str, Any] = {"token_ids": info.token_ids, "exact_resume": info.exact_resume}
+    if backend.cache is not None:
+        extra |= {"block_size": info.block_size, "kv_events": True, "tokenizer": "bytes",
+                  "kv_epoch": _KV_EPOCH}
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": info.name,
-         "max_model_len": info.max_context, "block_size": info.block_size, "kv_events": True,
-         "tokenizer": "bytes", "kv_epoch": _KV_EPOCH}
+         "max_model_len": info.max_context, **extra}
         for m in info.models
     ]
     return json_response({"object": "list", "data": data})
+
+
+async def _no_native(request: HTTPRequest) -> Response:
+    """``--no-token-ids``: no native route (its answers are all token ids)."""
+    raise NotFound(f"no route for {request.path} (this mock reports no token ids)")
+
+
+class _WithoutTokenIds:
+    """ASGI middleware for ``--no-token-ids``: drops ``return_token_ids``
+    from generation requests before the frontend reads them, so no chunk
+    carries ids. A body it cannot read (too large, cut short, not a JSON
+    object) goes on as it came, for the frontend to answer."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        messages, body = await _read_body(receive, self.max_body_bytes)
+        if body is not None:
+            stripped = _without_token_ids(body)
+            if stripped is not None:
+                messages = [{"type": "http.request", "body": stripped, "more_body": False}]
+        await self.app(scope, _replay(messages, receive), send)
+
+
+def _without_token_ids(body: bytes) -> bytes | None:
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(obj, dict) or "return_token_ids" not in obj:
+        return None
+    del obj["return_token_ids"]
+    return msgspec.json.encode(obj)
 
 
 async def _kv_events(backend: MockBackend, request: HTTPRequest) -> Response:
@@ -353,10 +440,13 @@ class FastPath:
     def _admit(self, kind: Kind, body: bytes) -> tuple[_Renderer, MockRun] | None:
         """What the frontend does up to the first event, in its order (so
         errors are the same); None for shapes the fast path leaves alone."""
+        ids = self.backend.config.token_ids
+        if kind == "native" and not ids:
+            return None  # the frontend's 404 (see build_app)
         call = prepare_call(kind, body, self.backend, RequestContext(request_id=new_request_id()))
         if not call.wire.stream or len(call.subs) != 1 or call.subs[0].logprobs is not None:
             return None
-        return _Renderer(call), self.backend.admit(call.subs[0])
+        return _Renderer(call, token_ids=ids), self.backend.admit(call.subs[0])
 
     async def _paced(self, renderer: _Renderer, run: MockRun, receive: Any, send: Any) -> None:
         """First token after ``ttft``, one per ``tpot`` after it; a client that
@@ -389,10 +479,10 @@ class _Renderer:
     """One call's SSE chunks, laid out as ``OpenAIServer`` lays them out
     (msgspec, keys in the frontend's order, no spaces)."""
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Call, *, token_ids: bool = True) -> None:
         kind, rid, model, created = call.kind, call.rid, call.model, call.created
         options = call.wire.stream_options
-        self.kind, self.token_ids = kind, call.token_ids
+        self.kind, self.token_ids = kind, call.token_ids and token_ids
         self.include_usage = kind != "native" and options is not None and options.include_usage
         self.first = True
         self.usage = b""
@@ -542,10 +632,18 @@ def _parser() -> argparse.ArgumentParser:
         type=_fault,
         default=[],
         metavar="SPEC",
-        help="see the module docs (repeatable)",
+        help="cut-after=N, stall-after=N, malformed-after=N, no-done (final event and usage, "
+        "no [DONE]), no-final (ends before the final event), diverge (identical requests "
+        "get different text), slow-first-token=MS, status=500|503[:retry-after=S], "
+        "429[:retry-after=S] (repeatable; see the module docs)",
     )
     p.add_argument(
         "--fault-rate", type=float, default=1.0, help="fraction of requests hit by the faults"
+    )
+    p.add_argument(
+        "--no-token-ids", dest="token_ids", action="store_false",
+        help="act as a server that reports no token ids: no token_ids, prompt_token_ids or "
+        "seed in chunks (return_token_ids is ignored), no /v1/generate",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed for fault draws and for seedless requests"
@@ -584,6 +682,9 @@ def _config(args: argparse.Namespace) -> MockConfig:
         max_context=args.max_context,
         models=tuple(args.models or ("mock",)),
         seed=args.seed,
+        faults=tuple(f for f in args.fault if f.kind in BACKEND_FAULTS),
+        fault_rate=args.fault_rate,
+        token_ids=args.token_ids,
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
         prefill_s_per_token=args.prefill_ms_per_token / 1000,
@@ -592,7 +693,8 @@ def _config(args: argparse.Namespace) -> MockConfig:
 
 async def _serve(args: argparse.Namespace) -> None:
     backend = MockBackend(_config(args))
-    app = build_app(backend, args.fault, fault_rate=args.fault_rate, seed=args.seed)
+    http_faults = [f for f in args.fault if f.kind not in BACKEND_FAULTS]
+    app = build_app(backend, http_faults, fault_rate=args.fault_rate, seed=args.seed)
     options = ServeOptions(
         args.host, args.port, certfile=args.certfile, keyfile=args.keyfile, graceful_timeout=5.0
     )

@@ -249,15 +249,28 @@ async def test_status_faults_raise_before_any_token(
     assert exc.retry_after == retry_after  # type: ignore[attr-defined]
 
 
-async def test_malformed_and_no_done_faults_in_process() -> None:
+async def test_malformed_fault_in_process_is_a_protocol_error_after_n_tokens() -> None:
     malformed = MockBackend(MockConfig(faults=[parse_fault("malformed-after=1")]))
     events, exc = await collect_until_error(malformed, GenerateRequest(prompt="a", max_tokens=5))
     assert isinstance(exc, BackendProtocolError) and len(events) == 1
-    no_done = await collect(
-        MockBackend(MockConfig(faults=[Fault(kind="no_done")])),
-        GenerateRequest(prompt="a", max_tokens=3),
-    )
-    assert len(no_done) == 3 and all(e.finish_reason is None for e in no_done)
+
+
+async def test_no_done_in_process_is_a_complete_answer_with_its_final_event() -> None:
+    """In-process there is no ``[DONE]``: the stream is the healthy one."""
+    request = GenerateRequest(prompt="a", max_tokens=3, seed=4)
+    no_done = await collect(MockBackend(MockConfig(faults=[Fault(kind="no_done")])), request)
+    assert no_done == await collect(MockBackend(), request)
+    assert no_done[-1].finish_reason == "length" and no_done[-1].usage is not None
+
+
+async def test_no_final_in_process_breaks_where_the_final_event_would_come() -> None:
+    request = GenerateRequest(prompt="a", max_tokens=4, seed=4)
+    healthy = await collect(MockBackend(), request)
+    backend = MockBackend(MockConfig(faults=[parse_fault("no-final")]))
+    events, exc = await collect_until_error(backend, request)
+    assert isinstance(exc, StreamBroken)
+    assert events == healthy[:-1] and all(e.finish_reason is None for e in events)
+    assert backend.statistics().failed == 1
 
 
 async def test_slow_first_token_fault_delays_only_the_first(
@@ -294,6 +307,8 @@ async def test_fault_rate_hits_a_deterministic_fraction() -> None:
         ("stall-after=0", Fault(kind="stall", after=0)),
         ("malformed-after=2", Fault(kind="malformed", after=2)),
         ("no-done", Fault(kind="no_done")),
+        ("no-final", Fault(kind="no_final")),
+        ("diverge", Fault(kind="diverge")),
         ("slow-first-token=1500", Fault(kind="slow_first_token", delay_s=1.5)),
         ("status=503", Fault(kind="status", status=503)),
         ("429", Fault(kind="status", status=429)),
@@ -305,7 +320,11 @@ def test_parse_fault_accepts_the_cli_spellings(spec: str, fault: Fault) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["", "cut-after", "cut-after=-1", "status=200", "explode", "429:retry=3", "no-done=1"]
+    "spec",
+    [
+        "", "cut-after", "cut-after=-1", "status=200", "explode", "429:retry=3", "no-done=1",
+        "no-final=2", "diverge=1", "diverge:retry-after=1",
+    ],
 )
 def test_parse_fault_rejects_nonsense_with_a_clear_message(spec: str) -> None:
     with pytest.raises(ValueError, match="bad fault"):

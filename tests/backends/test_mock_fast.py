@@ -117,3 +117,21 @@ async def test_the_fast_path_answers_exactly_as_the_frontend(
     for got, want in zip(fast[1:], slow[1:], strict=True):
         assert got == want
     assert fast[-1].completed == len(CASES) - ERRORS + 2 and fast[-1].rejected == 1  # n=2: 2 streams
+
+
+async def test_without_token_ids_the_fast_path_still_answers_as_the_frontend(
+    nursery: trio.Nursery,
+) -> None:
+    """``--no-token-ids``: neither path sends ids (asked for or not), and the
+    native route is a 404 from both."""
+    config = MockConfig(max_context=160, token_ids=False)
+    fast = await _answers(nursery, config, fast=True, server="lean")
+    slow = await _answers(nursery, config, fast=False)
+    natives = sum(path == "/v1/generate" for path, _ in CASES)
+    assert fast[0] == FALLBACKS + natives
+    for got, want in zip(fast[1:-1], slow[1:-1], strict=True):
+        assert got == want
+        path, _, status, _, text = got
+        assert '"token_ids"' not in text, (path, status, text)
+        if path == "/v1/generate":
+            assert status == 404 and "reports no token ids" in text, text

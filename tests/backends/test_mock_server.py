@@ -277,3 +277,85 @@ async def test_h2_request_whose_headers_and_body_arrive_together_is_read_whole(
                 break
     await stream.aclose()
     assert status == b"200", body
+
+
+@pytest.mark.parametrize("h2", [False, True])
+async def test_no_done_sends_the_final_and_usage_chunks_then_ends_the_body(
+    nursery: trio.Nursery, server: str, h2: bool
+) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("no-done")])
+    async with _client(served.url, h2) as client:
+        body = BODY | {"stream_options": {"include_usage": True}}
+        lines, exc = await _read_until_error(client, body)
+    assert exc is None and "[DONE]" not in lines and len(lines) == 9
+    assert json.loads(lines[7])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(lines[8])["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("h2", [False, True])
+async def test_no_final_ends_the_body_cleanly_right_before_the_final_chunk(
+    nursery: trio.Nursery, server: str, h2: bool
+) -> None:
+    served = await _serve(nursery, server, faults=[parse_fault("no-final")])
+    async with _client(served.url, h2) as client:
+        body = BODY | {"stream_options": {"include_usage": True}}
+        lines, exc = await _read_until_error(client, body)
+        chunks = [json.loads(line) for line in lines]
+        assert exc is None and len(chunks) == 7  # of 8 tokens: the 8th came with the finish
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+        assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1] * 7
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_models_say_the_mock_resumes_exactly(nursery: trio.Nursery, server: str) -> None:
+    served = await _serve(nursery, server)
+    async with _client(served.url, True) as client:
+        data = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["token_ids"], m["exact_resume"]) for m in data] == [("mock", True, True)]
+    assert "block_size" not in data[0]  # the cache model is off
+
+
+async def test_no_token_ids_mock_never_sends_ids_even_when_asked(
+    nursery: trio.Nursery, server: str
+) -> None:
+    served = await _serve(nursery, server, config=MockConfig(token_ids=False))
+    async with _client(served.url, True) as client:
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        for path, extra, logprobs in [("/v1/completions", {}, 2), ("/v1/chat/completions", chat, True)]:
+            # streamed: the fast path; not streamed, or with logprobs: the frontend
+            for shape in ({"stream": True}, {"stream": False}, {"stream": True, "logprobs": logprobs}):
+                body = {k: v for k, v in (BODY | extra | shape).items() if not (extra and k == "prompt")}
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, r.text
+                assert "token_ids" not in r.text and '"seed"' not in r.text
+                assert ("[DONE]" in r.text) == shape["stream"]
+        native = await client.post("/v1/generate", json={"prompt": "hi", "max_tokens": 2})
+        data = (await client.get("/v1/models")).json()["data"]
+    assert native.status_code == 404
+    assert (data[0]["token_ids"], data[0]["exact_resume"]) == (False, False)
+
+
+async def test_diverge_gives_identical_http_requests_different_text(
+    nursery: trio.Nursery, server: str
+) -> None:
+    served = await _serve(nursery, server, config=MockConfig(faults=[parse_fault("diverge")]))
+    async with _client(served.url, True) as client:
+        texts = [(await client.post("/v1/completions", json=BODY | {"stream": False})).json()
+                 ["choices"][0]["text"] for _ in range(3)]
+        data = (await client.get("/v1/models")).json()["data"]
+    assert len(set(texts)) == 3
+    assert (data[0]["token_ids"], data[0]["exact_resume"]) == (True, False)
+
+
+def test_the_cli_gives_diverge_and_no_token_ids_to_the_backend_and_http_faults_to_the_injector(
+) -> None:
+    from backends.mock_server import _config, _parser
+
+    args = _parser().parse_args(
+        ["--fault", "diverge", "--fault", "no-final", "--no-token-ids", "--fault-rate", "0.5"]
+    )
+    config = _config(args)
+    assert config.faults == (Fault(kind="diverge"),) and config.fault_rate == 0.5
+    assert not config.token_ids and _config(_parser().parse_args([])).token_ids
+    with pytest.raises(ValueError, match="diverge is a fault of the backend"):
+        build_app(MockBackend(), [Fault(kind="diverge")])
