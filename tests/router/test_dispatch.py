@@ -29,6 +29,9 @@ class ListRecorder:
     def inter_token_latency(self, backend: str, seconds: float) -> None:
         self.calls.append(("itl", backend, seconds))
 
+    def resume_gap(self, backend: str, seconds: float) -> None:
+        self.calls.append(("resume", backend, seconds))
+
 
 async def actors_for(*fakes: FakeBackend) -> list[BackendActor]:
     actors = [BackendActor(f.name, f) for f in fakes]
