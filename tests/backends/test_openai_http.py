@@ -195,14 +195,214 @@ async def test_malformed_chunk_is_backend_protocol_error(
     assert isinstance(exc, BackendProtocolError) and len(events) == 2
 
 
-async def test_stream_without_done_is_stream_broken_and_withholds_the_final_event(
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_stream_with_its_final_event_and_usage_but_no_done_is_a_complete_answer(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend], protocol: str
+) -> None:
+    _, client = await _backend(nursery, protocol, tls_files, "no-done")
+    closing.append(client)
+    request = GenerateRequest(prompt="a", max_tokens=4, seed=2)
+    events = await collect(client, request)
+    local = await collect(MockBackend(), request)
+    assert ids_of(events) == ids_of(local) and text_of(events) == text_of(local)
+    assert events[-1].finish_reason == "length" and events[-1].usage == local[-1].usage
+    assert client.statistics().completed == 1 and client.statistics().failed == 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_stream_that_ends_before_its_final_event_is_stream_broken(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend], protocol: str
+) -> None:
+    """The server ends the body cleanly, but the finish chunk never came: the
+    last token (which was in it) is not delivered, so a resume regenerates it."""
+    _, client = await _backend(nursery, protocol, tls_files, "no-final")
+    closing.append(client)
+    request = GenerateRequest(prompt="a", max_tokens=4, seed=2)
+    events, exc = await collect_until_error(client, request)
+    local = await collect(MockBackend(), request)
+    assert isinstance(exc, StreamBroken) and "final event" in str(exc)
+    assert ids_of(events) == ids_of(local)[:-1] and all(e.finish_reason is None for e in events)
+
+
+def _data(obj: object) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _choice(text: str, token: int, finish: str | None = None) -> dict[str, object]:
+    return {"choices": [{"index": 0, "text": text, "token_ids": [token], "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
+@pytest.mark.parametrize("ending", ["eof", "reset", "abort", "stall"])
+async def test_a_stream_without_done_is_complete_only_once_finish_and_usage_both_came(
+    nursery: trio.Nursery, usage: bool, ending: str
+) -> None:
+    """After the finish chunk and the usage chunk, however the stream ends
+    (end of stream, RST_STREAM, TCP reset, silence past the stall timeout) the
+    answer is complete; without the usage chunk it is broken (or timed out)."""
+    from tests.backends.test_h2client import ScriptedServer, ServerConn
+
+    async def handler(conn: ServerConn, sid: int, _: dict[bytes, bytes]) -> None:
+        await conn.respond(sid, headers=[(b"content-type", b"text/event-stream")])
+        await conn.send(sid, _data({**_choice(" a", 300), "prompt_token_ids": [1, 2]}))
+        await conn.send(sid, _data(_choice(" b", 301, "stop")))
+        if usage:
+            await conn.send(sid, _data({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}))
+        if ending == "eof":
+            await conn.send(sid, b"", end=True)
+        elif ending == "reset":
+            conn.h2.reset_stream(sid, error_code=2)
+            await conn.flush()
+        elif ending == "abort":
+            conn.abort()
+        else:
+            await trio.sleep_forever()
+
+    server = await ScriptedServer(handler).start(nursery)
+    client = OpenAIHTTPBackend(f"http://127.0.0.1:{server.port}", http="2", stall_timeout=0.3)
+    try:
+        if usage:
+            events = await collect(client, GenerateRequest(prompt="x", max_tokens=2))
+            assert [(e.text, e.token_ids, e.finish_reason) for e in events] == [
+                (" a", [300], None), (" b", [301], "stop")
+            ]
+            assert events[0].prompt_token_ids == [1, 2]
+            assert events[-1].usage is not None and events[-1].usage.completion_tokens == 2
+        else:
+            events, exc = await collect_until_error(client, GenerateRequest(prompt="x", max_tokens=2))
+            assert type(exc) is (BackendTimeout if ending == "stall" else StreamBroken), exc
+            assert [e.text for e in events] == [" a"]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("error", "before", "want"),
+    [
+        ({"message": "boom", "type": "upstream_error", "code": "stream_broken"}, False, StreamBroken),
+        ({"message": "bad", "type": "server_error", "code": "backend_protocol_error"}, False, StreamBroken),
+        ({"message": "boom", "type": "server_error"}, True, UpstreamError),
+        ({"message": "full", "type": "server_error", "code": "backend_unavailable"}, True, BackendUnavailable),
+    ],
+)
+async def test_an_in_band_error_after_the_first_event_is_stream_broken(
+    nursery: trio.Nursery, error: dict[str, str], before: bool, want: type[Exception]
+) -> None:
+    """Mid-stream, whatever the error says, the tokens so far are valid and
+    the stream is migratable; before the first event it is an ordinary
+    upstream error (retried elsewhere)."""
+    from tests.backends.test_h2client import ScriptedServer, ServerConn
+
+    async def handler(conn: ServerConn, sid: int, _: dict[bytes, bytes]) -> None:
+        await conn.respond(sid, headers=[(b"content-type", b"text/event-stream")])
+        if not before:
+            await conn.send(sid, _data(_choice(" a", 300)))
+        await conn.send(sid, _data({"error": error}), end=True)
+
+    server = await ScriptedServer(handler).start(nursery)
+    client = OpenAIHTTPBackend(f"http://127.0.0.1:{server.port}", http="2")
+    try:
+        events, exc = await collect_until_error(client, GenerateRequest(prompt="x"))
+        assert type(exc) is want and len(events) == (0 if before else 1)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("config", "faults", "want"),
+    [
+        (MockConfig(faults=[parse_fault("cut-after=2")]), (), StreamBroken),  # in-band error
+        (MockConfig(faults=[parse_fault("malformed-after=2")]), (), StreamBroken),  # in-band error
+        (None, ("cut-after=2",), StreamBroken),  # the transport breaks
+        (None, ("no-final",), StreamBroken),
+        (None, ("malformed-after=2",), BackendProtocolError),
+        (None, ("stall-after=2",), BackendTimeout),
+    ],
+)
+async def test_every_mid_stream_failure_is_an_upstream_error_the_router_can_name(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend],
+    config: MockConfig | None, faults: tuple[str, ...], want: type[Exception],
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files, *faults, config=config, stall_timeout=0.3)
+    closing.append(client)
+    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=6))
+    assert type(exc) is want and isinstance(exc, UpstreamError) and len(ids_of(events)) >= 2
+
+
+@pytest.mark.parametrize(
+    ("config", "token_ids", "want"),
+    [
+        (MockConfig(), "auto", (True, True)),
+        (MockConfig(), False, (False, False)),  # never asks for ids: no resume by them
+        (MockConfig(token_ids=False), "auto", (False, False)),
+        (MockConfig(faults=[parse_fault("diverge")]), "auto", (True, False)),
+    ],
+)
+async def test_refresh_reads_token_ids_and_exact_resume_from_the_model_list(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend],
+    config: MockConfig, token_ids: object, want: tuple[bool, bool],
+) -> None:
+    _, client = await _backend(nursery, "h2", tls_files, config=config, token_ids=token_ids)
+    closing.append(client)
+    assert not client.info().exact_resume  # nothing known before the model list
+    info = await client.refresh()
+    assert (info.token_ids, info.exact_resume) == want
+
+
+@pytest.mark.parametrize(
+    ("entries", "want"),
+    [
+        ([{"exact_resume": True}, {"exact_resume": True}], {"exact_resume": True}),
+        ([{"exact_resume": True}, {"exact_resume": False}], {"exact_resume": False}),
+        ([{"exact_resume": True}, {}], {"exact_resume": True}),
+        ([{"exact_resume": "yes", "token_ids": 1}], {}),
+        ([{"token_ids": False, "block_size": 16}], {"token_ids": False, "block_size": 16}),
+    ],
+)
+def test_engine_fields_take_exact_resume_only_as_a_bool_every_entry_agrees_on(
+    entries: list[dict[str, object]], want: dict[str, object]
+) -> None:
+    from backends.openai_http import _engine_fields
+
+    assert _engine_fields(entries) == want
+
+
+async def test_a_server_without_token_ids_streams_text_and_usage_and_says_so(
     nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
 ) -> None:
-    _, client = await _backend(nursery, "h1", tls_files, "no-done")
+    _, client = await _backend(nursery, "h2", tls_files, config=MockConfig(token_ids=False))
     closing.append(client)
-    events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=4))
-    assert isinstance(exc, StreamBroken)
-    assert len(events) == 3 and all(e.finish_reason is None for e in events)
+    request = GenerateRequest(prompt="hello", max_tokens=5, seed=3, logprobs=1)
+    events = await collect(client, request)  # asks for ids ("auto"), gets none
+    local = await collect(MockBackend(), request)
+    assert ids_of(events) == [] and text_of(events) == text_of(local)
+    assert events[0].prompt_token_ids is None and events[0].seed is None
+    assert events[-1].usage == local[-1].usage and not client.info().token_ids
+
+
+async def test_a_diverging_server_answers_identical_requests_differently(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    config = MockConfig(faults=[parse_fault("diverge")], token_ids=False)
+    _, client = await _backend(nursery, "h1", tls_files, config=config)
+    closing.append(client)
+    request = GenerateRequest(prompt="same", max_tokens=6, seed=4)
+    texts = {text_of(await collect(client, request)) for _ in range(3)}
+    assert len(texts) == 3
+
+
+def test_resumed_tokens_are_forwarded_with_a_token_id_prompt_only() -> None:
+    client = OpenAIHTTPBackend("http://127.0.0.1:9", http="2")
+    path, body = client._payload(
+        GenerateRequest(prompt_token_ids=[1, 2, 3], resumed_tokens=2, max_tokens=4)
+    )
+    assert path == "/v1/completions" and (body["prompt"], body["resumed_tokens"]) == ([1, 2, 3], 2)
+    assert "resumed_tokens" not in client._payload(GenerateRequest(prompt_token_ids=[1]))[1]
+    with pytest.raises(BadRequest, match="resumed_tokens"):
+        client.stream(GenerateRequest(prompt="text", resumed_tokens=1))
+    chat = [ChatMessage(role="user", content="x")]
+    with pytest.raises(BadRequest, match="resumed_tokens"):
+        client.stream(GenerateRequest(messages=chat, resumed_tokens=1))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
