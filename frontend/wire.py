@@ -9,7 +9,10 @@ Extensions (as vLLM spells them): ``prompt`` as token ids, ``return_token_ids``
 (``token_ids`` per choice, ``prompt_token_ids`` on the first chunk), ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``priority``. With ``return_token_ids`` the choice also
-carries the ``seed`` actually used, which is what a resume needs.
+carries the ``seed`` actually used, which is what a resume needs. And the resume
+itself: ``resumed_tokens: k`` with a token-id prompt (completions and
+``/v1/generate``, one choice) says its last k ids are the generation's own earlier
+output (:attr:`GenerateRequest.resumed_tokens`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     priority: int = 0
+    resumed_tokens: int = 0  # a stream migration's continuation (checked in _validate_resumed)
 
 
 # msgspec unions hold one array type: the batch forms are checked in _prompts.
@@ -185,7 +189,9 @@ def _validate(w: WireRequest) -> None:
         _check(all(t >= 0 for t in w.stop_token_ids), "stop_token_ids must be non-negative", "stop_token_ids")
     if isinstance(w, CompletionRequest):
         _validate_completion(w)
+        _validate_resumed(w, _prompts(w.prompt))
     elif isinstance(w, ChatRequest):
+        _check(w.resumed_tokens == 0, "resumed_tokens needs a token-id prompt, not messages", "resumed_tokens")
         _check(len(w.messages) > 0, "messages must not be empty", "messages")
         if w.top_logprobs is not None:
             _check(0 <= w.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be 0..{MAX_LOGPROBS}", "top_logprobs")
@@ -198,6 +204,27 @@ def _validate(w: WireRequest) -> None:
         ids = w.prompt_token_ids if w.prompt_token_ids is not None else w.prompt
         if isinstance(ids, list):
             _check(len(ids) > 0 and all(t >= 0 for t in ids), "prompt token ids must be non-negative and non-empty", "prompt")
+        _validate_resumed(w, [] if ids is None else [ids])
+
+
+def _validate_resumed(w: CompletionRequest | NativeRequest, prompts: list[str | list[int]]) -> None:
+    """``resumed_tokens``: a non-negative int; when positive, one choice of one
+    token-id prompt with at least one id left that is not earlier output."""
+    k = w.resumed_tokens
+    _check(k >= 0, "resumed_tokens must be non-negative", "resumed_tokens")
+    if k == 0:
+        return
+    _check(
+        len(prompts) == 1 and isinstance(prompts[0], list),
+        "resumed_tokens needs one prompt of token ids",
+        "resumed_tokens",
+    )
+    _check(w.n == 1, "resumed_tokens needs n = 1", "resumed_tokens")
+    _check(
+        k < len(prompts[0]),
+        f"resumed_tokens ({k}) must leave at least one of the {len(prompts[0])} prompt tokens",
+        "resumed_tokens",
+    )
 
 
 def _validate_completion(w: CompletionRequest) -> None:
@@ -299,6 +326,8 @@ def _common_fields(w: WireRequest) -> dict[str, Any]:
         "logprobs": logprobs,
         "priority": w.priority,
     }
+    if not isinstance(w, ChatRequest):
+        fields["resumed_tokens"] = w.resumed_tokens
     if w.top_k == -1:
         fields["top_k"] = 0  # vLLM's spelling of "off"
     return fields

@@ -279,3 +279,43 @@ def test_a_body_nested_a_thousand_deep_is_a_400_not_a_recursion_error(opening: b
     body = b'{"prompt": "x", "junk": ' + opening * 5000 + b"1" + closing * 5000 + b"}"
     with pytest.raises(BadRequest, match="nested too deeply"):
         decode_request(body, "completion")
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "ids"),
+    [
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": 2}, [1, 2, 3]),
+        ("completion", {"prompt": [[1, 2, 3]], "resumed_tokens": 1}, [1, 2, 3]),
+        ("native", {"prompt_token_ids": [4, 5], "resumed_tokens": 1}, [4, 5]),
+        ("native", {"prompt": [4, 5, 6], "resumed_tokens": 2}, [4, 5, 6]),
+    ],
+)
+def test_resumed_tokens_next_to_a_token_id_prompt_reach_the_backend(
+    kind: str, body: dict[str, object], ids: list[int]
+) -> None:
+    wire, extra = decode_request(json.dumps(body).encode(), kind)  # type: ignore[arg-type]
+    (req,) = to_generate_requests(wire, extra, request_id="r")
+    assert (req.prompt_token_ids, req.resumed_tokens) == (ids, body["resumed_tokens"])
+    assert "resumed_tokens" not in req.extra
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": 3}),  # no prompt token left
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": -1}),
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": 1.0}),
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": True}),
+        ("completion", {"prompt": "text", "resumed_tokens": 1}),
+        ("completion", {"prompt": [[1, 2], [3, 4]], "resumed_tokens": 1}),
+        ("completion", {"prompt": [1, 2, 3], "resumed_tokens": 1, "n": 2}),
+        ("native", {"prompt": "text", "resumed_tokens": 1}),
+        ("native", {"messages": [{"role": "user", "content": "x"}], "resumed_tokens": 1}),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "resumed_tokens": 1}),
+    ],
+)
+def test_bad_resumed_tokens_are_a_400_naming_it(kind: str, body: dict[str, object]) -> None:
+    with pytest.raises(BadRequest) as info:
+        decode_request(json.dumps(body).encode(), kind)  # type: ignore[arg-type]
+    assert info.value.param == "resumed_tokens"
+
