@@ -15,6 +15,21 @@ the CPU multiplies matrices. Commands are applied only between steps (the engine
 not thread-safe), so a cancelled consumer's sequence is aborted and its blocks freed
 within one step. Stop strings need text, so they are matched here (the engine only
 knows token ids); a match ends the stream and aborts the sequence.
+
+A resumed request (``resumed_tokens=k``: the prompt ends with k tokens this
+generation already produced and relayed, on another engine) continues the unbroken
+run exactly: the engine counts those k as output (penalties, ``min_tokens``, limits,
+``usage``), and here they are replayed through the detokenizer, the stop matcher and
+the logprob offsets without being emitted, so whatever the unbroken run held back at
+token k (half a UTF-8 character, the start of a stop string) is held back again::
+
+    prompt_token_ids = P + E, resumed_tokens = len(E)
+        replay E:  detokenize -> stop matcher -> offsets      (nothing emitted)
+        then:      new tokens -> the same, emitted             (events name P, not P + E)
+
+A failed step (an out-of-memory or kernel error) breaks only the streams whose
+sequences it scheduled, with :class:`StreamBroken` (the router migrates them); the
+engine freed their blocks and serves the rest.
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ from backends.base import (
     Usage,
 )
 from backends.engine.config import EngineConfig
-from backends.engine.engine import LLMEngine, StepOutput
+from backends.engine.engine import LLMEngine, StepFailed, StepOutput
 from backends.engine.generation_config import ResolvedSampling, resolve_sampling_defaults
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.quant import attach_q4
@@ -121,11 +136,52 @@ class _TextOffsets:
 
     def label(self, lp: Logprob) -> Logprob:
         text, raw = self.piece(lp.token_id)
-        offset = self.chars
-        if lp.token_id not in self.special:
-            self.chars += len(self.decoder.decode(raw))
+        offset = self._count(lp.token_id, raw)
         top = [TopLogprob(t.token_id, t.logprob, *self.piece(t.token_id)) for t in lp.top]
         return Logprob(lp.token_id, lp.logprob, text, top, raw, offset)
+
+    def skip(self, token_id: int) -> None:
+        """Count a token that is not labelled (a resumed request's earlier output)."""
+        self._count(token_id, self.piece(token_id)[1])
+
+    def _count(self, token_id: int, raw: bytes) -> int:
+        """Where the token starts; then move past it."""
+        offset = self.chars
+        if token_id not in self.special:
+            self.chars += len(self.decoder.decode(raw))
+        return offset
+
+
+class _OutputText:
+    """A request's output as text: detokenizer, stop matcher and logprob offsets,
+    fed together one token at a time. ``replay`` feeds a resumed request's
+    earlier output without emitting it, leaving all three as the unbroken run
+    left them at that token."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], request: GenerateRequest) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt)
+        self.stops = StopMatcher(request.stop)
+        self.offsets = _TextOffsets(tokenizer) if request.logprobs is not None else None
+
+    def replay(self, earlier: list[int]) -> bool:
+        """Feed ``earlier`` and drop its text; True if it completed a stop string."""
+        _, _, stopped = _advance(self.detok, self.stops, earlier)
+        if self.offsets is not None:
+            for token in earlier:
+                self.offsets.skip(token)
+        return stopped
+
+    def advance(self, out: StepOutput) -> tuple[list[int], str, list[Logprob] | None, bool]:
+        """The ids, text and logprobs ``out`` brings to the stream, and whether
+        a stop string ended it (the ids then end at the token that completed it)."""
+        ids, text, stopped = _advance(self.detok, self.stops, out.new_token_ids)
+        if out.finished and not stopped:
+            tail, stopped = self.stops.feed(self.detok.flush())
+            text += tail + ("" if stopped else self.stops.flush())
+        logprobs = out.logprobs
+        if out.logprobs and self.offsets is not None:
+            logprobs = [self.offsets.label(lp) for lp in out.logprobs[: len(ids)]]
+        return ids, text, logprobs, stopped
 
 
 class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +199,7 @@ class _Request:
     params: SamplingParams
     priority: int
     outputs: trio.MemorySendChannel[StepOutput | HeadraceError]
+    resumed: int = 0  # the last tokens of ``prompt`` that are earlier output
     seq: Sequence | None = None
 
 
@@ -239,12 +296,25 @@ class EngineBackend:
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Generate for ``request``; closing or cancelling the iterator aborts it."""
         prompt = self.prompt_ids(request)
-        params = self._params(request, len(prompt))
+        k = _resumed_tokens(request, prompt)
+        original = prompt[: len(prompt) - k]
+        text = _OutputText(self.tokenizer, original, request)
+        stopped = text.replay(prompt[len(original) :])
+        used_up = request.max_tokens is None and k >= self.engine.config.default_max_tokens
+        if stopped or used_up:  # the earlier output already ended the generation
+            yield Event(
+                prompt_token_ids=original,
+                seed=request.seed,
+                finish_reason="stop" if stopped else "length",
+                usage=Usage(prompt_tokens=len(original), completion_tokens=k),
+            )
+            return
+        params = self._params(request, len(prompt), k)
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}"
         send, recv = trio.open_memory_channel[StepOutput | HeadraceError](params.max_tokens + 2)
-        self._submit(rid, _Request(prompt, params, request.priority, send))
+        self._submit(rid, _Request(prompt, params, request.priority, send, resumed=k))
         try:
-            async for event in self._events(rid, request, prompt, recv):
+            async for event in self._events(rid, original, text, k, recv):
                 yield event
         finally:
             self._abort(rid)
@@ -263,14 +333,16 @@ class EngineBackend:
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(request.prompt or "")
 
-    def _params(self, request: GenerateRequest, n_prompt: int) -> SamplingParams:
+    def _params(self, request: GenerateRequest, n_prompt: int, resumed: int = 0) -> SamplingParams:
+        """The request's sampling; a resumed request's limits are what remains of
+        them, its default ``max_tokens`` what the unbroken run's default left."""
         room = self.engine.max_model_len - n_prompt
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {n_prompt} tokens; this model's context is {self.engine.max_model_len}",
                 param="prompt",
             )
-        default = min(self.engine.config.default_max_tokens, room)
+        default = min(self.engine.config.default_max_tokens - resumed, room)
         params = SamplingParams.from_request(
             request, default_max_tokens=default, defaults=self.sampling.defaults
         )
@@ -287,7 +359,7 @@ class EngineBackend:
         if len(self._requests) >= self.max_queued_requests:
             raise BackendUnavailable("engine queue is full", retry_after=1.0)
         if not self._stepping:  # the engine is ours right now: errors reach the caller directly
-            req.seq = self.engine.add_request(rid, req.prompt, req.params, req.priority)
+            req.seq = self._add(rid, req)
             self._requests[rid] = req
         else:
             self._requests[rid] = req
@@ -303,30 +375,28 @@ class EngineBackend:
             self.engine.abort(rid)
         self._wakeup.set()
 
+    def _add(self, rid: str, req: _Request) -> Sequence:
+        return self.engine.add_request(
+            rid, req.prompt, req.params, req.priority, resumed_tokens=req.resumed
+        )
+
     async def _events(
         self,
         rid: str,
-        request: GenerateRequest,
         prompt: list[int],
+        output: _OutputText,
+        emitted: int,
         recv: trio.MemoryReceiveChannel[StepOutput | HeadraceError],
     ) -> AsyncIterator[Event]:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        offsets = _TextOffsets(self.tokenizer) if request.logprobs is not None else None
-        stops = StopMatcher(request.stop)
-        first, emitted = True, 0
+        """Events from the engine's outputs. ``prompt`` is the original prompt
+        and ``emitted`` the tokens already out (a resumed request's earlier ones)."""
+        first = True
         async with recv:
             async for out in recv:
                 if isinstance(out, HeadraceError):
                     raise out
-                ids, text, stopped = _advance(detok, stops, out.new_token_ids)
+                ids, text, logprobs, stopped = output.advance(out)
                 emitted += len(ids)
-                if out.finished and not stopped:
-                    tail, stopped_tail = stops.feed(detok.flush())
-                    text += tail + ("" if stopped_tail else stops.flush())
-                    stopped = stopped_tail
-                logprobs = out.logprobs
-                if out.logprobs and offsets is not None:
-                    logprobs = [offsets.label(lp) for lp in out.logprobs[: len(ids)]]
                 event = Event(token_ids=ids, text=text, logprobs=logprobs)
                 if first:
                     event.prompt_token_ids, event.seed, first = prompt, out.seed, False
@@ -375,7 +445,7 @@ class EngineBackend:
             if req is None:  # cancelled before it was added
                 continue
             try:
-                req.seq = self.engine.add_request(rid, req.prompt, req.params, req.priority)
+                req.seq = self._add(rid, req)
             except HeadraceError as exc:
                 self._deliver(rid, req, exc)
 
@@ -383,13 +453,16 @@ class EngineBackend:
         self._stepping = True
         try:
             outputs = await self._run_step(self.engine.step)
-        except RankFailure as exc:  # a tensor-parallel rank died: this engine is done
-            log.error("engine stopped: %s", exc.message)
-            self._fatal = exc.message
-            self._fail_all(exc.message)
-            self._closed = True
+        except StepFailed as exc:
+            if isinstance(exc.cause, RankFailure):
+                self._stop(exc.cause)
+            else:
+                self._fail_step(exc)
             return
-        except Exception as exc:  # a torch/runtime failure: fail the batch, keep serving
+        except RankFailure as exc:
+            self._stop(exc)
+            return
+        except Exception as exc:  # outside any batch (a scheduler bug): fail everything, keep serving
             log.exception("engine step failed")
             self._step_errors += 1
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -416,6 +489,26 @@ class EngineBackend:
             req.outputs.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._abort(rid)
+
+    def _stop(self, exc: RankFailure) -> None:
+        """A tensor-parallel rank died: this engine is done."""
+        log.error("engine stopped: %s", exc.message)
+        self._fatal = exc.message
+        self._fail_all(exc.message)
+        self._closed = True
+
+    def _fail_step(self, exc: StepFailed) -> None:
+        """A torch/runtime failure (out of memory, a kernel error) in one step:
+        break the streams it touched (the engine dropped their sequences and
+        freed their blocks); every other request carries on."""
+        log.error(
+            "engine step failed for %d requests", len(exc.request_ids), exc_info=exc.cause
+        )
+        self._step_errors += 1
+        for rid in exc.request_ids:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._deliver(rid, req, StreamBroken(f"engine step failed: {exc}"))
 
     def _fail_all(self, detail: str) -> None:
         for rid, req in list(self._requests.items()):
@@ -460,6 +553,20 @@ class EngineBackend:
             batch_size_histogram=dict(self._histogram),
             last_kv_event_seq=self._kv_events[-1].seq if self._kv_events else -1,
         )
+
+
+def _resumed_tokens(request: GenerateRequest, prompt: list[int]) -> int:
+    """``request.resumed_tokens``, checked: token-id input, at least one prompt token left."""
+    k = request.resumed_tokens
+    if k == 0:
+        return 0
+    if k < 0 or request.prompt_token_ids is None or k >= len(prompt):
+        raise BadRequest(
+            "resumed_tokens must be >= 0, with prompt token ids of which it leaves at "
+            f"least one (got {k} of {len(prompt)})",
+            param="resumed_tokens",
+        )
+    return k
 
 
 @asynccontextmanager

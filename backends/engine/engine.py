@@ -15,6 +15,16 @@ The runner is anything with ``execute(scheduled) -> Tensor[num_sampled, V]``
 and ``num_kv_blocks`` (plus optional ``max_model_len`` and ``vocab_size``);
 tests use a fake whose logits are a pure function of the tokens so far.
 
+A resumed request (stream migration, ``resumed_tokens=k``) is a sequence whose
+prompt is the original prompt P plus the k tokens it already produced elsewhere:
+its ``num_prompt_tokens`` is ``len(P)`` and its limits are the whole generation's
+(``max_tokens + k``, ``min_tokens + k``), so penalties, ``min_tokens``, the stop
+checks and ``usage`` see those k tokens as output, exactly as the unbroken run did.
+
+A step that raises (a device out of memory, a kernel error) fails only the
+sequences it scheduled: they are aborted, their blocks freed, and
+:class:`StepFailed` names them; every other request carries on.
+
 Not thread-safe: one caller drives ``add_request`` / ``abort`` / ``step``.
 """
 
@@ -40,7 +50,7 @@ from backends.engine.scheduler import (
 from backends.engine.sequence import SamplingParams, SeqEvent, Sequence
 from backends.errors import BadRequest, ContextLengthExceeded
 
-__all__ = ["EngineStatistics", "LLMEngine", "Runner", "StepOutput"]
+__all__ = ["EngineStatistics", "LLMEngine", "Runner", "StepFailed", "StepOutput"]
 
 
 class Runner(Protocol):
@@ -60,6 +70,16 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # on the finished output
     seed: int = 0  # the seed in use (drawn when the request had none)
+
+
+class StepFailed(Exception):
+    """A step raised ``cause``; the sequences it scheduled (``request_ids``) were
+    aborted and their blocks freed. The engine is consistent and can step on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,16 +145,37 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         priority: int = 0,
+        *,
+        resumed_tokens: int = 0,
     ) -> Sequence:
         """Queue a request; it joins the batch at the next step. Raises
-        :class:`BadRequest` / :class:`ContextLengthExceeded` for bad input."""
+        :class:`BadRequest` / :class:`ContextLengthExceeded` for bad input.
+
+        ``resumed_tokens=k``: the last k of ``prompt_token_ids`` are the
+        generation's own earlier output and ``params`` carries what remains of
+        its ``max_tokens`` / ``min_tokens``; the sequence continues the unbroken
+        generation (module docstring)."""
         if self.scheduler.get(request_id) is not None:
             raise BadRequest(f"request id {request_id!r} is already running", param="request_id")
         prompt = list(prompt_token_ids)
+        if not 0 <= resumed_tokens < len(prompt):
+            raise BadRequest(
+                f"resumed_tokens must be in [0, {len(prompt)}) (it leaves at least one "
+                f"prompt token), got {resumed_tokens}",
+                param="resumed_tokens",
+            )
         self._check_prompt(prompt, params.max_tokens)
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
-        seq = Sequence(request_id, prompt, params, priority=priority)
+        if resumed_tokens:  # the whole generation's limits, counted from the original prompt
+            params = msgspec.structs.replace(
+                params,
+                max_tokens=params.max_tokens + resumed_tokens,
+                min_tokens=params.min_tokens + resumed_tokens,
+            )
+        seq = Sequence(
+            request_id, prompt, params, priority=priority, num_resumed=resumed_tokens
+        )
         self.scheduler.add(seq)
         self._added += 1
         return seq
@@ -162,12 +203,19 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request now (its blocks are freed at once); the next ``step()``
         returns its final output. False if it is unknown or already finished."""
-        seq = self.scheduler.abort(request_id)
+        seq = self._discard(request_id)
         if seq is None:
             return False
-        self._finished += 1
         self._pending.append(self._output(seq, [], None))
         return True
+
+    def _discard(self, request_id: str) -> Sequence | None:
+        """Finish a request as aborted and free its blocks, with no output (the
+        hook speculative decoding extends to drop its per-request state)."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._finished += 1
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -175,11 +223,29 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One step's outputs. Raises :class:`StepFailed` when running the plan
+        raised: the sequences it scheduled are gone (aborted, blocks freed),
+        whatever it had half done to them (KV written, counters advanced,
+        drafts appended), and the abort outputs due are kept for the next step."""
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        if not plan.is_empty:
+        if plan.is_empty:
+            return outputs
+        due = len(outputs)
+        try:
             self._run(plan, outputs)
+        except Exception as exc:
+            self._pending = outputs[:due] + self._pending
+            raise StepFailed(self._fail(plan), exc) from exc
         return outputs
+
+    def _fail(self, plan: SchedulerOutput) -> list[str]:
+        """Drop every sequence ``plan`` scheduled (those that finished during the
+        step are gone already); their ids, in batch order."""
+        ids = [s.seq.seq_id for s in plan.scheduled]
+        for seq_id in ids:
+            self._discard(seq_id)
+        return ids
 
     def _run(self, plan: SchedulerOutput, outputs: list[StepOutput]) -> None:
         """Execute a non-empty plan, commit it and append the outputs (the hook
@@ -213,7 +279,7 @@ class LLMEngine:
         if reason is not None:
             usage = Usage(
                 prompt_tokens=seq.num_prompt_tokens,
-                completion_tokens=seq.num_output_tokens,
+                completion_tokens=seq.num_output_tokens,  # a resumed request's earlier ones too
                 cached_tokens=seq.num_cached_tokens,
             )
         return StepOutput(

@@ -210,8 +210,8 @@ class Scheduler:
             if not bm.allocate(seq, n, hits):
                 break  # admission never preempts; the head waits for blocks
             waiting.pop(0)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
+            if seq.num_preemptions == 0:  # of the original prompt (a resumed one's output is not)
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.transition(SeqEvent.SCHEDULE)
             insort(self.running, seq, key=_order)
             out.scheduled.append(ScheduledSeq(seq, n))

@@ -208,12 +208,20 @@ class Sequence:
         *,
         priority: int = 0,
         arrival: int = 0,
+        num_resumed: int = 0,
     ) -> None:
+        """``num_resumed``: the last tokens of ``prompt_token_ids`` that are this
+        generation's own earlier output (a resumed stream): they count as output,
+        so ``num_prompt_tokens`` is the original prompt's length."""
         if not prompt_token_ids:
             raise BadRequest("the prompt must have at least one token", param="prompt")
+        if not 0 <= num_resumed < len(prompt_token_ids):
+            raise BadRequest(
+                "resumed_tokens must leave at least one prompt token", param="resumed_tokens"
+            )
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids) - num_resumed
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of the prompt, served by the prefix cache (last admission)
         self.block_table: list[int] = []

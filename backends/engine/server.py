@@ -6,7 +6,8 @@ this module adds the engine's own::
     GET  /v1/models      the shared frontend's list, plus each model's ``sampling_defaults``
                          (what unset request fields get) and ``sampling_defaults_source``,
                          and what cache-aware routers read: ``block_size``, ``kv_events``
-                         and ``tokenizer`` (the model file's absolute path, when known)
+                         and ``tokenizer`` (the model file's absolute path, when known),
+                         and what stream migration reads: ``exact_resume``
     POST /tokenize       {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}
     POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
     GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
@@ -115,6 +116,8 @@ class _Routes:
                 "block_size": info.block_size,
                 "kv_events": info.kv_events,
                 "tokenizer": tokenizer,
+                # A resumed request continues the unbroken one exactly (stream migration)
+                "exact_resume": info.exact_resume,
                 "kv_epoch": self.kv_epoch,
             }
             for m in info.models

@@ -247,9 +247,9 @@ class SpeculativeEngine(LLMEngine):
 
     # -- requests -------------------------------------------------------------
 
-    def abort(self, request_id: str) -> bool:
+    def _discard(self, request_id: str) -> Sequence | None:
         self._forget(request_id)
-        return super().abort(request_id)
+        return super()._discard(request_id)
 
     def _forget(self, seq_id: str) -> None:
         self.ngram.forget(seq_id)
