@@ -39,6 +39,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/generate", {"prompt": PROMPT, "max_tokens": 4}),
     ("/v1/generate", {"prompt_token_ids": [1, 2, 3], "max_tokens": 2, "seed": 7, **USAGE}),
     ("/v1/generate", {"messages": MSGS, "max_tokens": 1}),
+    # resumed (stream migration's continuation): the last ids are earlier output
+    ("/v1/completions", {"prompt": [5, 6, 7, 300, 301], "resumed_tokens": 2, "max_tokens": 3,
+                         "return_token_ids": True, "seed": 3, **USAGE}),
+    ("/v1/completions", {"prompt": [5, 6, 7, 300, 301], "resumed_tokens": 2, "max_tokens": 6,
+                         "stop": [" wheel", "zz"], "seed": 3}),
+    ("/v1/generate", {"prompt_token_ids": [1, 2, 300], "resumed_tokens": 1, "max_tokens": 2}),
     # left to the frontend: shapes the fast path does not render (FALLBACKS)
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 2, "seed": 1}),
     ("/v1/completions", {"prompt": [PROMPT, "other"], "max_tokens": 3, "temperature": 0}),

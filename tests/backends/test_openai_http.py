@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import trio
 
-from backends.base import ChatMessage, GenerateRequest
+from backends.base import ChatMessage, Event, GenerateRequest
 from backends.errors import (
     BackendProtocolError,
     BackendTimeout,
@@ -113,6 +113,41 @@ async def test_resume_after_a_cut_on_another_server_reproduces_the_uninterrupted
     whole = await collect(healthy, request)
     assert ids_of(head) + ids_of(tail) == ids_of(whole)
     assert text_of(head) + text_of(tail) == text_of(whole)
+
+
+def _resumed(request: GenerateRequest, first: list[Event], k: int) -> GenerateRequest:
+    """The router's continuation after ``k`` relayed tokens (router.migration.resume_request)."""
+    prompt = first[0].prompt_token_ids
+    assert prompt is not None and request.max_tokens is not None
+    return msgspec.structs.replace(
+        request, prompt=None, prompt_token_ids=prompt + ids_of(first)[:k], resumed_tokens=k,
+        max_tokens=request.max_tokens - k, seed=first[0].seed,
+    )
+
+
+@pytest.mark.parametrize("protocol", ["h1", "h2"])
+@pytest.mark.parametrize("shape", ["plain", "stop", "stop+logprobs"])
+async def test_a_resumed_request_continues_the_uninterrupted_stream_exactly_over_http(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend],
+    protocol: str, shape: str,
+) -> None:
+    """``resumed_tokens`` goes over the wire and the mock server honours it on
+    each of its paths (the fast path's burst, its step loop for stop strings,
+    the frontend for logprobs): from token k on, the events are the
+    uninterrupted run's, held-back stop text and usage included."""
+    _, client = await _backend(nursery, protocol, tls_files)
+    closing.append(client)
+    request = GenerateRequest(prompt="long story", max_tokens=10, seed=5)
+    words = [e.text for e in await collect(client, request)]
+    if shape != "plain":  # one stop held back at 2, one straddling 5|6
+        stop = [words[2] + "\u2603", words[5][-2:] + words[6][:2]]
+        request = msgspec.structs.replace(request, stop=stop, logprobs=2 if "logprobs" in shape else None)
+    full = await collect(client, request)
+    for k in range(1, len(ids_of(full))):
+        tail = await collect(client, _resumed(request, full, k))
+        assert tail[0].prompt_token_ids == full[0].prompt_token_ids and tail[0].seed == 5
+        tail[0].prompt_token_ids = tail[0].seed = None
+        assert tail == full[k:], k
 
 
 async def test_refused_port_is_backend_unavailable(closing: list[OpenAIHTTPBackend]) -> None:
