@@ -4,6 +4,7 @@ Subcommands: ``headrace bench engine`` (closed-loop throughput at fixed
 concurrency), ``headrace bench router`` (the router's CPU per request and
 rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-bandwidth decode floor),
 ``headrace bench kernels`` (the engine's linear kernels by row count),
+``headrace bench chaos`` (stream migration while backends are killed at random),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
 """
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|router|spec|roofline|baseline|kernels --help'.")
+                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -273,13 +274,17 @@ def _sub(name: str) -> Any:
     if name == "cache":
         from bench import cache_bench
         return cache_bench.main
+    if name == "chaos":
+        from bench import chaos_bench
+        return chaos_bench.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
 
 def main(argv: list[str]) -> int:
     try:
-        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies", "cache"}:
+        if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies",
+                                "cache", "chaos"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)
