@@ -18,6 +18,7 @@ place (``frontend.server.error_response``)::
         ├── BackendUnavailable         503     (+ retry_after): refused, down, overloaded
         ├── UpstreamRateLimited        429     (+ retry_after): the backend said 429
         ├── BackendTimeout             504     no progress within the deadline
+        │   └── BackendStalled         504     no event mid-stream for the stall timeout (migratable)
         ├── BackendProtocolError       502     malformed answer from a backend
         ├── StreamBroken               502     died mid-stream (migratable)
         └── MigrationFailed            502/503 a broken stream that could not be resumed (terminal)
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendProtocolError",
+    "BackendStalled",
     "BackendTimeout",
     "BackendUnavailable",
     "BadRequest",
@@ -131,6 +133,13 @@ class UpstreamRateLimited(UpstreamError):
 class BackendTimeout(UpstreamError):
     status = 504
     code = "backend_timeout"
+
+
+class BackendStalled(BackendTimeout):
+    """The stream started, then nothing came for the stall timeout (a frozen
+    backend): the router migrates it like a broken stream."""
+
+    code = "backend_stalled"
 
 
 class BackendProtocolError(UpstreamError):

@@ -74,6 +74,7 @@ from backends.base import (
 )
 from backends.errors import (
     BackendProtocolError,
+    BackendStalled,
     BackendTimeout,
     BackendUnavailable,
     BadRequest,
@@ -752,9 +753,17 @@ class OpenAIHTTPBackend:
             raise _transport_error(exc, started=parser.events > 0) from exc
         raise StreamBroken(f"/v1/kv_events ended after {parser.events} events")
 
-    def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    # The router may hand each stream a tighter stall timeout (its watchdog,
+    # from the backend's measured inter-token latency) instead of timing the
+    # events itself: this adapter already times every read.
+    watches_stalls = True
+
+    def stream(self, request: GenerateRequest, *, stall_timeout: float | None = None) -> AsyncIterator[Event]:
+        """``stall_timeout``: this stream's longest silence once started, when
+        tighter than the backend's own (:class:`BackendStalled` after it)."""
         path, payload = self._payload(request)
-        return self._tally.track(self._stream(path, payload, request.request_id))
+        stall = self.stall_timeout if stall_timeout is None else min(self.stall_timeout, stall_timeout)
+        return self._tally.track(self._stream(path, payload, request.request_id, stall))
 
     # ------------------------------------------------------------ internals
 
@@ -789,7 +798,9 @@ class OpenAIHTTPBackend:
             body["return_token_ids"] = True
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
-    async def _stream(self, path: str, payload: dict[str, Any], request_id: str = "") -> AsyncGenerator[Event, None]:
+    async def _stream(
+        self, path: str, payload: dict[str, Any], request_id: str = "", stall: float | None = None
+    ) -> AsyncGenerator[Event, None]:
         """POST and relay the SSE stream as events. Every failure leaves as
         one of our errors; the tokens so far tell a broken stream (after the
         first event: migratable) from an unavailable backend (before it).
@@ -797,6 +808,7 @@ class OpenAIHTTPBackend:
         time is not the backend's)."""
         parser = _ChunkParser(chat=path.endswith("/chat/completions"))
         body = _json.encode(payload)
+        stall = self.stall_timeout if stall is None else stall
         try:
             async with AsyncExitStack() as stack:
                 with trio.move_on_after(self.first_token_timeout) as opening:
@@ -815,7 +827,7 @@ class OpenAIHTTPBackend:
                 decoder = SSEParser(strict=True)
                 chunks = reply.chunks
                 while not parser.done:  # after [DONE], the server may be slow to end
-                    timeout = self.stall_timeout if parser.events else self.first_token_timeout
+                    timeout = stall if parser.events else self.first_token_timeout
                     chunk: bytes | None = None
                     with trio.move_on_after(timeout):
                         try:
@@ -825,9 +837,8 @@ class OpenAIHTTPBackend:
                     if chunk is None:
                         if parser.complete:
                             break  # everything came but [DONE]
-                        raise BackendTimeout(
-                            f"no bytes from the backend for {timeout}s (after {parser.events} events)"
-                        )
+                        error = BackendStalled if parser.events else BackendTimeout
+                        raise error(f"no bytes from the backend for {timeout:.3g}s (after {parser.events} events)")
                     try:
                         sse_events = decoder.feed(chunk)
                     except UnicodeDecodeError:

@@ -277,21 +277,32 @@ class BackendActor:
             block_size=info.block_size if info is not None else None,
         )
 
-    async def stream(self, request: GenerateRequest, prompt_tokens: int = 0) -> AsyncIterator[Event]:
+    @property
+    def watches_stalls(self) -> bool:
+        """Does the backend time its own stream's silences when given a
+        ``stall_timeout`` (the HTTP adapter does), so the dispatcher need not?"""
+        return bool(getattr(self.backend, "watches_stalls", False))
+
+    async def stream(self, request: GenerateRequest, prompt_tokens: int = 0, stall_timeout: float | None = None) -> AsyncIterator[Event]:
         """The backend's stream, counted: in-flight drops the moment the
         consumer stops (finish, error, cancel or close), and ``prompt_tokens``
         count as pending prefill until the first event (or that moment).
         Every outcome goes to the health machine: done (or a client error,
         which the backend answered) is REQUEST_OK; an upstream error is
         REQUEST_FAILED_EARLY or _LATE by whether an event was relayed. A
-        cancel is the client's doing and says nothing about the backend."""
+        cancel is the client's doing and says nothing about the backend.
+        ``stall_timeout`` goes to a backend that :attr:`watches_stalls`."""
         self.in_flight += 1
         self._counts["requests"] += 1
         self.pending_prefill_tokens += prompt_tokens
         pending = prompt_tokens
         relayed = False
         try:
-            async with closing_stream(self.backend.stream(request)) as events:
+            upstream = (
+                self.backend.stream(request) if stall_timeout is None
+                else self.backend.stream(request, stall_timeout=stall_timeout)  # type: ignore[call-arg]
+            )  # fmt: skip
+            async with closing_stream(upstream) as events:
                 async for event in events:
                     self._counts["tokens"] += len(event.token_ids)
                     relayed = True

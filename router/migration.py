@@ -33,6 +33,7 @@ import msgspec
 from backends.base import Event, GenerateRequest, Logprob, Usage
 from backends.errors import (
     BackendProtocolError,
+    BackendStalled,
     BackendTimeout,
     MigrationFailed,
     StreamBroken,
@@ -55,10 +56,9 @@ __all__ = [
 REASONS = ("broken", "stall", "timeout", "protocol", "error", "no_final")
 
 
-class StallTimeout(BackendTimeout):
-    """The router's watchdog: no event from the backend for too long."""
-
-    code = "backend_stalled"
+class StallTimeout(BackendStalled):
+    """The router's own watchdog (for backends that do not time their
+    streams): no event from the backend for too long."""
 
 
 class _NoFinal(StreamBroken):
@@ -71,7 +71,7 @@ def no_final(events: int) -> StreamBroken:
 
 def reason_of(exc: UpstreamError) -> str:
     """The metrics label of a mid-stream failure."""
-    if isinstance(exc, StallTimeout):
+    if isinstance(exc, BackendStalled):
         return "stall"
     if isinstance(exc, _NoFinal):
         return "no_final"

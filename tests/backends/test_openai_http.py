@@ -15,6 +15,7 @@ import trio
 from backends.base import ChatMessage, Event, GenerateRequest
 from backends.errors import (
     BackendProtocolError,
+    BackendStalled,
     BackendTimeout,
     BackendUnavailable,
     BadRequest,
@@ -305,7 +306,7 @@ async def test_a_stream_without_done_is_complete_only_once_finish_and_usage_both
             assert events[-1].usage is not None and events[-1].usage.completion_tokens == 2
         else:
             events, exc = await collect_until_error(client, GenerateRequest(prompt="x", max_tokens=2))
-            assert type(exc) is (BackendTimeout if ending == "stall" else StreamBroken), exc
+            assert type(exc) is (BackendStalled if ending == "stall" else StreamBroken), exc
             assert [e.text for e in events] == [" a"]
     finally:
         await client.aclose()
@@ -351,7 +352,7 @@ async def test_an_in_band_error_after_the_first_event_is_stream_broken(
         (None, ("cut-after=2",), StreamBroken),  # the transport breaks
         (None, ("no-final",), StreamBroken),
         (None, ("malformed-after=2",), BackendProtocolError),
-        (None, ("stall-after=2",), BackendTimeout),
+        (None, ("stall-after=2",), BackendStalled),
     ],
 )
 async def test_every_mid_stream_failure_is_an_upstream_error_the_router_can_name(
