@@ -334,3 +334,14 @@ async def test_a_client_that_leaves_mid_migration_cancels_the_continuation() -> 
         await run(d, REQUEST)
     await trio.lowlevel.checkpoint()
     assert slow.in_flight == 0  # the continuation was cancelled with the client
+
+
+async def test_a_first_token_limit_moves_a_silent_backend_on_before_any_token(autojump_clock: trio.testing.MockClock) -> None:
+    silent = StallingBackend(mock(), after_events=0, stall_first=1, stall_every=0)
+    d = Dispatcher(await actors(silent, mock()), Prefer("a", "b"), migration=Settings(first_token_timeout=3.0))
+    start = trio.current_time()
+    got = await run(d, REQUEST)
+    assert text(got) == text(await reference(REQUEST))
+    assert 3.0 <= trio.current_time() - start < 4.0
+    stats = d.statistics()
+    assert stats.retries == 1 and stats.migration.migrations == {}  # a retry, not a migration

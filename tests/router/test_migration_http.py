@@ -159,3 +159,18 @@ async def test_migrations_show_in_metrics(nursery: trio.Nursery) -> None:
         text = (await client.get("/metrics")).text
     assert 'headrace_migrations_total{outcome="resumed",reason="broken"} 1.0' in text
     assert 'headrace_resume_gap_seconds_count{backend="good"} 1.0' in text
+
+
+async def test_n_choices_and_logprobs_survive_a_migration(nursery: trio.Nursery) -> None:
+    """Each of n choices is its own stream: the ones that start on the faulty
+    mock migrate, and the whole answer (texts, logprobs, offsets, usage) is
+    the uninterrupted one."""
+    router, url, good = await router_with(nursery, MockConfig(name="bad"), [parse_fault("cut-after=5")])
+    body = {**COMPLETION, "n": 3, "logprobs": 2, "max_tokens": 16}
+    async with httpx.AsyncClient(base_url=good, timeout=20) as direct:
+        want = (await direct.post("/v1/completions", json=body)).json()
+    async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=20) as client:
+        for _ in range(2):
+            got = (await client.post("/v1/completions", json=body)).json()
+            assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
+    assert router.dispatcher.statistics().migration.migrations.get("broken:resumed", 0) >= 3
