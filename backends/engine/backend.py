@@ -231,6 +231,7 @@ class EngineBackend:
         *,
         model_name: str,
         max_queued_requests: int = 1024,
+        max_failed_steps: int = 3,
         run_step: Callable[[Callable[[], list[StepOutput]]], Awaitable[list[StepOutput]]] | None = None,
     ) -> None:
         """``run_step(fn)`` runs a model step off the event loop: a worker
@@ -260,6 +261,12 @@ class EngineBackend:
         self._fatal: str | None = None
         self._steps = 0
         self._step_errors = 0
+        # Steps failed in a row: a wedged device (a lost CUDA context, a
+        # failing driver) fails every step; after max_failed_steps the engine
+        # gives up (stopped is set) so its supervisor restarts the process.
+        self.max_failed_steps = max_failed_steps
+        self._failed_in_a_row = 0
+        self.stopped = trio.Event()
         self._rate = _Rate()
         self._histogram = dict.fromkeys(_BATCH_BUCKETS, 0)
         self._kv_events: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_HISTORY)
@@ -278,6 +285,11 @@ class EngineBackend:
             block_size=self.engine.block_size,
             exact_resume=bool(getattr(self.engine.runner, "batch_invariant", False)),
         )
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the engine gave up (None while it serves)."""
+        return self._fatal
 
     async def health(self) -> Health:
         if self._fatal is not None:
@@ -470,6 +482,7 @@ class EngineBackend:
         finally:
             self._stepping = False
         self._steps += 1
+        self._failed_in_a_row = 0
         self._record(outputs)
         for out in outputs:
             req = self._requests.get(out.request_id)
@@ -492,10 +505,17 @@ class EngineBackend:
 
     def _stop(self, exc: RankFailure) -> None:
         """A tensor-parallel rank died: this engine is done."""
-        log.error("engine stopped: %s", exc.message)
-        self._fatal = exc.message
-        self._fail_all(exc.message)
+        self._give_up(exc.message)
+
+    def _give_up(self, detail: str) -> None:
+        """This engine cannot serve any more: fail everything, refuse new work,
+        report unhealthy, and set :attr:`stopped` (the server then exits, and
+        the replica's supervisor starts a fresh process)."""
+        log.error("engine stopped: %s", detail)
+        self._fatal = detail
+        self._fail_all(detail)
         self._closed = True
+        self.stopped.set()
 
     def _fail_step(self, exc: StepFailed) -> None:
         """A torch/runtime failure (out of memory, a kernel error) in one step:
@@ -509,6 +529,9 @@ class EngineBackend:
             req = self._requests.get(rid)
             if req is not None:
                 self._deliver(rid, req, StreamBroken(f"engine step failed: {exc}"))
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= self.max_failed_steps:
+            self._give_up(f"{self._failed_in_a_row} engine steps in a row failed (the last: {exc})")
 
     def _fail_all(self, detail: str) -> None:
         for rid, req in list(self._requests.items()):

@@ -239,9 +239,17 @@ async def run_server(
             app = build_app(backend)
             url = await http.start(functools.partial(serve, app, options, shutdown=shutdown))
             task_status.started(url)
+            http.start_soon(_shut_down_when_stopped, backend, shutdown)
         # serve() returns once in-flight requests drained (or the grace period ran out):
         # only now stop the engine, so draining streams finish their generations.
         await backend.aclose()
+
+
+async def _shut_down_when_stopped(backend: EngineBackend, shutdown: trio.Event) -> None:
+    """An engine that gave up (a dead rank, steps failing in a row) takes its
+    server down, so that whoever supervises the process restarts it."""
+    await backend.stopped.wait()
+    shutdown.set()
 
 
 # ---------------------------------------------------------------- command line
@@ -449,6 +457,9 @@ def main(argv: list[str]) -> int:
         close = getattr(engine.runner, "close", None)  # tensor-parallel workers
         if close is not None:
             close()
+    if backend.stopped.is_set():
+        print(f"headrace engine: stopped: {backend.fatal}", file=sys.stderr)
+        return 1  # a supervisor (headrace serve's replicas) restarts it
     return 0
 
 

@@ -222,3 +222,53 @@ async def test_a_dead_tensor_parallel_rank_still_stops_the_whole_engine(tiny_ggu
         assert not health.ok and "rank 1 died" in health.detail
         with pytest.raises(BackendUnavailable):
             [e async for e in backend.stream(_request("b"))]
+
+
+class _WedgedRunner(_FaultyRunner):
+    """A runner whose every step fails (a lost device context)."""
+
+    def execute(self, scheduled: Sequence[ScheduledSeq], *args: object) -> torch.Tensor:
+        self.touched = [s.seq.seq_id for s in scheduled]
+        raise self.error
+
+
+async def test_an_engine_whose_steps_keep_failing_gives_up_and_its_server_exits(tiny_gguf: Path) -> None:
+    """One failed step is the batch's problem; three in a row is the device's:
+    the engine stops (health says why, new requests are refused) and its HTTP
+    server shuts down, so a supervisor (headrace serve's replicas) restarts
+    the process. A success in between resets the count."""
+    from backends.engine.server import run_server
+    from frontend.serving import ServeOptions
+
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    engine.runner = _WedgedRunner(engine.runner, lambda batch: True, ERRORS["kernel"]())
+    backend = EngineBackend(engine, tok, model_name=name, max_failed_steps=3)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(run_server, backend, ServeOptions("127.0.0.1", 0, graceful_timeout=0.5))
+            assert url.startswith("http://127.0.0.1:")
+            for i in range(3):
+                with pytest.raises(StreamBroken, match="illegal memory access"):
+                    [e async for e in backend.stream(_request("abc"[i]))]
+            # run_server returns by itself: the nursery exits without a cancel.
+    assert backend.stopped.is_set() and backend.fatal is not None and "3 engine steps in a row failed" in backend.fatal
+    health = await backend.health()
+    assert not health.ok
+    with pytest.raises(BackendUnavailable):
+        [e async for e in backend.stream(_request("a"))]
+
+
+async def test_a_successful_step_resets_the_count_of_failed_steps(tiny_gguf: Path, fresh: dict[str, list[int]]) -> None:
+    engine, tok, name = build_engine(_config(tiny_gguf))
+    flaky = _WedgedRunner(engine.runner, lambda batch: True, ERRORS["oom"]())
+    engine.runner = flaky
+    async with open_engine_backend(engine, tok, model_name=name) as backend:
+        backend.max_failed_steps = 2
+        for round_ in range(3):  # fail, succeed, fail, succeed ...: never 2 in a row
+            engine.runner = flaky
+            with pytest.raises(StreamBroken):
+                [e async for e in backend.stream(_request("bc"[round_ % 2]))]
+            engine.runner = flaky.inner  # type: ignore[assignment]
+            good = [e async for e in backend.stream(_request("a"))]
+            assert [t for e in good for t in e.token_ids] == fresh["a"]
+        assert (await backend.health()).ok and not backend.stopped.is_set()
