@@ -235,21 +235,24 @@ async def run_server(
     shutdown = trio.Event() if shutdown is None else shutdown
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
+        watch = trio.CancelScope()
+        nursery.start_soon(_shut_down_when_stopped, backend, shutdown, watch)
         async with trio.open_nursery() as http:
             app = build_app(backend)
             url = await http.start(functools.partial(serve, app, options, shutdown=shutdown))
             task_status.started(url)
-            http.start_soon(_shut_down_when_stopped, backend, shutdown)
+        watch.cancel()
         # serve() returns once in-flight requests drained (or the grace period ran out):
         # only now stop the engine, so draining streams finish their generations.
         await backend.aclose()
 
 
-async def _shut_down_when_stopped(backend: EngineBackend, shutdown: trio.Event) -> None:
+async def _shut_down_when_stopped(backend: EngineBackend, shutdown: trio.Event, watch: trio.CancelScope) -> None:
     """An engine that gave up (a dead rank, steps failing in a row) takes its
     server down, so that whoever supervises the process restarts it."""
-    await backend.stopped.wait()
-    shutdown.set()
+    with watch:
+        await backend.stopped.wait()
+        shutdown.set()
 
 
 # ---------------------------------------------------------------- command line
