@@ -116,7 +116,9 @@ class _Routes:
                 "block_size": info.block_size,
                 "kv_events": info.kv_events,
                 "tokenizer": tokenizer,
-                # A resumed request continues the unbroken one exactly (stream migration)
+                # Token ids on every event and as input (return_token_ids, resumed_tokens),
+                # and a resumed request continues the unbroken one exactly (stream migration)
+                "token_ids": info.token_ids,
                 "exact_resume": info.exact_resume,
                 "kv_epoch": self.kv_epoch,
             }

@@ -26,6 +26,7 @@ from backends.engine.sequence import SamplingParams
 from backends.engine.server import run_server
 from backends.engine.tokenizer import Tokenizer
 from backends.errors import BadRequest
+from backends.openai_http import OpenAIHTTPBackend
 from frontend.serving import ServeOptions
 
 PROMPT = [5, 70, 100, 200, 33]
@@ -310,6 +311,11 @@ async def test_a_resumed_completion_over_http_gives_the_continuation(
     async with httpx.AsyncClient(base_url=url) as client:
         models = (await client.get("/v1/models")).json()["data"]
         assert [m["exact_resume"] for m in models] == [True]
+        assert [m["token_ids"] for m in models] == [True]  # so an "auto" adapter resumes by ids at once
+        adapter = OpenAIHTTPBackend(url, token_ids="auto")
+        info = await adapter.refresh()
+        assert info.token_ids and info.exact_resume
+        await adapter.aclose()
         whole = await _stream(client, body)
         ids = [t for c in whole for t in c["token_ids"]]
         assert [len(c["token_ids"]) for c in whole] == [1] * 10
