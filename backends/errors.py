@@ -12,6 +12,7 @@ place (``frontend.server.error_response``)::
     │   ├── NotFound                   404     unknown path
     │   ├── ModelNotFound              404     code=model_not_found
     │   ├── MethodNotAllowed           405
+    │   ├── RequestTimeout             408     code=request_timeout: the body stopped coming
     │   ├── PayloadTooLarge            413
     │   └── RateLimited                429     (+ retry_after)
     └── UpstreamError                  5xx     server_error / upstream_error
@@ -48,6 +49,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RateLimited",
+    "RequestTimeout",
     "StreamBroken",
     "Unauthorized",
     "UpstreamError",
@@ -96,6 +98,13 @@ class ContextLengthExceeded(BadRequest):
 class ModelNotFound(ClientError):
     status = 404
     code = "model_not_found"
+
+
+class RequestTimeout(ClientError):
+    """The client stopped sending its request body (``body_idle_timeout``)."""
+
+    status = 408
+    code = "request_timeout"
 
 
 class PayloadTooLarge(ClientError):

@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from backends.base import Backend
-from backends.errors import BadRequest, ClientError, HeadraceError, PayloadTooLarge
+from backends.errors import BadRequest, HeadraceError, PayloadTooLarge, RequestTimeout
 from frontend.call import Emit, Producer, prepare_call
 from frontend.context import (
     OPEN_GATE,
@@ -74,14 +74,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 DEFAULT_BODY_IDLE_TIMEOUT = 10.0  # seconds without a body byte before 408
 _encoder = msgspec.json.Encoder()
-
-
-class RequestTimeout(ClientError):
-    """408: the client stopped sending its request body. (Defined here, not
-    in backends/errors.py, only because this layer alone raises it.)"""
-
-    status = 408
-    code = "request_timeout"
 
 
 class HTTPRequest:

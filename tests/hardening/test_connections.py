@@ -192,3 +192,14 @@ async def test_the_router_applies_the_configured_body_idle_timeout_to_both_liste
 
     router = Router(decode_config({"server": {"body_idle_timeout": 3.5}}), [])
     assert router.api.body_idle_timeout == router.ops.body_idle_timeout == 3.5
+
+
+def test_request_timeout_is_a_client_error_in_the_project_tree() -> None:
+    """408 lives in backends/errors.py with the other errors; frontend.server
+    re-exports it for the code that imported it from there."""
+    from backends import errors
+    from frontend import server
+
+    assert server.RequestTimeout is errors.RequestTimeout
+    assert issubclass(errors.RequestTimeout, errors.ClientError)
+    assert (errors.RequestTimeout.status, errors.RequestTimeout.code) == (408, "request_timeout")
