@@ -72,3 +72,29 @@ async def _resume(t: HttpTarget, sampling: dict[str, Any]) -> str:
         where = "streamed" if stream else "non-streamed"
         expect_equal(resumed.ids, whole.ids[CUT:], f"{where} continuation token ids")
     return f"resumed {rest} tokens after {CUT}"
+
+
+@HTTP.check("tokens.resume.contract", "tokens", requires=("token_ids", "seeds", "exact_resume"))
+async def resume_contract(t: HttpTarget) -> str:
+    """``resumed_tokens``: the last k prompt ids are earlier output. The
+    continuation counts them as output (usage: the original prompt, every
+    token once; presence penalty and min_tokens over them), its text is the
+    rest of the unbroken text, and its first chunk names the original prompt."""
+    sampling = {"temperature": 0.9, "seed": 7, "presence_penalty": 0.5, "min_tokens": LENGTH}
+    whole = await complete(t, max_tokens=LENGTH, **sampling, **TOKENS)
+    expect(whole.prompt_token_ids, "no prompt_token_ids")
+    original = whole.prompt_token_ids or []
+    prompt = original + whole.ids[:CUT]
+    for stream in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        sampled = {**sampling, "min_tokens": LENGTH - CUT}
+        resumed = await complete(t, stream=stream, prompt=prompt, max_tokens=LENGTH - CUT, resumed_tokens=CUT,
+                                 **sampled, **extra, **TOKENS)  # fmt: skip
+        where = "streamed" if stream else "non-streamed"
+        expect_equal(resumed.ids, whole.ids[CUT:], f"{where} continuation token ids")
+        expect_equal(resumed.prompt_token_ids, original, f"{where} prompt_token_ids (the original prompt)")
+        expect(whole.text.endswith(resumed.text) and resumed.text, f"{where}: text {resumed.text!r} does not end the unbroken text")
+        assert resumed.usage is not None and whole.usage is not None
+        expect_equal(resumed.usage["prompt_tokens"], whole.usage["prompt_tokens"], f"{where} usage.prompt_tokens")
+        expect_equal(resumed.usage["completion_tokens"], whole.usage["completion_tokens"], f"{where} usage.completion_tokens")
+    return f"resumed {LENGTH - CUT} tokens after {CUT} with penalties and min_tokens"

@@ -30,7 +30,7 @@ __all__ = [
     "probe",
 ]
 
-CAPABILITIES = ("token_ids", "seeds", "ignore_eos")
+CAPABILITIES = ("token_ids", "seeds", "ignore_eos", "exact_resume")
 
 
 class ProbeError(Exception):
@@ -63,6 +63,9 @@ class Capabilities:
     token_ids: bool = False
     seeds: bool = True
     ignore_eos: bool = False
+    # /v1/models says exact_resume: the target takes ``resumed_tokens`` (the
+    # resume contract stream migration relies on) and continues exactly
+    exact_resume: bool = False
     models: list[str] = field(default_factory=list)
     max_context: int | None = None
 
@@ -162,7 +165,9 @@ async def probe(target: HttpTarget, without: frozenset[str] = frozenset()) -> No
             raise ProbeError(f"GET /v1/models gave {models.status} and no model; pass --model")
         target.model = target.caps.models[0]
     target.caps.max_context = target.caps.max_context or _context_length(entries, target.model)
+    target.caps.exact_resume = any(e["id"] == target.model and e.get("exact_resume") is True for e in entries)
     await _probe_extensions(target)
+    target.caps.exact_resume = target.caps.exact_resume and target.caps.token_ids
     for name in without:
         setattr(target.caps, name, False)
 

@@ -69,6 +69,7 @@ async def test_the_engine_server_passes_the_http_suite(tiny_model: Path) -> None
         report = await check_http(url, http="2", **FAST)
     assert report.ok, report.format_table()
     assert report.capabilities["token_ids"] is True
+    assert report.outcome("tokens.resume.contract") == "pass"  # batch-invariant: exact_resume
 
 
 async def test_a_router_in_front_of_the_engine_passes_the_http_suite(tiny_model: Path) -> None:

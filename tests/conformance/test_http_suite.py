@@ -23,8 +23,11 @@ async def test_a_correct_server_passes_every_check(http: str) -> None:
     async with serving(ReferenceServer()) as url:
         report = await check_http(url, http=http, **SLACK)
     assert report.ok, report.format_table()
-    assert report.counts() == {"pass": len(report.results), "fail": 0, "skip": 0}
-    assert report.capabilities == {"token_ids": True, "seeds": True, "ignore_eos": True}
+    # The reference server is a plain OpenAI server: it does not claim the resume
+    # contract (resumed_tokens), so that check alone is skipped.
+    assert report.counts() == {"pass": len(report.results) - 1, "fail": 0, "skip": 1}
+    assert report.outcome("tokens.resume.contract") == "skip"
+    assert report.capabilities == {"token_ids": True, "seeds": True, "ignore_eos": True, "exact_resume": False}
 
 
 # flaw -> checks that must fail because of it
@@ -77,8 +80,8 @@ async def test_token_checks_are_skipped_when_the_target_does_not_report_ids() ->
     assert report.capabilities["token_ids"] is False
     skipped = {r.name: r.reason for r in report.results if r.outcome == "skip"}
     assert set(skipped) == {"tokens.report", "tokens.prompt_ids", "tokens.resume.greedy",
-                            "tokens.resume.seeded"}
-    assert all("does not claim token_ids" in why for why in skipped.values())
+                            "tokens.resume.seeded", "tokens.resume.contract"}
+    assert all("does not claim" in why and "token_ids" in why for why in skipped.values()), skipped
     assert report.outcome("params.max_tokens") == "pass"
 
 

@@ -39,6 +39,7 @@ async def test_the_mock_server_passes_the_http_suite(http: str) -> None:
         report = await check_http(url, http=http, **FAST)
     assert report.ok, report.format_table()
     assert report.capabilities["token_ids"] is True
+    assert report.outcome("tokens.resume.contract") == "pass"  # the mock claims exact_resume
 
 
 @pytest.mark.parametrize(
