@@ -312,6 +312,7 @@ class ModelRoute(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     stall_timeout: Positive | None = None
     first_token_timeout: Positive | None = None
     max_migrations: Annotated[int, Meta(ge=0)] | None = None
+    text_continuation: bool | None = None
 
 
 class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -330,6 +331,9 @@ class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     stall_samples: PositiveInt = 64
     first_token_timeout: Positive | None = None  # None: each backend adapter's own
     replay: bool = True  # replay and verify on backends that report no token ids
+    # Completions only, opt-in: where no backend has token ids and replay is off
+    # or diverged, continue from prompt + the text sent (inexact, counted so).
+    text_continuation: bool = False
 
 
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
