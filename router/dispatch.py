@@ -43,6 +43,7 @@ import logging
 import math
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from functools import partial
 from typing import Protocol
 
 import msgspec
@@ -78,6 +79,8 @@ from router.migration import (
     no_final,
     reason_of,
     resume_request,
+    text_continuation,
+    text_request,
 )
 from router.migration import Settings as MigrationSettings
 from router.prefix_keys import PrefixKeys
@@ -467,9 +470,10 @@ class Dispatcher:
         target, settings, error = b.target, b.settings, b.error
         failed = {b.backend}
         migrations = 0
+        diverged = False  # a replay differed: text continuation (when opted in) is what is left
         while True:
             reason = reason_of(error)
-            log.warning("stream on %s broke after %d tokens (%s: %s)", b.backend, len(progress.token_ids), reason, error.message)
+            log.warning("stream on %s broke after %d events (%s: %s)", b.backend, progress.events, reason, error.message)
             if not settings.enabled:
                 self._migrated(reason, "failed")
                 raise error
@@ -477,12 +481,18 @@ class Dispatcher:
                 raise self._migration_failed(reason, f"the stream broke {migrations + 1} times (limit {settings.max_migrations} migrations)", "migration_limit")
             candidates = self._candidates(target, failed, _Outcome())
             by_ids = [a for a in candidates if a.info is not None and a.info.token_ids]
-            replay: Replay | None = None
+            by_text = text_request(b.sub, progress) if settings.text_continuation else None
+            relay: Callable[[Event], Event | None]
             if progress.resumable_by_ids and by_ids:
-                candidates, sub = by_ids, resume_request(b.sub, progress)
-            elif settings.replay and candidates:
-                replay = Replay(progress)
+                mode, candidates, sub = "resumed", by_ids, resume_request(b.sub, progress)
+                relay = partial(continuation, progress=progress)
+            elif settings.replay and not diverged and candidates:
+                mode = "replayed"
                 sub = b.sub if progress.seed is None else msgspec.structs.replace(b.sub, seed=progress.seed)
+                relay = Replay(progress).feed
+            elif by_text is not None and candidates:
+                mode, sub = "continued", by_text
+                relay = partial(text_continuation, progress=progress, sent=len(progress.token_ids) or progress.text_events)
             else:
                 raise self._migration_failed(reason, "no other backend can continue this stream", "no_backend_to_resume", status=503)
             # Not charged to the retry budget: a backend that dies takes all its
@@ -498,17 +508,22 @@ class Dispatcher:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
                 failed.add(actor.name)
                 info = actor.info
-                if replay is None and (info is None or not info.exact_resume):
+                if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
-                log.info("resuming the stream on %s (%s, %d tokens sent)", actor.name, "replay" if replay else "token ids", len(progress.token_ids))
-                async for event in self._continue(actor, sub, route, target, settings, progress, replay, b.at):
+                log.info("resuming the stream on %s (%s, %d tokens sent)", actor.name, mode, len(progress.token_ids))
+                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at):
                     yield event
-                self._migrated(reason, "replayed" if replay is not None else "resumed")
+                self._migrated(reason, mode)
                 return
             except MigrationFailed as exc:
-                if exc.code == "replay_diverged":  # the others were counted where they were raised
+                if exc.code != "replay_diverged":
+                    raise  # counted where it was raised
+                if by_text is None:
                     self._migrated(reason, "failed")
-                raise
+                    raise
+                diverged = True  # nothing of the replay was relayed: continue from the text instead
+                if actor is not None:
+                    failed.discard(actor.name)  # it answered, differently: it may continue the text
             except UpstreamError as exc:
                 error = exc
             except ClientError as exc:  # the new backend refused the continuation: try another
@@ -523,7 +538,7 @@ class Dispatcher:
         target: Target,
         settings: MigrationSettings,
         progress: Progress,
-        replay: Replay | None,
+        relay: Callable[[Event], Event | None],
         broke_at: float,
     ) -> AsyncIterator[Event]:
         """One continuation attempt, its events as the client gets them."""
@@ -557,7 +572,7 @@ class Dispatcher:
                     last_at = now
                     if event.usage is not None:
                         cached = event.usage.cached_tokens
-                    out = replay.feed(event) if replay is not None else continuation(event, progress)
+                    out = relay(event)
                     if out is None:
                         continue
                     if gap_from is not None and (out.token_ids or out.text):

@@ -50,6 +50,8 @@ __all__ = [
     "StallWatch",
     "reason_of",
     "resume_request",
+    "text_continuation",
+    "text_request",
 ]
 
 # Why a stream broke, as the metrics label it.
@@ -99,11 +101,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stall_samples: int = 64
     first_token_timeout: float | None = None  # None: the backend adapter's own
     replay: bool = True  # replay and verify on backends that report no token ids
+    # Completions only, opt-in: where no backend has token ids and replay is off
+    # or diverged, continue from prompt + the text sent (inexact, counted so).
+    text_continuation: bool = False
 
 
 class MigrationStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # (reason, outcome) -> count; outcome: resumed (by token ids), replayed
-    # (replay and verify), failed (the client got the terminal error).
+    # (replay and verify), continued (text continuation, inexact), failed (the
+    # client got the terminal error).
     migrations: dict[str, int] = {}
     divergences: int = 0  # replays whose text differed from what the client had
     inexact: int = 0  # resumed on a backend that does not promise exact resume
@@ -112,12 +118,15 @@ class MigrationStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class Progress:
     """What has been relayed so far: enough to resume elsewhere."""
 
-    __slots__ = ("cached", "events", "finished", "ids_complete", "logprobs", "prompt_token_ids", "seed", "text", "token_ids")
+    __slots__ = (
+        "cached", "events", "finished", "ids_complete", "logprobs", "prompt_token_ids", "seed", "text", "text_events", "token_ids",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.prompt_token_ids: list[int] | None = None
         self.token_ids: list[int] = []
         self.text = ""
+        self.text_events = 0  # events that carried text (a token count where there are no ids)
         self.seed: int | None = None
         self.events = 0
         self.logprobs = 0  # logprob entries relayed
@@ -131,7 +140,9 @@ class Progress:
             self.token_ids += event.token_ids
         elif event.text:
             self.ids_complete = False
-        self.text += event.text
+        if event.text:
+            self.text += event.text
+            self.text_events += 1
         if event.logprobs:
             self.logprobs += len(event.logprobs)
         if event.prompt_token_ids is not None and self.prompt_token_ids is None:
@@ -182,6 +193,34 @@ def continuation(event: Event, progress: Progress) -> Event:
         progress_after = len(progress.token_ids) + len(event.token_ids)
         usage = progress.usage(event.usage)
         out.usage = Usage(usage.prompt_tokens, progress_after, usage.cached_tokens)
+    return out
+
+
+def text_request(request: GenerateRequest, progress: Progress) -> GenerateRequest | None:
+    """Text continuation (opt-in, inexact): a completion's prompt followed by
+    the text already sent, the limits reduced by the tokens sent (counted by
+    their events where there are no ids). None for chat (no standard way to
+    prefill the assistant's answer) or a token-id prompt."""
+    if request.messages is not None or request.prompt_token_ids is not None or request.prompt is None:
+        return None
+    n = len(progress.token_ids) or progress.text_events
+    return msgspec.structs.replace(
+        request,
+        prompt=request.prompt + progress.text,
+        max_tokens=None if request.max_tokens is None else max(1, request.max_tokens - n),
+        min_tokens=max(0, request.min_tokens - n),
+        seed=progress.seed if progress.seed is not None else request.seed,
+    )
+
+
+def text_continuation(event: Event, progress: Progress, sent: int) -> Event:
+    """A text continuation's event as the client gets it: its usage counts the
+    ``sent`` tokens as generated, not as prompt (approximately: the new
+    backend tokenized the sent text itself)."""
+    out = msgspec.structs.replace(event, prompt_token_ids=None, seed=None, model=None)
+    if event.usage is not None:
+        u = event.usage
+        out.usage = Usage(max(0, u.prompt_tokens - sent), u.completion_tokens + sent, min(u.cached_tokens, max(0, u.prompt_tokens - sent)))
     return out
 
 

@@ -345,3 +345,58 @@ async def test_a_first_token_limit_moves_a_silent_backend_on_before_any_token(au
     assert 3.0 <= trio.current_time() - start < 4.0
     stats = d.statistics()
     assert stats.retries == 1 and stats.migration.migrations == {}  # a retry, not a migration
+
+
+async def test_text_continuation_is_opt_in_for_completions_and_counted_inexact() -> None:
+    """Without token ids and with replay off: off by default, the terminal error;
+    opted in, the completion continues from prompt + the text sent."""
+    request = GenerateRequest(prompt="the river runs", max_tokens=12, seed=7)
+    seen: list[GenerateRequest] = []
+
+    class Spy(NoIds):
+        async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+            seen.append(request)
+            async for event in super()._stream(number, request):
+                yield event
+
+    off = Dispatcher(await actors(FlakyBackend(NoIds(mock()), fail_first=1, after_events=4), Spy(mock())), Prefer("a", "b"),
+                     migration=Settings(replay=False))  # fmt: skip
+    with pytest.raises(MigrationFailed) as info:
+        await run(off, request)
+    assert info.value.code == "no_backend_to_resume" and not seen
+    on = Dispatcher(await actors(FlakyBackend(NoIds(mock()), fail_first=1, after_events=4), Spy(mock())), Prefer("a", "b"),
+                    migration=Settings(replay=False, text_continuation=True))  # fmt: skip
+    got = await run(on, request)
+    (continued,) = seen
+    sent = text(got[:4])
+    assert continued.prompt == "the river runs" + sent and continued.max_tokens == 8 and continued.seed == 7
+    assert text(got).startswith(sent) and got[-1].finish_reason is not None
+    assert got[-1].usage is not None and got[-1].usage.completion_tokens == 12  # 4 sent + 8 continued
+    stats = on.statistics().migration
+    assert stats.migrations == {"broken:continued": 1} and stats.inexact == 1
+
+
+async def test_a_diverged_replay_falls_back_to_text_continuation_when_opted_in() -> None:
+    class Different(NoIds):
+        async def _stream(self, number: int, request: GenerateRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+            other = msgspec_replace(request, seed=(request.seed or 0) + 1)
+            async for event in self.inner.stream(other):
+                yield Event(text=event.text, finish_reason=event.finish_reason, usage=event.usage)
+
+    d = Dispatcher(await actors(FlakyBackend(NoIds(mock()), fail_first=1, after_events=5), Different(mock())), Prefer("a", "b"),
+                   migration=Settings(text_continuation=True))  # fmt: skip
+    got = await run(d, REQUEST)
+    assert got[-1].finish_reason is not None
+    stats = d.statistics().migration
+    assert stats.divergences == 1 and stats.migrations == {"broken:continued": 1}
+
+
+async def test_chat_never_continues_from_text() -> None:
+    from backends.base import ChatMessage
+
+    request = GenerateRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=10, seed=1)
+    d = Dispatcher(await actors(FlakyBackend(NoIds(mock()), fail_first=1, after_events=3), NoIds(mock())), Prefer("a", "b"),
+                   migration=Settings(replay=False, text_continuation=True))  # fmt: skip
+    with pytest.raises(MigrationFailed) as info:
+        await run(d, request)
+    assert info.value.code == "no_backend_to_resume"

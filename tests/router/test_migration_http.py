@@ -153,7 +153,7 @@ async def test_the_openai_sdk_sees_one_ordinary_stream(nursery: trio.Nursery) ->
 
 
 async def test_migrations_show_in_metrics(nursery: trio.Nursery) -> None:
-    router, url, _ = await router_with(nursery, MockConfig(name="bad"), [parse_fault("cut-after=3")])
+    _, url, _ = await router_with(nursery, MockConfig(name="bad"), [parse_fault("cut-after=3")])
     await answers(url, "/v1/completions", COMPLETION, 2)
     async with httpx.AsyncClient(base_url=url, timeout=20) as client:
         text = (await client.get("/metrics")).text
