@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-concurrency", type=int, default=256,
                    help="admission slots per backend ([[backends]] max_concurrency)")
     p.add_argument("--workers", type=int, default=1, help="router processes")
+    p.add_argument("--mock-nice", type=int, default=10,
+                   help="niceness of the mocks, so that a restarted mock's start (a second of "
+                        "imports) does not take the router's core on a small box; 0: off")
     p.add_argument("--health-interval", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=60.0, help="per stream, seconds")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the kills")
@@ -367,7 +370,8 @@ class Slot:
 
 
 def _mock_argv(args: argparse.Namespace, *, oracle: bool = False) -> list[str]:
-    argv = _python("router.cli", "mock", "--model", MODEL, "--max-tokens", str(max(args.max_tokens)),
+    nice = ["nice", "-n", str(args.mock_nice)] if args.mock_nice else []
+    argv = nice + _python("router.cli", "mock", "--model", MODEL, "--max-tokens", str(max(args.max_tokens)),
                    "--max-context", str(args.prompt_tokens + max(args.max_tokens) + 64))
     if oracle:
         return argv
