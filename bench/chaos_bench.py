@@ -45,6 +45,7 @@ import argparse
 import itertools
 import math
 import random
+import re
 import sys
 import tempfile
 import time
@@ -593,6 +594,24 @@ async def _references(load: Load, at_once: int = 8) -> None:
             nursery.start_soon(one, shape)
 
 
+_ADMIN = re.compile(rb"headrace admin on (http://\S+)")
+
+
+async def _metrics_url(router: Server, patience: float = 10.0) -> str:
+    """Where the router serves /metrics: its own URL, or (routers with an
+    admin listener) the ``headrace admin on URL`` its log names."""
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        if (await client.get(f"{router.url}/metrics")).status_code == 200:
+            return router.url
+    with trio.move_on_after(patience):
+        while True:
+            found = _ADMIN.search(router.log.read_bytes())
+            if found:
+                return found.group(1).decode()
+            await trio.sleep(0.1)
+    raise BackendUnavailable(f"the router at {router.url} serves no /metrics and names no admin listener")
+
+
 async def _all_up(url: str, n: int, patience: float = 60.0) -> None:
     """Until the router's /ready lists all ``n`` backends up."""
     async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=5) as client:
@@ -645,7 +664,8 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
                 nursery.start_soon(slot.start, logdir)
         oracle, router = started
         await _all_up(router.url, 2 * len(slots))
-        doc["bed"] = {"router": router.url, "backends": [s.url for s in slots], "oracle": oracle.url,
+        metrics_url = await _metrics_url(router)
+        doc["bed"] = {"router": router.url, "metrics": metrics_url, "backends": [s.url for s in slots], "oracle": oracle.url,
                       "router_config": config.read_text()}
         oracle_pool = await stack.enter_async_context(
             make_pool(oracle.url, max_connections=2, api_key=None, timeout=args.timeout))
@@ -664,7 +684,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         doc["router"] = {"idle_before": process_sample(router.pid)}
 
         load.reset()
-        base = await _scrape(router.url)
+        base = await _scrape(metrics_url)
         timeline: list[dict[str, Any]] = doc["timeline"]
         t0 = trio.current_time()
         until = t0 + args.duration
@@ -679,7 +699,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
                 outer.cancel_scope.cancel()
             doc["drained_s"] = trio.current_time() - until
             await trio.sleep(1.0)
-            metrics = await _scrape(router.url)
+            metrics = await _scrape(metrics_url)
             await trio.sleep(0.5)
             doc["router"]["idle_after"] = process_sample(router.pid)
             doc["metrics"] = metrics_delta(metrics, base)
