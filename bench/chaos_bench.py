@@ -123,6 +123,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="niceness of the mocks, so that a restarted mock's start (a second of "
                         "imports) does not take the router's core on a small box; 0: off")
     p.add_argument("--health-interval", type=float, default=0.5)
+    p.add_argument("--max-ejection-fraction", type=float, default=0.25,
+                   help="[breaker] max_ejection_fraction; the router lists each mock twice, so the "
+                        "default 0.25 of its entries is the default 0.5 of the mocks")
+    p.add_argument("--error-pause", type=float, default=1.0,
+                   help="seconds a client waits after an error before its next request (a "
+                        "closed loop that does not would turn an outage into thousands of 503s)")
     p.add_argument("--timeout", type=float, default=60.0, help="per stream, seconds")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the kills")
     p.add_argument("--out", "--json", dest="out", default=DEFAULT_OUT, help="JSON report path")
@@ -296,9 +302,11 @@ class Load:
 
     async def _worker(self, client: Client, until: float, t0: float) -> None:
         while trio.current_time() < until:
-            await self._one(client, next(self.counter), t0)
+            if not await self._one(client, next(self.counter), t0):
+                await trio.sleep(self.args.error_pause)
 
-    async def _one(self, client: Client, index: int, t0: float) -> None:
+    async def _one(self, client: Client, index: int, t0: float) -> bool:
+        """One request, judged; False when it ended with an error."""
         key, shape = self.workload.pick(index)
         started = trio.current_time()
         self.in_flight += 1
@@ -318,6 +326,7 @@ class Load:
                              "detail": result.detail, "chars": len(text), "reference_chars": len(reference),
                              "first_difference": _first_difference(text, reference),
                              "at_s": started - t0})
+        return result.error is None
 
 
 def _first_difference(a: str, b: str) -> int | None:
@@ -392,6 +401,9 @@ def router_config(args: argparse.Namespace, slots: list[Slot]) -> str:
         for name in (slot.name, f"{slot.name}-{COLD}"):
             lines += ["[[backends]]", 'kind = "openai"', f'url = "{slot.url}"', f'name = "{name}"',
                       f"max_concurrency = {args.backend_concurrency}"]
+    # The breakers' fleet rule counts the router's backends, not a route's: over the 2N
+    # entries, a quarter is what half of the N processes would be in a plain fleet.
+    lines += ["[breaker]", f"options = {{ max_ejection_fraction = {args.max_ejection_fraction} }}"]
     for route, suffix in ((MODEL, ""), (COLD, f"-{COLD}")):
         names = ", ".join(f'"{slot.name}{suffix}"' for slot in slots)
         lines += ["[[models]]", f'name = "{route}"', f'upstream_model = "{MODEL}"', f"backends = [{names}]"]
