@@ -480,20 +480,41 @@ async def _chaos(args: argparse.Namespace, slots: list[Slot], log: list[dict[str
         at = max(trio.current_time(), killed + rng.uniform(*args.interval))
 
 
-async def _monitor(load: Load, router_pid: int, kills: list[dict[str, Any]], timeline: list[dict[str, Any]],
-                   t0: float, duration: float) -> None:
-    bar = ProgressBar("chaos", log_every=1.0)
-    while True:
-        now = trio.current_time()
-        sample = process_sample(router_pid)
-        done = len(load.outcomes)
-        timeline.append({"t_s": now - t0, "done": done, "in_flight": load.in_flight, **sample})
-        pct = 100.0 * load.identical / done if done else 100.0
-        bar.update(min(1.0, (now - t0) / duration),
-                   f"{now - t0:5.1f}s streams {done} identical {pct:.2f}% bad {done - load.identical} "
-                   f"kills {len(kills)} in-flight {load.in_flight} router RSS {sample['rss_mib']:.0f} MiB "
-                   f"fds {sample['fds']:.0f}", time.monotonic())
-        await trio.sleep(1.0)
+def fleet_codes(listing: list[dict[str, Any]]) -> dict[str, str]:
+    """One letter per backend entry of the route ``mock``, as the router sees
+    it: ``U`` takes requests, ``E`` ejected by its breaker, ``H`` half-open,
+    ``D`` not up (down, or not probed back up yet)."""
+    out = {}
+    for b in listing:
+        if b["name"].endswith(f"-{COLD}"):
+            continue
+        breaker = (b.get("breaker") or {}).get("state", "closed")
+        out[b["name"]] = ("D" if not b["up"] else "E" if breaker == "open" else "H" if breaker == "half_open" else "U")
+    return dict(sorted(out.items()))
+
+
+async def _monitor(load: Load, router: Server, admin: str, kills: list[dict[str, Any]],
+                   timeline: list[dict[str, Any]], t0: float, duration: float) -> None:
+    """Once a second: a progress line, and a timeline row (answers, in
+    flight, the router's RSS and fds, and its view of the fleet)."""
+    bar = ProgressBar("chaos", log_every=0.9)
+    async with httpx.AsyncClient(base_url=admin, trust_env=False, timeout=2) as client:
+        while True:
+            now = trio.current_time()
+            sample = process_sample(router.pid)
+            try:
+                fleet = fleet_codes((await client.get("/admin/backends")).json()["data"])
+            except (httpx.HTTPError, ValueError, KeyError):
+                fleet = {}
+            done = len(load.outcomes)
+            timeline.append({"t_s": now - t0, "done": done, "in_flight": load.in_flight, **sample,
+                             "fleet": "".join(fleet.values())})
+            pct = 100.0 * load.identical / done if done else 100.0
+            bar.update(min(1.0, (now - t0) / duration),
+                       f"{now - t0:5.1f}s streams {done} identical {pct:.2f}% bad {done - load.identical} "
+                       f"kills {len(kills)} fleet {''.join(fleet.values()) or '?'} in-flight {load.in_flight} "
+                       f"router RSS {sample['rss_mib']:.0f} MiB fds {sample['fds']:.0f}", time.monotonic())
+            await trio.sleep(max(0.0, now + 1.0 - trio.current_time()))
 
 
 # ---------------------------------------------------------------- router metrics
@@ -703,7 +724,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         meter = CpuMeter(router, slots)
         try:
             async with trio.open_nursery() as outer:
-                outer.start_soon(_monitor, load, router.pid, doc["kills"], timeline, t0, args.duration)
+                outer.start_soon(_monitor, load, router, metrics_url, doc["kills"], timeline, t0, args.duration)
                 async with trio.open_nursery() as inner:
                     inner.start_soon(_chaos, args, slots, doc["kills"], until, t0, logdir)
                     inner.start_soon(_phase, load, args, router.url, args.duration, t0)
