@@ -126,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ejection-fraction", type=float, default=0.25,
                    help="[breaker] max_ejection_fraction; the router lists each mock twice, so the "
                         "default 0.25 of its entries is the default 0.5 of the mocks")
+    p.add_argument("--breaker", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router's circuit breakers ([breaker] enabled)")
     p.add_argument("--error-pause", type=float, default=1.0,
                    help="seconds a client waits after an error before its next request (a "
                         "closed loop that does not would turn an outage into thousands of 503s)")
@@ -403,7 +405,8 @@ def router_config(args: argparse.Namespace, slots: list[Slot]) -> str:
                       f"max_concurrency = {args.backend_concurrency}"]
     # The breakers' fleet rule counts the router's backends, not a route's: over the 2N
     # entries, a quarter is what half of the N processes would be in a plain fleet.
-    lines += ["[breaker]", f"options = {{ max_ejection_fraction = {args.max_ejection_fraction} }}"]
+    lines += ["[breaker]", f"enabled = {'true' if args.breaker else 'false'}",
+              f"options = {{ max_ejection_fraction = {args.max_ejection_fraction} }}"]
     for route, suffix in ((MODEL, ""), (COLD, f"-{COLD}")):
         names = ", ".join(f'"{slot.name}{suffix}"' for slot in slots)
         lines += ["[[models]]", f'name = "{route}"', f'upstream_model = "{MODEL}"', f"backends = [{names}]"]
