@@ -105,6 +105,7 @@ class Call:
         self.created = now()
         self.token_ids = wire.return_token_ids or kind == "native"
         self.coalesce = coalesce
+        self.headers: list[tuple[str, str]] = []  # response headers a gate adds (x-ratelimit-*)
 
     # -------- non-streaming
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from frontend.call import Call
 
 __all__ = [
+    "ENGINE_PRIORITY",
     "OPEN_GATE",
     "Gate",
     "Principal",
@@ -45,6 +46,9 @@ __all__ = [
 
 # Priority classes, highest first; the admission issue gives them meaning.
 PriorityClass = Literal["interactive", "default", "batch"]
+# GenerateRequest.priority ("higher runs first") for each class: the engine's
+# scheduler orders by it (a body's ``"priority": "batch"`` reaches it as -1).
+ENGINE_PRIORITY: dict[str, int] = {"interactive": 1, "default": 0, "batch": -1}
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 

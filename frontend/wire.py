@@ -8,7 +8,9 @@ can get wrong becomes :class:`~backends.errors.BadRequest` naming the field.
 Extensions (as vLLM spells them): ``prompt`` as token ids, ``return_token_ids``
 (``token_ids`` per choice, ``prompt_token_ids`` on the first chunk), ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``priority``. With ``return_token_ids`` the choice also
+``stop_token_ids``, ``priority`` (vLLM's int, higher runs first here; or a
+class name, ``"interactive" | "default" | "batch"``, as ``X-Priority``
+spells it). With ``return_token_ids`` the choice also
 carries the ``seed`` actually used, which is what a resume needs. And the resume
 itself: ``resumed_tokens: k`` with a token-id prompt (completions and
 ``/v1/generate``, one choice) says its last k ids are the generation's own earlier
@@ -33,7 +35,7 @@ from backends.base import (
     Usage,
 )
 from backends.errors import BadRequest
-from frontend.context import new_request_id
+from frontend.context import ENGINE_PRIORITY, PriorityClass, new_request_id
 
 __all__ = [
     "ChatRequest",
@@ -82,7 +84,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    priority: int = 0
+    priority: int | PriorityClass = 0
     resumed_tokens: int = 0  # a stream migration's continuation (checked in _validate_resumed)
 
 
@@ -324,7 +326,7 @@ def _common_fields(w: WireRequest) -> dict[str, Any]:
         "stop": _stops(w.stop),
         "stop_token_ids": list(w.stop_token_ids or []),
         "logprobs": logprobs,
-        "priority": w.priority,
+        "priority": w.priority if isinstance(w.priority, int) else ENGINE_PRIORITY[w.priority],
     }
     if not isinstance(w, ChatRequest):
         fields["resumed_tokens"] = w.resumed_tokens

@@ -7,7 +7,8 @@ waiting at or above its class goes at once; otherwise the policy decides::
 
     decide(view, now)
       no capacity at all                        -> reject no_healthy_backend
-      free slots, nobody ahead                  -> admit
+      free slots (past those reserved for other
+        tenants, fairness.SlotShares), nobody ahead -> admit
       its class's queue full                    -> reject queue_full
       estimated wait > time left to its deadline -> reject shed       (ErlangShedding only)
       else                                      -> queue
@@ -53,6 +54,7 @@ class AdmissionView(msgspec.Struct, frozen=True, kw_only=True):
     queue_limit: int = 0  # its class's queue size
     service_rate: float | None = None  # completions per second per slot (measured), None: unknown
     time_left: float | None = None  # seconds to its deadline, None: none
+    reserved: int = 0  # free slots it may not take (kept for tenants under their share)
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,7 +88,7 @@ class BoundedQueue:
         if view.capacity <= 0:
             return Verdict(action="reject", code="no_healthy_backend", retry_after=1.0)
         wait = self._wait(view)
-        if view.ahead == 0 and view.busy + min(view.slots, view.capacity) <= view.capacity:
+        if view.ahead == 0 and view.busy + min(view.slots, view.capacity) <= view.capacity - view.reserved:
             return Verdict(action="admit", wait=0.0)
         if view.queued_in_class >= view.queue_limit:
             return Verdict(action="reject", code="queue_full", retry_after=_retry(wait), wait=wait)

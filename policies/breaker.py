@@ -8,6 +8,8 @@ One breaker per backend, its lifecycle a transition table (CONVENTIONS.md #2)::
        │                   └──────────── failure ─────────────────┘ │
        └─────────────────────────── recovered ──────────────────────┘
        (success / failure below the thresholds: no change)
+    OPEN, HALF_OPEN ──reset──> CLOSED   (health probes took the backend down:
+                                          from then on the probes decide)
 
 - :class:`CircuitBreaker` counts and turns counts into events, as the health
   machine does: a failure that makes ``consecutive_failures`` in a row, or a
@@ -25,7 +27,10 @@ One breaker per backend, its lifecycle a transition table (CONVENTIONS.md #2)::
 - :class:`Breakers` holds one per backend and refuses a trip that would eject
   more than ``max_ejection_fraction`` of the backends (at least one may
   always go) or the last one not ejected: an outage of one backend must not
-  become an outage of all.
+  become an outage of all. Backends the router's health probes hold down
+  (:meth:`Breakers.set_serving`) count as out for that rule, and their
+  breaker is reset: one state per backend, the router's
+  (``router/health.py``), which hears every breaker transition.
 
 The retry budget (Envoy's ``RetryBudget``): retries in flight stay within
 ``ratio`` of the requests in flight, with ``min_retries`` allowed regardless;
@@ -70,6 +75,7 @@ class BreakerEvent(enum.Enum):
     TRIP = "trip"  # the failure that makes a threshold
     COOLED = "cooled"  # the ejection time is over
     RECOVERED = "recovered"  # the success that makes half_open_successes
+    RESET = "reset"  # the backend went down by its health probes: they decide now
 
 
 class BreakerError(RuntimeError):
@@ -89,6 +95,9 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
     (S.HALF_OPEN, E.SUCCESS): S.HALF_OPEN,
     (S.HALF_OPEN, E.RECOVERED): S.CLOSED,
     (S.HALF_OPEN, E.FAILURE): S.OPEN,  # one failed probe reopens
+    (S.CLOSED, E.RESET): S.CLOSED,
+    (S.OPEN, E.RESET): S.CLOSED,
+    (S.HALF_OPEN, E.RESET): S.CLOSED,
 }
 
 
@@ -192,6 +201,12 @@ class CircuitBreaker:
         if self.poll(now) is BreakerState.HALF_OPEN:
             self.probes = max(0, self.probes - 1)
 
+    def reset(self, now: float) -> BreakerState:
+        """Back to closed whatever the state (the streak of ejections is
+        kept, so the next one is longer): the backend's health probes took
+        it down, and they, not this ejection, bring it back."""
+        return self.handle(BreakerEvent.RESET, now)
+
     def trips(self, now: float) -> bool:
         """Would one more failure now trip it (counting that failure)?"""
         if self.state is not BreakerState.CLOSED:
@@ -244,13 +259,18 @@ class CircuitBreaker:
 
 @runtime_checkable
 class BreakerPolicy(Protocol):
-    """Which backends may take requests, fed every request's outcome."""
+    """Which backends may take requests, fed every request's outcome.
+    ``state`` is what the router's one health state per backend follows
+    (router/health.py); optional: ``release``, ``set_serving``,
+    ``ejected_until``, ``add``, ``statistics`` (see :class:`Breakers`)."""
 
     def allows(self, backend: str, now: float) -> bool: ...
 
     def dispatched(self, backend: str, now: float) -> None: ...
 
     def record(self, backend: str, ok: bool, now: float) -> None: ...
+
+    def state(self, backend: str, now: float) -> BreakerState: ...
 
 
 class Breakers:
@@ -264,6 +284,7 @@ class Breakers:
         self.options = options or BreakerOptions()
         self._breakers: dict[str, CircuitBreaker] = {}
         self._refused: dict[str, int] = {}
+        self._out: set[str] = set()  # held down by the router's health probes
 
     def add(self, names: Iterable[str]) -> None:
         """Know these backends (the fleet rule counts them)."""
@@ -297,12 +318,29 @@ class Breakers:
 
     def _may_eject(self, now: float) -> bool:
         total = len(self._breakers)
-        ejected = sum(b.poll(now) is not BreakerState.CLOSED for b in self._breakers.values())
+        out = sum(name in self._out or b.poll(now) is not BreakerState.CLOSED for name, b in self._breakers.items())
         most = max(1, math.floor(self.options.max_ejection_fraction * total))
-        return ejected + 1 <= most and ejected + 1 < total
+        return out + 1 <= most and out + 1 < total
+
+    def set_serving(self, backend: str, serving: bool, now: float) -> None:
+        """What the backend's health probes say: a backend they hold down
+        counts as out for the fleet rule, and its breaker is reset (probes
+        bring it back, not the end of an ejection)."""
+        breaker = self._breaker(backend)
+        if serving:
+            self._out.discard(backend)
+            return
+        self._out.add(backend)
+        if breaker.state is not BreakerState.CLOSED:
+            breaker.reset(now)
 
     def state(self, backend: str, now: float) -> BreakerState:
         return self._breaker(backend).poll(now)
+
+    def ejected_until(self, backend: str, now: float) -> float | None:
+        """When the backend's ejection ends (None: not ejected now)."""
+        b = self._breaker(backend)
+        return b.open_until if b.poll(now) is BreakerState.OPEN else None
 
     def statistics(self, now: float) -> list[BreakerStatistics]:
         return [

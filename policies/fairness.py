@@ -26,18 +26,36 @@ every tenant that was served meanwhile). Strict priority otherwise: a lower clas
 (effective) one waits.
 
 A pop looks at every (class, tenant) head: O(classes x backlogged tenants),
-tens in practice; the router pops once per freed slot.
+tens in practice; the router pops once per freed slot. ``admissible`` skips
+heads that may not take the slot on offer (below).
+
+Slots, not only order: a queue orders who goes *next*, but a tenant that
+holds every backend slot with long streams still makes a quiet tenant wait
+for the next stream to end. :class:`SlotShares` keeps the last ``reserve``
+free slots of a group for tenants under their weighted share of it::
+
+    share(t)  = capacity x weight(t) / sum of the weights of the tenants active lately
+    over(t)   = held(t) >= share(t)       (a tenant holding nothing is never over)
+    t may take a free slot when it is not over its share, or more than
+    ``reserve`` slots are free
+
+"Active lately" is holding or waiting for a slot, or having asked within
+``window`` seconds, so a tenant that sends one request at a time still
+counts between its requests. A lone tenant's share is the whole capacity:
+with nobody else about, nothing is held back. The price is at most
+``reserve`` idle slots while a light tenant is about and not using them.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["CLASSES", "FairQueue", "QueuePolicy", "Waiting", "rank_of"]
+__all__ = ["CLASSES", "FairQueue", "QueuePolicy", "SlotShares", "Waiting", "rank_of"]
 
 CLASSES = ("interactive", "default", "batch")  # rank 0 first
 
@@ -64,7 +82,7 @@ class QueuePolicy(Protocol):
 
     def push(self, item: Waiting, now: float) -> None: ...
 
-    def pop(self, now: float) -> Waiting | None: ...
+    def pop(self, now: float, admissible: Callable[[Waiting], bool] | None = None) -> Waiting | None: ...
 
     def remove(self, item_id: int) -> bool: ...
 
@@ -104,18 +122,21 @@ class FairQueue:
             return item.rank
         return max(0, item.rank - math.floor(max(0.0, now - item.arrival) / self.aging))
 
-    def peek(self, now: float) -> Waiting | None:
+    def peek(self, now: float, admissible: Callable[[Waiting], bool] | None = None) -> Waiting | None:
+        """The next to go: of the heads ``admissible`` lets through (all by default)."""
         best: Waiting | None = None
         best_key: tuple[int, float, float, int] | None = None
         for queue in self._queues.values():
             head = queue[0]
+            if admissible is not None and not admissible(head):
+                continue
             key = (self.effective_rank(head, now), self._served[head.tenant], head.arrival, head.id)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
 
-    def pop(self, now: float) -> Waiting | None:
-        item = self.peek(now)
+    def pop(self, now: float, admissible: Callable[[Waiting], bool] | None = None) -> Waiting | None:
+        item = self.peek(now, admissible)
         if item is None:
             return None
         self._take(item)
@@ -155,3 +176,60 @@ class FairQueue:
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class SlotShares:
+    """Who holds a group's slots, who asked lately, and whether a tenant is
+    over its weighted share (see the module docstring). Sans-I/O: the
+    caller passes ``now``."""
+
+    def __init__(self, window: float = 2.0, reserve: int = 1) -> None:
+        if window < 0 or reserve < 0:
+            raise ValueError(f"window and reserve must be >= 0, not {window}, {reserve}")
+        self.window, self.reserve = window, reserve
+        self.held: dict[str, int] = {}
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last asked, weight)
+        self._waiting: dict[str, int] = {}
+
+    def asked(self, tenant: str, weight: float, now: float) -> None:
+        self._seen[tenant] = (now, weight)
+
+    def wait(self, tenant: str, delta: int) -> None:
+        """``delta`` requests of ``tenant`` started (+) or stopped (-) waiting."""
+        left = self._waiting.get(tenant, 0) + delta
+        if left > 0:
+            self._waiting[tenant] = left
+        else:
+            self._waiting.pop(tenant, None)
+
+    def take(self, tenant: str, slots: int) -> None:
+        self.held[tenant] = self.held.get(tenant, 0) + slots
+
+    def give(self, tenant: str, slots: int) -> None:
+        left = self.held.get(tenant, 0) - slots
+        if left > 0:
+            self.held[tenant] = left
+        else:
+            self.held.pop(tenant, None)
+
+    def share(self, tenant: str, capacity: int, now: float) -> float:
+        """``tenant``'s weighted share of ``capacity`` slots among the tenants
+        active lately (itself counted as active). O(tenants seen lately)."""
+        own = self._seen.get(tenant, (0.0, 1.0))[1]
+        total = own
+        for name, (at, weight) in list(self._seen.items()):
+            if name == tenant:
+                continue
+            if name in self.held or name in self._waiting or now - at <= self.window:
+                total += weight
+            else:
+                del self._seen[name]  # gone quiet: forgotten (idleness banks nothing)
+        return capacity * own / total
+
+    def reserved(self, tenant: str, capacity: int, now: float) -> int:
+        """Free slots ``tenant`` may not take now: ``reserve`` when it holds
+        at least its share, else none."""
+        if self.reserve == 0:
+            return 0
+        held = self.held.get(tenant, 0)
+        return self.reserve if held > 0 and held >= self.share(tenant, capacity, now) else 0

@@ -92,7 +92,7 @@ KINDS: dict[str, Kind] = {
              "orders waiting requests (priority, tenant share)"),
         Kind("ratelimit", RateLimitPolicy, "acquire, charge, release",
              "limits a tenant's request and token rates (429 + Retry-After)"),
-        Kind("breaker", BreakerPolicy, "allows, dispatched, record", "opens a backend's circuit after failures"),
+        Kind("breaker", BreakerPolicy, "allows, dispatched, record, state", "opens a backend's circuit after failures"),
     )
 }
 

@@ -8,13 +8,19 @@ streams run in the request's own task and pass through
 :meth:`BackendActor.stream`, which counts them. Everything runs on one Trio
 thread, so there are no locks.
 
-Health has one state, moved only by the table in :mod:`router.health`, and two
-sources feed it::
+Health has one state, moved only by the table in :mod:`router.health`, and
+three sources feed it::
 
     prober (run)  ── probe() ──── PROBE_OK / PROBE_FAILED ─────────────┐
-    request task  ── stream() ─── REQUEST_OK / REQUEST_FAILED_EARLY ───┼─> BackendHealth.handle
-                                  / REQUEST_FAILED_LATE                │     (TRANSITIONS)
+    request task  ── stream() ─── REQUEST_OK / REQUEST_FAILED_EARLY ───┤
+                                  / REQUEST_FAILED_LATE                ├─> BackendHealth.handle
+    dispatcher    ── breaker_moved() ── EJECT / COOLED / RECOVERED ────┤     (TRANSITIONS)
     supervisor    ── crashed() ── CRASHED        aclose() ── CLOSE ────┘
+
+The circuit breaker's counting and timing stay in its policy
+(policies/breaker.py, owned by the dispatcher); every transition of it
+reaches this state, so routing, admission, /admin/backends and /metrics
+read one answer.
 
 Entering SUSPECT (a failed request or a failed probe below the threshold), or
 any failed request, wakes the prober to probe at once.
@@ -59,6 +65,7 @@ from backends.errors import (
     UpstreamRateLimited,
 )
 from policies.base import BackendView, KVEventSink
+from policies.concurrency import AIMDLimit, ConcurrencyStatistics
 from router.health import BackendHealth, HealthEvent, HealthState, HealthStatistics
 from router.services import Supervisor
 
@@ -96,6 +103,8 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: int  # KV events handed to the sink
     kv_subscriptions: int  # KV event streams opened
     kv_errors: int  # KV event streams that failed (cut, refused or garbled)
+    concurrency: ConcurrencyStatistics | None = None  # the limit learned from its 429s (None: not learned)
+    limit: int = 0  # streams at once it is given (learned, or its max_concurrency)
 
 
 class BackendActor:
@@ -113,11 +122,18 @@ class BackendActor:
         kv_sink: KVEventSink | None = None,
         kv_backoff: float = 0.1,
         kv_backoff_max: float = 5.0,
+        max_concurrency: int = 64,
+        learn_concurrency: bool = True,
+        concurrency_backoff: float = 0.5,
     ) -> None:
         """``kv_sink``: the policy to feed this backend's KV events to, if
         it publishes them; a stream that fails is reopened after ``kv_backoff``
-        seconds, doubling up to ``kv_backoff_max``."""
+        seconds, doubling up to ``kv_backoff_max``. ``max_concurrency``: the
+        most streams it is given at once; with ``learn_concurrency`` its 429s
+        lower that (AIMD, policies/concurrency.py) and answers raise it back."""
         self.name = name
+        self.max_concurrency = max_concurrency
+        self.concurrency = AIMDLimit(max_concurrency, backoff=concurrency_backoff) if learn_concurrency else None
         # The threshold of consecutive failed probes that take an up backend
         # down lives in the health machine (router.health).
         self.health = BackendHealth(unhealthy_threshold)
@@ -225,6 +241,11 @@ class BackendActor:
         if event is not HealthEvent.REQUEST_OK and not self.closed:
             self._wake.set()
 
+    def breaker_moved(self, event: HealthEvent) -> None:
+        """The dispatcher relays one of the breaker's transitions (EJECT,
+        COOLED, RECOVERED) into the health machine."""
+        self._apply(event)
+
     def suspect(self) -> None:
         """Probe now. :meth:`stream` already reports every outcome to the
         health machine, so callers need not call this after a failure."""
@@ -278,6 +299,12 @@ class BackendActor:
         )
 
     @property
+    def limit(self) -> int:
+        """Streams at once this backend is given: learned from its 429s, at
+        most its ``max_concurrency``."""
+        return self.concurrency.limit if self.concurrency is not None else self.max_concurrency
+
+    @property
     def watches_stalls(self) -> bool:
         """Does the backend time its own stream's silences when given a
         ``stall_timeout`` (the HTTP adapter does), so the dispatcher need not?"""
@@ -297,6 +324,7 @@ class BackendActor:
         self.pending_prefill_tokens += prompt_tokens
         pending = prompt_tokens
         relayed = False
+        sent_at = trio.current_time()
         try:
             upstream = (
                 self.backend.stream(request) if stall_timeout is None
@@ -311,8 +339,11 @@ class BackendActor:
                     yield event
         except UpstreamRateLimited:
             # A 429 is an answer, not a failure: the backend is alive and
-            # says when to come back (the dispatcher cools it down that long).
+            # says when to come back (the dispatcher cools it down that long),
+            # and that it has less room than we gave it.
             self.report(HealthEvent.REQUEST_OK)
+            if self.concurrency is not None and self.concurrency.on_rate_limited(sent_at, trio.current_time()):
+                log.info("backend %s answered 429: its concurrency limit is now %d", self.name, self.limit)
             raise
         except UpstreamError:
             self._failed(relayed)
@@ -333,6 +364,8 @@ class BackendActor:
             raise
         else:
             self.report(HealthEvent.REQUEST_OK)
+            if self.concurrency is not None:
+                self.concurrency.on_success(self.in_flight, trio.current_time())
         finally:
             self.in_flight -= 1
             self.pending_prefill_tokens -= pending
@@ -363,6 +396,8 @@ class BackendActor:
             probe_failures=failed_probes,
             failures=events["request_failed_early"] + events["request_failed_late"],
             pending_prefill_tokens=self.pending_prefill_tokens,
+            concurrency=self.concurrency.statistics() if self.concurrency is not None else None,
+            limit=self.limit,
             **self._counts,
             **self._kv_counts,
         )

@@ -4,9 +4,13 @@ every decision is a sans-I/O policy's (policies.ratelimit, .admission,
 .fairness)::
 
     request ─> RateLimits.admit ── acquire(tenant, key; prompt tokens) ── refused: 429 rate_limited
-                  │                                                         + Retry-After, x-ratelimit-*
-                  └─> Queue.admit ── class = min(X-Priority, tenant's max)
-                        decide(capacity, busy, queued, measured rate, deadline)
+                  │  (a Limiter: in memory, or one      + Retry-After, x-ratelimit-*
+                  │   round trip to a shared Redis)
+                  │  allowed: x-ratelimit-* on the answer too
+                  └─> Queue.admit ── class = body "priority" or X-Priority, capped by the tenant's max
+                        group = the backends its model may go to (Router.group_of)
+                        decide(the group's capacity, busy, queued, measured rate, deadline,
+                               free slots kept for tenants under their share)
                           admit ─────────────────────────────────┐
                           queue ── wait for a slot (fair order) ─┤ timeout: 503 queue_timeout
                           reject ── 503 queue_full / shed / no_healthy_backend
@@ -14,11 +18,17 @@ every decision is a sans-I/O policy's (policies.ratelimit, .admission,
                         hold ``n`` slots until the last byte; streamed tokens charged
                         to the tenant's rate limit and its fair share as they arrive
 
-Capacity is the sum of the concurrency limits of the backends eligible now
-(up, not draining, breaker not open): ``capacity()`` comes from the router.
-A request holds ``min(n, capacity)`` slots; a freed slot goes to the queue's
-choice at once. Waiting requests also look again every ``POLL`` seconds, so
-capacity that appears (a backend coming up) is used without a release.
+Slots are counted per model group: a group's capacity is the sum of the
+concurrency limits (learned from 429s) of its backends that take requests
+now (up, not draining, not ejected): ``capacity(group)`` comes from the
+router. Each group has its own fair queue, service rate and slot shares, so
+a model whose backends are full never holds up another's. A request holds
+``min(n, capacity)`` slots; a freed slot goes to the group queue's choice at
+once (a tenant over its weighted share does not get the last ``reserve_slots``
+free ones: policies.fairness.SlotShares). Waiting requests also look again
+every ``POLL`` seconds, so capacity that appears (a backend coming up, an
+ejection ending) is used without a release. Groups that share backends
+count their slots apart (exact for disjoint groups, the usual case).
 
 Tokens are counted per event (``token_ids``, or one per event with text
 when a backend sends no ids) and corrected from the final usage.
@@ -28,8 +38,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 import msgspec
 import trio
@@ -37,18 +48,29 @@ import trio
 from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health
 from backends.errors import BackendUnavailable, RateLimited
 from frontend.call import Call
-from frontend.context import PriorityClass, RequestContext
+from frontend.context import ENGINE_PRIORITY, PriorityClass, RequestContext, new_request_id
 from policies.admission import AdmissionPolicy, AdmissionView, ServiceRate
-from policies.fairness import CLASSES, QueuePolicy, Waiting, rank_of
+from policies.fairness import CLASSES, QueuePolicy, SlotShares, Waiting, rank_of
 from policies.ratelimit import Limits, RateDecision, RateLimitPolicy
 from router.actors import closing_stream
 from router.config import AdmissionConfig, TenantConfig
 
-__all__ = ["ENGINE_PRIORITY", "Overloaded", "Queue", "QueueStatistics", "RateLimits", "TenantRateLimited", "Tenants"]
+__all__ = [
+    "ENGINE_PRIORITY",
+    "GroupKey",
+    "GroupStatistics",
+    "Limiter",
+    "LocalLimiter",
+    "Overloaded",
+    "Queue",
+    "QueueStatistics",
+    "RateLimits",
+    "TenantRateLimited",
+    "Tenants",
+    "rate_headers",
+]
 
 POLL = 0.25  # seconds between a waiting request's looks at the capacity
-# GenerateRequest.priority ("higher runs first") for each class: the engine's scheduler orders by it.
-ENGINE_PRIORITY = {"interactive": 1, "default": 0, "batch": -1}
 CHARS_PER_TOKEN = 4  # prompt estimate when the request carries no token ids
 
 
@@ -77,12 +99,23 @@ class Tenants:
     def get(self, name: str) -> TenantConfig:
         return self.tenants.get(name, self.default)
 
-    def classify(self, context: RequestContext) -> PriorityClass:
-        """The request's class, capped by its tenant's maximum."""
+    def classify(self, context: RequestContext, call: Call | None = None) -> PriorityClass:
+        """The request's class: the body's ``priority`` when it names one,
+        else ``X-Priority``'s (the context's), capped by its tenant's
+        maximum; and each choice's engine priority. An int body priority
+        (vLLM's field) orders the engine's queue within and below the
+        class, never above it: ``min(int, the class's)``."""
         cap = self.get(context.tenant).max_priority
-        asked = context.priority
+        body = call.wire.priority if call is not None else 0
+        asked: PriorityClass = context.priority if isinstance(body, int) else body
         chosen: PriorityClass = asked if rank_of(asked) >= rank_of(cap) else cap
         context.priority = chosen
+        if call is not None:
+            engine = ENGINE_PRIORITY[chosen]
+            if isinstance(body, int) and body != 0:
+                engine = min(body, engine)
+            for i, sub in enumerate(call.subs):
+                call.subs[i] = msgspec.structs.replace(sub, priority=engine)
         return chosen
 
 
@@ -133,11 +166,44 @@ def meter(call: Call, on_tokens: Callable[[int], None]) -> None:
     call.backend = _Metered(call.backend, on_tokens)
 
 
-class RateLimits:
-    """Stage: the tenant's and the key's limits (requests, tokens, concurrency)."""
+class Limiter(Protocol):
+    """The rate-limit stage's side of a limit policy: ``acquire`` may wait on
+    a store shared with other routers (router/ratelimit_redis.py); charges
+    and releases never block a stream (a shared one sends them in batches)."""
 
-    def __init__(self, tenants: Tenants, policy: RateLimitPolicy) -> None:
-        self.tenants, self.policy = tenants, policy
+    async def acquire(self, subjects: Sequence[tuple[str, Limits]], tokens: int, holder: str) -> RateDecision: ...
+
+    def charge(self, subjects: Sequence[str], tokens: int) -> None: ...
+
+    def release(self, subjects: Sequence[str], holder: str) -> None: ...
+
+
+class LocalLimiter:
+    """An in-process limit policy (``memory``) on trio's clock."""
+
+    def __init__(self, policy: RateLimitPolicy) -> None:
+        self.policy = policy
+
+    async def acquire(self, subjects: Sequence[tuple[str, Limits]], tokens: int, holder: str) -> RateDecision:
+        return self.policy.acquire(subjects, tokens, trio.current_time())
+
+    def charge(self, subjects: Sequence[str], tokens: int) -> None:
+        self.policy.charge(subjects, tokens, trio.current_time())
+
+    def release(self, subjects: Sequence[str], holder: str) -> None:
+        self.policy.release(subjects, trio.current_time())
+
+
+class RateLimits:
+    """Stage: the tenant's and the key's limits (requests, tokens,
+    concurrency); the figures of the tightest go out as ``x-ratelimit-*``
+    headers on the answer, and on a 429."""
+
+    def __init__(self, tenants: Tenants, limiter: Limiter | RateLimitPolicy) -> None:
+        self.tenants = tenants
+        self.limiter: Limiter = LocalLimiter(limiter) if isinstance(limiter, RateLimitPolicy) else limiter
+        self._holders = itertools.count()
+        self._process = new_request_id()[:8]  # holder ids unique across routers sharing a store
 
     def _subjects(self, context: RequestContext) -> list[tuple[str, Limits]]:
         t = self.tenants.get(context.tenant)
@@ -156,19 +222,21 @@ class RateLimits:
             yield
             return
         names = [name for name, _ in subjects]
-        decision = self.policy.acquire(subjects, prompt_tokens(call), trio.current_time())
+        holder = f"{self._process}:{next(self._holders)}"
+        decision = await self.limiter.acquire(subjects, prompt_tokens(call), holder)
         if not decision.allowed:
             raise _refusal(decision)
-        meter(call, lambda n: self.policy.charge(names, n, trio.current_time()))
+        call.headers += rate_headers(decision)
+        meter(call, lambda n: self.limiter.charge(names, n))
         try:
             yield
         finally:
-            self.policy.release(names, trio.current_time())
+            self.limiter.release(names, holder)
 
 
-def _refusal(d: RateDecision) -> TenantRateLimited:
-    subject, limit = d.limited or ("", "requests")
-    what = subject.split(":", 1)[0] or "tenant"
+def rate_headers(d: RateDecision) -> list[tuple[str, str]]:
+    """``x-ratelimit-limit-*``, ``-remaining-*`` and ``-reset-*`` (OpenAI's
+    names) for requests and tokens, of the tightest subject that limits each."""
     headers = []
     for kind, limit_v, remaining, reset in (("requests", d.limit_requests, d.remaining_requests, d.reset_requests),
                                             ("tokens", d.limit_tokens, d.remaining_tokens, d.reset_tokens)):  # fmt: skip
@@ -176,112 +244,167 @@ def _refusal(d: RateDecision) -> TenantRateLimited:
             headers += [(f"x-ratelimit-limit-{kind}", f"{limit_v:g}"),
                         (f"x-ratelimit-remaining-{kind}", f"{remaining or 0:g}"),
                         (f"x-ratelimit-reset-{kind}", f"{reset or 0:.3f}s")]  # fmt: skip
+    return headers
+
+
+def _refusal(d: RateDecision) -> TenantRateLimited:
+    subject, limit = d.limited or ("", "requests")
+    what = subject.split(":", 1)[0] or "tenant"
     return TenantRateLimited(
         f"Rate limit reached for this {what} ({limit}); retry after {d.retry_after:.3g} s.",
         retry_after=d.retry_after,
-        headers=headers,
+        headers=rate_headers(d),
     )
 
 
+class GroupStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    backends: tuple[str, ...]  # the group (empty: every backend)
+    capacity: int
+    busy: int
+    queued: int
+
+
 class QueueStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    capacity: int  # slots of the eligible backends now
+    capacity: int  # slots of the eligible backends now (every group's)
     busy: int  # slots held
     queued: dict[str, int]  # waiting, per class
     admitted_at_once: int
     admitted_after_wait: int
-    service_rate: float | None  # measured completions per second per slot
+    service_rate: float | None  # measured completions per second per slot (the busiest group's)
+    groups: tuple[GroupStatistics, ...] = ()
+
+
+GroupKey = tuple[str, ...]  # the backends a request may be sent to (sorted); (): every backend
 
 
 class _Waiter:
-    __slots__ = ("event", "slots")
+    __slots__ = ("event", "slots", "tenant")
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, tenant: str) -> None:
         self.event = trio.Event()
         self.slots = slots
+        self.tenant = tenant
+
+
+class _Group:
+    """One model group's slots: held, waiting (its own fair queue), its
+    tenants' shares and its measured service rate."""
+
+    __slots__ = ("busy", "key", "queue", "rate", "shares", "waiters")
+
+    def __init__(self, key: GroupKey, queue: QueuePolicy, shares: SlotShares) -> None:
+        self.key, self.queue, self.shares = key, queue, shares
+        self.busy = 0
+        self.rate = ServiceRate()
+        self.waiters: dict[int, _Waiter] = {}
 
 
 class Queue:
-    """Stage: admission, the bounded per-class queues and the slots."""
+    """Stage: admission, the bounded per-class queues and the slots, per
+    model group (the backends a request's model may go to first).
+
+    ``capacity(key)``: the slots of the group's eligible backends now
+    (``capacity(None)``: every backend's); ``group(model)``: a model's
+    group; ``queue()``: a fresh queue policy for each group;
+    ``unavailable(key)``: when a group with no slots gets one back (the
+    soonest end of an ejection), for the 503's Retry-After."""
 
     def __init__(
         self,
         tenants: Tenants,
         config: AdmissionConfig,
         policy: AdmissionPolicy,
-        queue: QueuePolicy,
-        capacity: Callable[[], int],
+        queue: Callable[[], QueuePolicy],
+        capacity: Callable[[GroupKey | None], int],
         *,
+        group: Callable[[str | None], GroupKey] = lambda model: (),
         retry_after: float = 1.0,
+        unavailable: Callable[[GroupKey], float | None] | None = None,
     ) -> None:
-        self.tenants, self.config, self.policy, self.queue = tenants, config, policy, queue
-        self.capacity = capacity
+        self.tenants, self.config, self.policy = tenants, config, policy
+        self.make_queue, self.capacity, self.group_of = queue, capacity, group
         self.retry_after = retry_after  # suggested when no backend is eligible
-        self.busy = 0
-        self.rate = ServiceRate()
-        self._waiters: dict[int, _Waiter] = {}
+        self.unavailable = unavailable
+        self.groups: dict[GroupKey, _Group] = {}
         self._ids = itertools.count()
         self._counts = {"at_once": 0, "after_wait": 0}
 
+    @property
+    def busy(self) -> int:
+        return sum(g.busy for g in self.groups.values())
+
+    def group(self, key: GroupKey) -> _Group:
+        found = self.groups.get(key)
+        if found is None:
+            shares = SlotShares(window=self.config.share_window, reserve=self.config.reserve_slots)
+            self.groups[key] = found = _Group(key, self.make_queue(), shares)
+        return found
+
     @asynccontextmanager
     async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
-        cls = self.tenants.classify(context)
-        for i, sub in enumerate(call.subs):
-            call.subs[i] = msgspec.structs.replace(sub, priority=ENGINE_PRIORITY[cls])
+        cls = self.tenants.classify(context, call)
+        g = self.group(self.group_of(call.subs[0].model if call.subs else None))
         tenant = self.tenants.get(context.tenant)
         now = trio.current_time()
-        capacity = self.capacity()
+        capacity = self.capacity(g.key)
         slots = max(1, min(len(call.subs), capacity))
         timeout = self.config.queue_timeout.of(cls)
         time_left = timeout if context.deadline is None else min(timeout, context.deadline - now)
         rank = rank_of(cls)
+        g.shares.asked(context.tenant, tenant.weight, now)
         view = AdmissionView(
             capacity=capacity,
-            busy=self.busy,
+            busy=g.busy,
             slots=slots,
-            ahead=sum(self.queue.depth(r) for r in range(rank + 1)),
-            queued_in_class=self.queue.depth(rank),
+            ahead=sum(g.queue.depth(r) for r in range(rank + 1)),
+            queued_in_class=g.queue.depth(rank),
             queue_limit=int(self.config.queue_size.of(cls)),
-            service_rate=self.rate.rate,
+            service_rate=g.rate.rate,
             time_left=time_left,
+            reserved=g.shares.reserved(context.tenant, capacity, now),
         )
         verdict = self.policy.decide(view, now)
         cost = prompt_tokens(call)
         if verdict.action == "reject":
-            raise self._rejection(verdict.code or "shed", verdict.retry_after, cls)
+            raise self._rejection(g, verdict.code or "shed", verdict.retry_after, cls)
         if verdict.action == "queue":
             item = Waiting(id=next(self._ids), tenant=context.tenant, rank=rank, arrival=now,
                            weight=tenant.weight, cost=cost)  # fmt: skip
-            await self._wait(item, slots, now + max(0.0, time_left), verdict.wait)
+            await self._wait(g, item, slots, now + max(0.0, time_left), verdict.wait)
             self._counts["after_wait"] += 1
         else:
-            self.busy += slots
-            self.queue.charge(context.tenant, tenant.weight, cost, now)
+            g.busy += slots
+            g.shares.take(context.tenant, slots)
+            g.queue.charge(context.tenant, tenant.weight, cost, now)
             self._counts["at_once"] += 1
-        meter(call, lambda n: self.queue.charge(context.tenant, tenant.weight, n, trio.current_time()))
+        meter(call, lambda n: g.queue.charge(context.tenant, tenant.weight, n, trio.current_time()))
         started = trio.current_time()
         try:
             yield
         finally:
-            self.busy -= slots
-            self.rate.observe(trio.current_time() - started)
-            self._grant()
+            g.busy -= slots
+            g.shares.give(context.tenant, slots)
+            g.rate.observe(trio.current_time() - started)
+            self._grant(g)
 
-    def _rejection(self, code: str, retry_after: float, cls: str) -> Overloaded:
+    def _rejection(self, g: _Group, code: str, retry_after: float, cls: str) -> Overloaded:
         messages = {
             "no_healthy_backend": "no healthy backend can take this request; retry later",
             "queue_full": f"the {cls} queue is full; retry later",
             "shed": f"the estimated wait ({retry_after:.3g} s) is past this request's deadline; retry later",
         }
         if code == "no_healthy_backend":
-            retry_after = self.retry_after
+            back = self.unavailable(g.key) if self.unavailable is not None else None
+            retry_after = self.retry_after if back is None else back
         return Overloaded(messages.get(code, code), code=code, retry_after=retry_after)
 
-    async def _wait(self, item: Waiting, slots: int, deadline: float, estimate: float | None) -> None:
-        waiter = _Waiter(slots)
-        self._waiters[item.id] = waiter
-        self.queue.push(item, trio.current_time())
+    async def _wait(self, g: _Group, item: Waiting, slots: int, deadline: float, estimate: float | None) -> None:
+        waiter = _Waiter(slots, item.tenant)
+        g.waiters[item.id] = waiter
+        g.queue.push(item, trio.current_time())
+        g.shares.wait(item.tenant, +1)
         try:
-            self._grant()
+            self._grant(g)
             while not waiter.event.is_set():
                 now = trio.current_time()
                 if now >= deadline:
@@ -293,34 +416,52 @@ class Queue:
                 with trio.move_on_at(min(deadline, now + POLL)):
                     await waiter.event.wait()
                 if not waiter.event.is_set():
-                    self._grant()  # capacity may have appeared without a release
+                    self._grant(g)  # capacity may have appeared without a release
         except BaseException:
             if waiter.event.is_set():  # granted, then cancelled before it ran
-                self.busy -= slots
-                self._grant()
+                g.busy -= slots
+                g.shares.give(item.tenant, slots)
+                self._grant(g)
             else:
-                self.queue.remove(item.id)
+                g.queue.remove(item.id)
             raise
         finally:
-            del self._waiters[item.id]
+            g.shares.wait(item.tenant, -1)
+            del g.waiters[item.id]
 
-    def _grant(self) -> None:
-        """Give free slots to the queue's choices, in its order."""
-        capacity = self.capacity()
-        while self.busy < capacity:
-            item = self.queue.pop(trio.current_time())
+    def _grant(self, g: _Group) -> None:
+        """Give free slots to the queue's choices, in its order, each to a
+        tenant that may take one (not over its share of the last free ones)."""
+        capacity = self.capacity(g.key)
+        now = trio.current_time()
+        while g.busy < capacity:
+            free = capacity - g.busy
+
+            def may_take(w: Waiting, free: int = free) -> bool:
+                return free > g.shares.reserved(w.tenant, capacity, now)
+
+            item = g.queue.pop(now, may_take)
             if item is None:
                 return
-            waiter = self._waiters[item.id]
-            self.busy += waiter.slots
+            waiter = g.waiters[item.id]
+            g.busy += waiter.slots
+            g.shares.take(waiter.tenant, waiter.slots)
             waiter.event.set()
 
     def statistics(self) -> QueueStatistics:
+        queued = dict.fromkeys(CLASSES, 0)
+        groups = []
+        for key, g in sorted(self.groups.items()):
+            for cls in CLASSES:
+                queued[cls] += g.queue.depth(rank_of(cls))
+            groups.append(GroupStatistics(backends=key, capacity=self.capacity(key), busy=g.busy, queued=g.queue.depth()))
+        busiest = max(self.groups.values(), key=lambda g: g.rate.samples, default=None)
         return QueueStatistics(
-            capacity=self.capacity(),
+            capacity=self.capacity(None),
             busy=self.busy,
-            queued={cls: self.queue.depth(rank_of(cls)) for cls in CLASSES},
+            queued=queued,
             admitted_at_once=self._counts["at_once"],
             admitted_after_wait=self._counts["after_wait"],
-            service_rate=self.rate.rate,
+            service_rate=busiest.rate.rate if busiest is not None else None,
+            groups=tuple(groups),
         )

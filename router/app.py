@@ -2,27 +2,39 @@
 
 ::
 
-    client ─h2─> hypercorn ─> Router (ASGI)
-                               ├─ /health /ready /metrics ─> ops app (no auth)
-                               └─ everything else ────────> api app (auth -> Principal)
-                                    OpenAIServer: RequestContext, decode once (Call)
-                                    Pipeline.admit(context, call): once per request
-                                      RateLimits (429) -> Queue (admit / wait / 503)
-                                    Dispatcher.stream per choice: RouteTable.plan (model routes)
-                                    -> breakers.allows -> group policy.pick -> BackendActor.stream
-                                    -> Backend.stream; outcome -> breakers.record
-                                    ; before the first token: next backend, next model
-                                      (within the retry budget, after a full-jitter backoff)
+    client ─h2─> main listener ─> Router.public
+                                   ├─ /health /ready ──────> ops app (no auth)
+                                   └─ everything else ─────> api app (auth -> Principal)
+                                        OpenAIServer: RequestContext, decode once (Call)
+                                        Pipeline.admit(context, call): once per request
+                                          RateLimits (429) -> Queue (admit / wait / 503)
+                                        Dispatcher.stream per choice: RouteTable.plan (model routes)
+                                        -> breakers.allows -> group policy.pick -> BackendActor.stream
+                                        -> Backend.stream; outcome -> breakers.record
+                                        ; before the first token: next backend, next model
+                                          (within the retry budget, after a full-jitter backoff)
+    127.0.0.1 ──> admin listener ─> Router.admin
+                                   ├─ /health /ready /metrics ─> ops app (no auth)
+                                   └─ /admin/* ────────────> admin app (the admin key, if set)
+    in-process ─> Router (ASGI): every route on one app (tests, embedding)
 
-Both apps are :class:`~frontend.server.OpenAIServer` over the same
-dispatcher; they differ in authentication, so that probes and scrapers need
-no API key while every API and admin call does (when keys are configured).
+The apps are :class:`~frontend.server.OpenAIServer` over the same
+dispatcher; they differ in routes and authentication, so that probes and
+scrapers need no key while every API call needs an API key and every admin
+call the admin key (when keys are configured). ``headrace serve`` serves
+``Router.public`` on its main listener and ``Router.admin`` on a second one
+bound to 127.0.0.1 (router/server.py), so /metrics (tenant names) and
+/admin/* are never reachable from the network by default. Without an admin
+key (``[auth] admin_sha256``) /admin/* takes no key, which the loopback-only
+admin listener makes safe; a non-loopback admin listener needs the key. The
+in-process all-in-one app keeps the older rule for /admin/* without an admin
+key: an API key when API keys are configured.
 
 API keys are held as SHA-256 digests only (``[[auth.api_keys]] sha256``;
 plain ``[auth] keys`` are digested at startup): a presented key is digested
 and compared with every known digest in constant time (``hmac.compare_digest``,
 no early exit), and only a 12-hex-digit prefix of the digest (the key id)
-is ever logged or labelled.
+is ever logged or labelled. The admin key is held and compared the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +51,14 @@ import trio
 from backends.base import Backend
 from backends.errors import BadRequest, NotFound, Unauthorized
 from frontend.context import Principal
-from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
+from frontend.server import (
+    Authenticate,
+    Handler,
+    HTTPRequest,
+    OpenAIServer,
+    Response,
+    json_response,
+)
 from policies.base import KVEventSink, KVEventView, RoutingPolicy
 from policies.breaker import BreakerPolicy, RetryBudget
 from policies.ratelimit import Limits
@@ -48,6 +67,7 @@ from router.actors import BackendActor, Supervisor
 from router.admission import Queue, RateLimits, Tenants
 from router.config import MigrationConfig, ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
+from router.health import HealthState
 from router.jobs import JobRunner, JobsAPI
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.migration import Settings as MigrationSettings
@@ -59,9 +79,10 @@ from router.store import SQLiteStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPS_PATHS", "KVFanOut", "KnownKey", "NamedBackend", "Router", "key_digest", "kv_sink_for"]
+__all__ = ["OPS_PATHS", "PROBE_PATHS", "KVFanOut", "KnownKey", "NamedBackend", "Router", "key_digest", "kv_sink_for"]
 
 OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PROBE_PATHS = frozenset({"/health", "/ready"})  # the ops paths the main listener serves too
 
 
 class NamedBackend(msgspec.Struct, frozen=True):
@@ -172,6 +193,8 @@ class Router:
         default = policy if policy is not None else create_policy(r.policy, options=r.options)
         migration = migration_settings(config.migration)
         routes = RouteTable(config.models, default, self._route_policy, migration)
+        a = config.admission
+        limits = {name: spec.max_concurrency for name, spec in zip(config.backend_names(), config.backends, strict=True)}
         self.actors = [
             BackendActor(
                 b.name,
@@ -181,9 +204,13 @@ class Router:
                 probe_timeout=h.timeout,
                 unhealthy_threshold=h.unhealthy_threshold,
                 kv_sink=kv_sink_for(b.name, routes.policies()),
+                max_concurrency=limits.get(b.name) or a.backend_concurrency,
+                learn_concurrency=a.learn_concurrency,
+                concurrency_backoff=a.concurrency_backoff,
             )
             for b in backends
         ]
+        self._models = {name: route for route in config.models for name in (route.name, *route.aliases)}
         self.metrics = RouterMetrics()
         self.keys = PrefixKeys()
         b, retry = config.breaker, config.retry
@@ -207,8 +234,6 @@ class Router:
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
-        self.concurrency = {name: spec.max_concurrency for name, spec in zip(config.backend_names(), config.backends, strict=True)}
-        a = config.admission
         stages: list[Any] = [RateLimits(self.tenants, create("ratelimit", config.ratelimit.policy, config.ratelimit.options))]
         self.queue: Queue | None = None
         if a.enabled:
@@ -216,15 +241,17 @@ class Router:
                 self.tenants,
                 a,
                 create("admission", a.policy, a.options),
-                create("priority", config.priority.policy, config.priority.options),
+                lambda: create("priority", config.priority.policy, config.priority.options),
                 self.capacity,
+                group=self.group_of,
                 retry_after=r.retry_after,
+                unavailable=lambda key: self.dispatcher.ejection_wait(key or [a.name for a in self.actors]),
             )
             stages.append(self.queue)
         self.pipeline = Pipeline(stages)
         self.metrics.add_collector(
             StatisticsCollector(
-                lambda: [a.statistics() for a in self.actors],
+                self.dispatcher.backend_statistics,
                 self.dispatcher.statistics,
                 pipeline=self.pipeline.statistics,
                 queue=self.queue.statistics if self.queue is not None else None,
@@ -242,16 +269,18 @@ class Router:
             job_routes = JobsAPI(self.job_store, self.jobs, self.dispatcher).routes()
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
+        admin_routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/admin/backends"): self._list_backends,
+            ("POST", "/admin/backends"): self._admin,
+            ("GET", "/admin/models"): self._list_models,
+            ("POST", "/admin/models"): self._admin_models,
+            ("GET", "/admin/routing"): self._list_routing,
+        }
+        sha = config.auth.admin_sha256
+        self.admin_key = bytes.fromhex(sha) if sha is not None else None
         self.api = OpenAIServer(
             self.dispatcher,
-            extra_routes={
-                ("GET", "/admin/backends"): self._list_backends,
-                ("POST", "/admin/backends"): self._admin,
-                ("GET", "/admin/models"): self._list_models,
-                ("POST", "/admin/models"): self._admin_models,
-                ("GET", "/admin/routing"): self._list_routing,
-                **job_routes,
-            },
+            extra_routes=job_routes,
             authenticate=self._authenticate if config.auth.enabled else None,
             max_body_bytes=limit,
             body_idle_timeout=config.server.body_idle_timeout,
@@ -266,6 +295,16 @@ class Router:
             body_idle_timeout=config.server.body_idle_timeout,
             observe=self.metrics.observe,
         )
+
+        def admin_app(authenticate: Authenticate | None) -> OpenAIServer:
+            return OpenAIServer(self.dispatcher, extra_routes=admin_routes, authenticate=authenticate,
+                                max_body_bytes=limit, body_idle_timeout=config.server.body_idle_timeout,
+                                observe=self.metrics.observe, openai_routes=False)  # fmt: skip
+
+        by_key: Authenticate | None = self._authenticate_admin if self.admin_key is not None else None
+        self.admin_api = admin_app(by_key)
+        self._admin_inline = self.admin_api if by_key is not None or not config.auth.enabled else admin_app(self._authenticate)
+        self.admin_url: str | None = None  # set by router.server.run_router once the admin listener is bound
 
     # ------------------------------------------------------------ lifecycle
 
@@ -312,7 +351,19 @@ class Router:
             await trio.sleep(self.config.health.interval)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        app = self.ops if scope.get("path") in OPS_PATHS else self.api
+        """Every route on one app, for in-process use (tests, embedding)."""
+        path = scope.get("path", "")
+        app = self.ops if path in OPS_PATHS else self._admin_inline if path.startswith("/admin/") else self.api
+        await app(scope, receive, send)
+
+    async def public(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The main listener's app: the API and the probes; no /metrics, no /admin."""
+        app = self.ops if scope.get("path") in PROBE_PATHS else self.api
+        await app(scope, receive, send)
+
+    async def admin(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The admin listener's app: the probes, /metrics and /admin/*; no API."""
+        app = self.ops if scope.get("path") in OPS_PATHS else self.admin_api
         await app(scope, receive, send)
 
     def actor(self, name: str) -> BackendActor:
@@ -330,12 +381,41 @@ class Router:
 
     # ------------------------------------------------------------ hooks and routes
 
-    def capacity(self) -> int:
-        """Admission slots: the concurrency limits of the backends that take
-        requests now (eligible, and not ejected by their breaker)."""
-        default = self.config.admission.backend_concurrency
-        return sum(self.concurrency.get(a.name) or default for a in self.actors
-                   if a.eligible(None) and not self.dispatcher.ejected(a.name))  # fmt: skip
+    def capacity(self, group: tuple[str, ...] | None = None) -> int:
+        """Admission slots of a model group (:meth:`group_of`; None or ():
+        every backend): the concurrency limits (learned from 429s, at most
+        max_concurrency) of its backends that take requests now. A
+        half-open backend counts one slot: the breaker's trial."""
+        self.dispatcher.sync()
+        names = set(group) if group else None
+        total = 0
+        for actor in self.actors:
+            if (names is None or actor.name in names) and actor.eligible(None) and not self.dispatcher.ejected(actor.name):
+                total += 1 if actor.state is HealthState.HALF_OPEN else actor.limit
+        return total
+
+    def group_of(self, model: str | None) -> tuple[str, ...]:
+        """The backends a request for ``model`` may go to first, sorted (its
+        route's group; a split's, every version's; else every backend that
+        lists the model); () when that is every backend. Admission counts
+        slots and queues per group: a model whose backends are full does not
+        hold up another's."""
+        names = self._members(model, set()) if model else None
+        if names is None or len(names) == len(self.actors):
+            return ()
+        return tuple(sorted(names))
+
+    def _members(self, model: str, seen: set[str]) -> set[str]:
+        route = self._models.get(model)
+        if route is not None and route.name in seen:
+            return set()  # config validation refuses cycles; this only guards
+        if route is not None and route.versions:
+            seen.add(route.name)
+            return set().union(*(self._members(v.model, seen) for v in route.versions))
+        if route is not None and route.backends is not None:
+            return set(route.backends)
+        upstream = (route.upstream_model or route.name) if route is not None else model
+        return {a.name for a in self.actors if not a.models or upstream in a.models}
 
     def _authenticate(self, headers: dict[str, str]) -> Principal:
         scheme, _, key = headers.get("authorization", "").partition(" ")
@@ -349,6 +429,14 @@ class Router:
                 return Principal(found.tenant, found.key_id)
         raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
 
+    def _authenticate_admin(self, headers: dict[str, str]) -> Principal:
+        """The admin key (``[auth] admin_sha256``), compared in constant time."""
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        if scheme.lower() == "bearer" and key and self.admin_key is not None and hmac.compare_digest(self.admin_key, digest):
+            return Principal("admin")
+        raise Unauthorized("Incorrect or missing admin key; send Authorization: Bearer <admin key>.")
+
     async def _ready(self, request: HTTPRequest) -> Response:
         ready = self.dispatcher.ready()
         up = [a.name for a in self.actors if a.eligible(None)]
@@ -360,7 +448,7 @@ class Router:
     async def _list_backends(self, request: HTTPRequest) -> Response:
         """Each backend's statistics, with its breaker's (``breaker``: null without breakers)."""
         breakers = {b.name: msgspec.to_builtins(b) for b in self.dispatcher.statistics().breakers}
-        data = [{**msgspec.to_builtins(a.statistics()), "breaker": breakers.get(a.name)} for a in self.actors]
+        data = [{**msgspec.to_builtins(s), "breaker": breakers.get(s.name)} for s in self.dispatcher.backend_statistics()]
         return json_response({"object": "list", "data": data})
 
     async def _admin(self, request: HTTPRequest) -> Response:

@@ -147,6 +147,11 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     max_connections: PositiveInt | None = None  # client connections in total; None: 3/4 of the fd limit
     max_connections_per_client: PositiveInt | None = 256  # per client address; None: no cap
     reserved_connections: PositiveInt = 32  # of max_connections, kept for /health /ready /metrics
+    # The admin listener: /metrics and /admin/* (and /health, /ready) are
+    # served here only, not on the main listener. A non-loopback admin_host
+    # needs [auth] admin_sha256 (startup refuses it otherwise).
+    admin_host: str = "127.0.0.1"
+    admin_port: Port | None = None  # None: port + 1 (a free port when port is 0)
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -189,6 +194,10 @@ class AuthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # digests them at startup and warns to move them to api_keys).
     keys: dict[str, str] = {}
     api_keys: tuple[ApiKey, ...] = ()  # no keys in either: no authentication
+    # The admin key's hex SHA-256: /admin/* then needs Authorization: Bearer
+    # <admin key> (an API key is never an admin key). None: /admin/* needs no
+    # key, and the admin listener must be bound to a loopback address.
+    admin_sha256: SHA256_HEX | None = None
 
     @property
     def enabled(self) -> bool:
@@ -229,10 +238,21 @@ class AdmissionConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Seconds a request may wait for a slot; also its deadline for shedding
     # unless the request sends X-Deadline-Ms.
     queue_timeout: ClassTable = ClassTable(interactive=10, default=30, batch=120)
+    # Each backend's limit learned from its 429s (AIMD, policies/concurrency.py):
+    # a 429 multiplies it by concurrency_backoff, answers at the limit raise it
+    # by about one per round trip, never past its max_concurrency.
+    learn_concurrency: bool = True
+    concurrency_backoff: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    # The last reserve_slots free slots of a model group go only to tenants
+    # under their weighted share of it (policies.fairness.SlotShares); a tenant
+    # that asked within share_window seconds counts as active. 0: none kept.
+    reserve_slots: Annotated[int, Meta(ge=0)] = 1
+    share_window: NonNegative = 2.0
 
 
 class RateLimitConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "memory"
+    policy: str = "memory"  # "redis": limits shared by every router on one Redis (url)
+    url: str | None = None  # redis://[:password@]host[:port][/db], for policy "redis"
 
 
 class PriorityConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):

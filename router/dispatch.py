@@ -28,7 +28,24 @@ moves on::
 When nothing answers, the client gets the last attempt's error (a 429 keeps
 its Retry-After); if no backend could even be tried because every one is
 cooling down, a 429 with the shortest remaining cool-down; with no eligible
-backend at all, :class:`~backends.errors.BackendUnavailable` (503 + Retry-After).
+backend at all, :class:`~backends.errors.BackendUnavailable` (503 +
+Retry-After: the soonest end of an ejection when the breakers ejected them,
+else ``retry_after``).
+
+The breakers (a :class:`~policies.breaker.BreakerPolicy`) count and time;
+the backend's one state is its actor's health (router/health.py). Every
+breaker transition is relayed there (:meth:`Dispatcher.sync`: after each
+outcome, and before anything reads the states, since an ejection ends with
+time), and a backend the probes hold down has its breaker reset::
+
+    breaker CLOSED -> OPEN        actor EJECT      (UP / SUSPECT -> EJECTED)
+    breaker OPEN -> HALF_OPEN     actor COOLED     (EJECTED -> HALF_OPEN)
+    breaker HALF_OPEN -> CLOSED   actor RECOVERED  (HALF_OPEN -> UP)
+    breaker HALF_OPEN -> OPEN     actor EJECT      (HALF_OPEN -> EJECTED)
+    actor DOWN / UNKNOWN          breakers.set_serving(False): reset, out of the fleet rule
+
+A backend at its concurrency limit (:attr:`BackendActor.limit`, learned
+from its 429s) is passed over while another of the group has room.
 
 The response's ``model`` is the route that answered: the dispatcher names it
 on the first event (``Event.model``), which the frontend reads.
@@ -62,13 +79,15 @@ from backends.errors import (
 from policies.base import RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
+    BreakerState,
     BreakerStatistics,
     RetryBudget,
     RetryBudgetStatistics,
     full_jitter,
 )
-from router.actors import BackendActor, closing_stream
+from router.actors import ActorStatistics, BackendActor, closing_stream
 from router.config import ConfigError
+from router.health import HealthEvent, HealthState
 from router.migration import (
     MigrationStatistics,
     Progress,
@@ -211,14 +230,34 @@ class _Feedback:
 class _Outcome:
     """What a request met on its way: the answer when nothing serves it."""
 
-    __slots__ = ("error", "wait")
+    __slots__ = ("ejected", "error", "wait")
 
     def __init__(self) -> None:
         self.error: HeadraceError | None = None  # the last attempt's
         self.wait: float | None = None  # the shortest cool-down that kept a backend out
+        self.ejected: float | None = None  # the soonest end of an ejection that kept one out
 
     def cooling(self, seconds: float) -> None:
         self.wait = seconds if self.wait is None else min(self.wait, seconds)
+
+    def ejection(self, seconds: float) -> None:
+        self.ejected = seconds if self.ejected is None else min(self.ejected, seconds)
+
+
+# A breaker's move (as last relayed -> as it is now) and the health events
+# that bring the actor's state along (router/health.py).
+_RELAY: dict[tuple[BreakerState, BreakerState], tuple[HealthEvent, ...]] = {
+    (BreakerState.CLOSED, BreakerState.OPEN): (HealthEvent.EJECT,),
+    (BreakerState.OPEN, BreakerState.HALF_OPEN): (HealthEvent.COOLED,),
+    (BreakerState.HALF_OPEN, BreakerState.CLOSED): (HealthEvent.RECOVERED,),
+    (BreakerState.HALF_OPEN, BreakerState.OPEN): (HealthEvent.EJECT,),
+    # Two moves in one call (a probe dispatched before the ejection ended,
+    # judged after it; a trip then an end, for a clock that jumped).
+    (BreakerState.OPEN, BreakerState.CLOSED): (HealthEvent.COOLED, HealthEvent.RECOVERED),
+    (BreakerState.CLOSED, BreakerState.HALF_OPEN): (HealthEvent.EJECT, HealthEvent.COOLED),
+}
+# What the actor's state says its breaker is.
+_SHOWN = {HealthState.EJECTED: BreakerState.OPEN, HealthState.HALF_OPEN: BreakerState.HALF_OPEN}
 
 
 class _Broken:
@@ -285,6 +324,8 @@ class Dispatcher:
         self.actors = {a.name: a for a in actors}
         self.breakers = breakers
         self._release: Callable[[str, float], None] | None = getattr(breakers, "release", None)
+        self._set_serving: Callable[[str, bool, float], None] | None = getattr(breakers, "set_serving", None)
+        self._ejected_until: Callable[[str, float], float | None] | None = getattr(breakers, "ejected_until", None)
         if breakers is not None and hasattr(breakers, "add"):
             breakers.add(self.actors)  # the fleet rule counts every backend
         self.retry_budget = retry_budget
@@ -334,11 +375,43 @@ class Dispatcher:
 
     async def health(self) -> Health:
         """Liveness: the router itself is alive; detail says how many backends are up."""
+        self.sync()
         up = sum(a.eligible(None) for a in self.actors.values())
         return Health(ok=True, detail=f"{up}/{len(self.actors)} backends up")
 
     def ready(self) -> bool:
+        self.sync()
         return any(a.eligible(None) for a in self.actors.values())
+
+    # ------------------------------------------------------------ one state per backend
+
+    def sync(self) -> None:
+        """Bring every actor's health state level with its breaker (an
+        ejection ends with time, not with an event): call before reading
+        states. Cheap: a poll per backend."""
+        if self.breakers is None:
+            return
+        now = self.clock()
+        for actor in self.actors.values():
+            self._sync(actor, now)
+
+    def _sync(self, actor: BackendActor, now: float) -> None:
+        breakers = self.breakers
+        if breakers is None or actor.closed:
+            return
+        state = actor.state
+        if self._set_serving is not None:
+            self._set_serving(actor.name, state.probed_up, now)
+        if not state.probed_up:
+            return  # down or not yet probed: the probes decide, its breaker was reset
+        actual = breakers.state(actor.name, now)
+        for event in _RELAY.get((_SHOWN.get(state, BreakerState.CLOSED), actual), ()):
+            actor.breaker_moved(event)
+
+    def backend_statistics(self) -> list[ActorStatistics]:
+        """Every actor's statistics, their states level with the breakers."""
+        self.sync()
+        return [a.statistics() for a in self.actors.values()]
 
     async def aclose(self) -> None:
         for actor in self.actors.values():
@@ -612,19 +685,30 @@ class Dispatcher:
 
     # ------------------------------------------------------------ helpers
 
-    def _group(self, target: Target) -> Iterable[BackendActor]:
-        """The target's eligible backends: its named group (trusted to serve
-        the model), or every backend that lists the model."""
-        if target.backends is None:
-            return (a for a in self.actors.values() if a.eligible(target.upstream))
-        return (a for a in map(self.actors.__getitem__, target.backends) if a.eligible(None))
+    def members(self, target: Target) -> list[BackendActor]:
+        """The target's group, whatever their state: its named group (trusted
+        to serve the model), or every backend that lists the model (or lists
+        nothing yet)."""
+        if target.backends is not None:
+            return [self.actors[name] for name in target.backends]
+        model = target.upstream
+        return [a for a in self.actors.values() if model is None or not a.models or model in a.models]
 
     def _candidates(self, target: Target, tried: set[str], outcome: _Outcome) -> list[BackendActor]:
-        """The group's backends not tried yet, not cooling down after a 429
-        and let through by their breaker."""
+        """The group's eligible backends not tried yet, not cooling down
+        after a 429 and let through by their breaker; those at their
+        concurrency limit only when all are. An ejected one notes when its
+        ejection ends (the 503's Retry-After when nobody is left)."""
         now = self.clock()
         candidates: list[BackendActor] = []
-        for actor in self._group(target):
+        for actor in self.members(target):
+            self._sync(actor, now)
+            if not actor.eligible(None):
+                if actor.state is HealthState.EJECTED and not actor.draining and self._ejected_until is not None:
+                    until = self._ejected_until(actor.name, now)
+                    if until is not None:
+                        outcome.ejection(until - now)
+                continue
             if actor.name in tried:
                 continue
             wait = self.cooldowns.remaining(actor.name, now)
@@ -632,7 +716,8 @@ class Dispatcher:
                 outcome.cooling(wait)
             elif self.breakers is None or self.breakers.allows(actor.name, now):
                 candidates.append(actor)
-        return candidates
+        roomy = [a for a in candidates if a.in_flight < a.limit]
+        return roomy if roomy else candidates
 
     def _pick(self, target: Target, route: RouteRequest, tried: set[str], outcome: _Outcome) -> BackendActor | None:
         candidates = self._candidates(target, tried, outcome)
@@ -664,14 +749,18 @@ class Dispatcher:
 
     def _judge(self, backend: str, verdict: bool | None) -> None:
         """Tell the breaker how an attempt ended: ``ok`` or not, or, with no
-        verdict on the backend (a 429, a 4xx, cancelled), free its probe slot."""
+        verdict on the backend (a 429, a 4xx, cancelled, or a backend the
+        probes took down meanwhile), free its probe slot; then relay what
+        the breaker did to the actor's state."""
         if self.breakers is None:
             return
         now = self.clock()
-        if verdict is not None:
+        actor = self.actors[backend]
+        if verdict is not None and actor.state.probed_up:
             self.breakers.record(backend, verdict, now)
         elif self._release is not None:
             self._release(backend, now)
+        self._sync(actor, now)
 
     def ejected(self, backend: str) -> bool:
         """Does the breaker keep new requests from ``backend`` now (open, or
@@ -708,9 +797,25 @@ class Dispatcher:
                 f"every backend for {what} is cooling down after a 429; retry later", retry_after=outcome.wait
             )
         self._counts["unavailable"] += 1
+        if outcome.ejected is not None:  # every one left is ejected: back when the first returns
+            return BackendUnavailable(
+                f"every backend for {what} is ejected after failures; retry later",
+                retry_after=max(outcome.ejected, 0.001),
+            )
         return BackendUnavailable(f"no healthy backend for {what}; retry later", retry_after=self.retry_after)
 
+    def ejection_wait(self, backends: Iterable[str]) -> float | None:
+        """Seconds until the first of ``backends`` that the breakers ejected
+        returns (None: none of them is ejected now)."""
+        if self._ejected_until is None:
+            return None
+        self.sync()
+        now = self.clock()
+        ends = [until for name in backends if (until := self._ejected_until(name, now)) is not None]
+        return min(ends) - now if ends else None
+
     def statistics(self) -> DispatchStatistics:
+        self.sync()
         return DispatchStatistics(
             **self._counts,
             cooling=self.cooldowns.cooling(self.clock()),

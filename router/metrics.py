@@ -61,6 +61,8 @@ GAUGE_MODES = {
     "headrace_pipeline_in_flight": "livesum",
     "headrace_queue_depth": "livesum",
     "headrace_queue_busy": "livesum",
+    "headrace_queue_group_busy": "livesum",
+    "headrace_queue_group_depth": "livesum",
     "headrace_retry_budget_active": "livesum",
 }
 # headrace_backend_breaker_state's values, worst last.
@@ -101,6 +103,12 @@ class StatisticsCollector(Collector):
                 ("restarts", "Actor restarts after a crash"),
             )
         }
+        limit = GaugeMetricFamily("headrace_backend_concurrency_limit", "Streams at once the backend is given (learned from its 429s, at most its max_concurrency)", labels=["backend"])
+        cuts = CounterMetricFamily("headrace_backend_concurrency_decreases", "Times a 429 cut the backend's concurrency limit", labels=["backend"])
+        for s in stats:
+            limit.add_metric([s.name], s.limit)
+            cuts.add_metric([s.name], s.concurrency.decreases if s.concurrency is not None else 0)
+        yield from (limit, cuts)
         for s in stats:
             gauges["in_flight"].add_metric([s.name], s.in_flight)
             gauges["up"].add_metric([s.name], 1.0 if s.up else 0.0)
@@ -186,6 +194,16 @@ def _queue(q: QueueStatistics) -> Iterable[Metric]:
     yield depth
     yield GaugeMetricFamily("headrace_queue_capacity", "Admission slots of the backends that take requests now", value=q.capacity)
     yield GaugeMetricFamily("headrace_queue_busy", "Admission slots held", value=q.busy)
+    labels = ["group"]
+    group_capacity = GaugeMetricFamily("headrace_queue_group_capacity", "Admission slots of a model group's backends that take requests now", labels=labels)
+    group_busy = GaugeMetricFamily("headrace_queue_group_busy", "Admission slots a model group's requests hold", labels=labels)
+    group_queued = GaugeMetricFamily("headrace_queue_group_depth", "Requests waiting for a slot of a model group", labels=labels)
+    for g in q.groups:
+        name = ",".join(g.backends) or "*"  # *: every backend
+        group_capacity.add_metric([name], g.capacity)
+        group_busy.add_metric([name], g.busy)
+        group_queued.add_metric([name], g.queued)
+    yield from (group_capacity, group_busy, group_queued)
     admitted = CounterMetricFamily("headrace_queue_admitted", "Requests given a slot, at once or after waiting", labels=["how"])
     admitted.add_metric(["at_once"], q.admitted_at_once)
     admitted.add_metric(["after_wait"], q.admitted_after_wait)

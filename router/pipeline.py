@@ -3,17 +3,20 @@ after decoding and before its fan-out into choices (:mod:`frontend.context`).
 
 ::
 
-    RequestContext + Call ──> stage 1 ──> stage 2 ──> ... ──> fan out
-                              (rate limit) (admission) (queue)
+    RequestContext + Call ──> RateLimits ──> Queue ──> fan out
+                              (429 rate_limited) (admit / wait; 503 queue_full,
+                                                  queue_timeout, shed, no_healthy_backend)
 
 A stage is anything with ``admit(context, call)`` returning an async context
 manager: entered in order, exited in reverse once the answer's last byte is
 out, so a stage that holds a slot holds it for the whole call. A stage
 refuses by raising a :class:`~backends.errors.HeadraceError` (429, 503...),
-counted here by its ``code``. Today the pipeline has no stages: it is a
-counted pass-through, with the slots that rate limiting, admission and
-queueing fill (issue 15). The policies that decide stay sans-I/O in
-``policies/``; stages own the clocks and the waiting.
+counted here by its ``code``. The router builds two stages
+(router/admission.py): :class:`~router.admission.RateLimits`, the tenant's
+and key's limits, always; :class:`~router.admission.Queue`, admission and
+the fair queue per model group, unless ``[admission] enabled = false``. The
+policies that decide stay sans-I/O in ``policies/``; stages own the clocks
+and the waiting. With no stages the pipeline is a counted pass-through.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Backend health as one transition table fed by probes and by every request
-outcome; actors probe, count, and report each stream's outcome."""
+"""Backend health as one transition table fed by probes, by every request
+outcome and by the breaker's transitions; actors probe, count, and report
+each stream's outcome."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.router.fakes import FakeBackend
 S, E = HealthState, HealthEvent
 PROBES = (E.PROBE_OK, E.PROBE_FAILED, E.PROBE_THRESHOLD)
 REQUESTS = (E.REQUEST_OK, E.REQUEST_FAILED_EARLY, E.REQUEST_FAILED_LATE)
+BREAKER = (E.EJECT, E.COOLED, E.RECOVERED)
 
 # Written out pair by pair (not derived from the module) so a change to the
 # table is a change here too.
@@ -36,10 +38,18 @@ EXPECTED = {
                 E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
     S.UP: {E.PROBE_OK: S.UP, E.PROBE_FAILED: S.SUSPECT, E.PROBE_THRESHOLD: S.DOWN,
            E.REQUEST_OK: S.UP, E.REQUEST_FAILED_EARLY: S.SUSPECT, E.REQUEST_FAILED_LATE: S.SUSPECT,
-           E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
+           E.EJECT: S.EJECTED, E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
     S.SUSPECT: {E.PROBE_OK: S.UP, E.PROBE_FAILED: S.SUSPECT, E.PROBE_THRESHOLD: S.DOWN,
                 E.REQUEST_OK: S.SUSPECT, E.REQUEST_FAILED_EARLY: S.SUSPECT, E.REQUEST_FAILED_LATE: S.SUSPECT,
-                E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
+                E.EJECT: S.EJECTED, E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
+    # The breaker's states: probes do not end an ejection, a failed one is
+    # DOWN at once (no trial requests to a backend whose probes fail).
+    S.EJECTED: {E.PROBE_OK: S.EJECTED, E.PROBE_FAILED: S.DOWN, E.PROBE_THRESHOLD: S.DOWN,
+                E.REQUEST_OK: S.EJECTED, E.REQUEST_FAILED_EARLY: S.EJECTED, E.REQUEST_FAILED_LATE: S.EJECTED,
+                E.COOLED: S.HALF_OPEN, E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
+    S.HALF_OPEN: {E.PROBE_OK: S.HALF_OPEN, E.PROBE_FAILED: S.DOWN, E.PROBE_THRESHOLD: S.DOWN,
+                  E.REQUEST_OK: S.HALF_OPEN, E.REQUEST_FAILED_EARLY: S.HALF_OPEN, E.REQUEST_FAILED_LATE: S.HALF_OPEN,
+                  E.EJECT: S.EJECTED, E.RECOVERED: S.UP, E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
     S.DOWN: {E.PROBE_OK: S.UP, E.PROBE_FAILED: S.DOWN, E.PROBE_THRESHOLD: S.DOWN,
              E.REQUEST_OK: S.DOWN, E.REQUEST_FAILED_EARLY: S.DOWN, E.REQUEST_FAILED_LATE: S.DOWN,
              E.CRASHED: S.DOWN, E.CLOSE: S.CLOSED},
@@ -73,25 +83,33 @@ def model_state(events: list[HealthEvent], threshold: int) -> tuple[HealthState,
         elif event is E.CRASHED:
             state = S.DOWN
         elif event is E.PROBE_OK:
-            state, failed = S.UP, 0
+            state, failed = (state if state in (S.EJECTED, S.HALF_OPEN) else S.UP), 0
         elif event in (E.PROBE_FAILED, E.PROBE_THRESHOLD):
             failed += 1
-            state = S.DOWN if state in (S.UNKNOWN, S.DOWN) or failed >= threshold else S.SUSPECT
+            known_up = state in (S.UP, S.SUSPECT)
+            state = S.SUSPECT if known_up and failed < threshold else S.DOWN
+        elif event is E.EJECT:
+            state = S.EJECTED
+        elif event is E.COOLED:
+            state = S.HALF_OPEN
+        elif event is E.RECOVERED:
+            state = S.UP
         elif event is not E.REQUEST_OK and state is S.UP:
             state = S.SUSPECT
     return state, failed
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(list(HealthEvent)), max_size=40), st.integers(1, 4))
-def test_backend_health_follows_probes_and_requests_until_close(events: list[HealthEvent], threshold: int) -> None:
+def test_backend_health_follows_probes_requests_and_the_breaker_until_close(events: list[HealthEvent], threshold: int) -> None:
     """Probes move the state (an up backend needs ``threshold`` failures in a
-    row to go down), request failures only make an up backend suspect, and
+    row to go down), request failures only make an up backend suspect, the
+    breaker's transitions eject and restore a backend the probes keep up, and
     after close only request outcomes are legal."""
     health = BackendHealth(threshold)
     legal: list[HealthEvent] = []
     for event in events:
-        if health.state is S.CLOSED and event not in REQUESTS:
+        if event not in EXPECTED[health.state]:
             with pytest.raises(LifecycleError):
                 health.handle(event)
             continue

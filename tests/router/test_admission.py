@@ -8,6 +8,7 @@ import json
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from backends.errors import HeadraceError
@@ -20,6 +21,7 @@ from router.config import AdmissionConfig, ClassTable, TenantConfig
 from tests.router.fakes import FakeBackend
 
 BACKEND = FakeBackend()
+TWO_MODELS = FakeBackend(models=("m", "n"))
 
 
 def call_for(tenant: str, priority: str = "default", prompt: str = "x" * 40) -> tuple[RequestContext, Call]:
@@ -32,7 +34,7 @@ def make_queue(capacity: int = 1, *, queue_size: int = 8, timeout: float = 30.0,
                tenants: dict[str, TenantConfig] | None = None) -> Queue:  # fmt: skip
     config = AdmissionConfig(queue_size=ClassTable(interactive=queue_size, default=queue_size, batch=queue_size),
                              queue_timeout=ClassTable(interactive=timeout, default=timeout, batch=timeout))  # fmt: skip
-    return Queue(Tenants(tenants or {}), config, ErlangShedding(), FairQueue(aging=1000), lambda: capacity)
+    return Queue(Tenants(tenants or {}), config, ErlangShedding(), lambda: FairQueue(aging=1000), lambda key: capacity)
 
 
 async def hold(queue: Queue, tenant: str, release: trio.Event, log: list[str], priority: str = "default",
@@ -56,7 +58,7 @@ async def test_a_request_waits_for_a_slot_and_times_out_with_queue_timeout(autoj
                 pass
         assert info.value.code == "queue_timeout" and info.value.status == 503
         assert trio.current_time() - start == pytest.approx(30)
-        assert queue.queue.depth() == 0 and queue.busy == 1
+        assert queue.group(()).queue.depth() == 0 and queue.busy == 1
         release.set()
     assert queue.busy == 0
 
@@ -69,7 +71,7 @@ async def test_a_freed_slot_goes_to_the_tenant_with_the_least_service(autojump_c
         for i, tenant in enumerate(["a", "a", "a", "a", "b"]):
             await nursery.start(hold, queue, tenant, releases[i], log)
             await trio.sleep(0.01)
-        assert log == ["a"] and queue.queue.depth() == 4
+        assert log == ["a"] and queue.group(()).queue.depth() == 4
         for r in releases:
             r.set()
             await trio.sleep(0.01)
@@ -111,7 +113,7 @@ async def test_a_full_queue_refuses_at_once_with_queue_full(autojump_clock: trio
 
 async def test_a_request_whose_estimated_wait_is_past_its_deadline_is_shed(autojump_clock: trio.testing.MockClock) -> None:
     queue = make_queue()
-    queue.rate.observe(10.0)  # a slot turns over every 10 s
+    queue.group(()).rate.observe(10.0)  # a slot turns over every 10 s
     release, log = trio.Event(), []
     async with trio.open_nursery() as nursery:
         await nursery.start(hold, queue, "a", release, log)
@@ -143,3 +145,84 @@ async def test_the_class_is_capped_by_the_tenant_and_passed_to_the_engine() -> N
     context, call = call_for("other", "interactive")
     async with queue.admit(context, call):
         assert context.priority == "interactive" and call.subs[0].priority == 1
+
+
+def call_with(tenant: str, body: dict[str, object], priority: str = "default") -> tuple[RequestContext, Call]:
+    context = RequestContext(request_id="r", tenant=tenant, priority=priority, arrival=trio.current_time())  # type: ignore[arg-type]
+    data = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1, **body}).encode()
+    return context, prepare_call("completion", data, BACKEND, context)
+
+
+@pytest.mark.parametrize(
+    ("tenant", "header", "body", "cls", "engine"),
+    [
+        ("t", "default", "batch", "batch", -1),  # the body's class wins over X-Priority's
+        ("t", "batch", "interactive", "interactive", 1),
+        ("bulk", "default", "interactive", "batch", -1),  # capped by the tenant
+        ("t", "interactive", 5, "interactive", 1),  # an int orders within the class, never above it
+        ("t", "default", -3, "default", -3),
+        ("bulk", "default", 0, "batch", -1),
+    ],
+)
+async def test_a_body_priority_names_a_class_or_orders_the_engine_within_it(
+    tenant: str, header: str, body: object, cls: str, engine: int
+) -> None:
+    queue = make_queue(tenants={"bulk": TenantConfig(max_priority="batch")})
+    context, call = call_with(tenant, {"priority": body}, header)
+    async with queue.admit(context, call):
+        assert context.priority == cls and [s.priority for s in call.subs] == [engine]
+
+
+async def test_a_full_model_group_does_not_hold_up_another_groups_requests(autojump_clock: trio.testing.MockClock) -> None:
+    config = AdmissionConfig(queue_timeout=ClassTable(interactive=30, default=30, batch=30))
+    groups = {"m": ("a",), "n": ("b",)}
+    queue = Queue(Tenants({}), config, ErlangShedding(), lambda: FairQueue(aging=1000), lambda key: 1,
+                  group=lambda model: groups[model or "m"])  # fmt: skip
+    release, log = trio.Event(), []
+
+    async def hold_model(model: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        context = RequestContext(request_id="r", tenant="t", arrival=trio.current_time())
+        call = prepare_call("completion", json.dumps({"model": model, "prompt": "x"}).encode(), TWO_MODELS, context)
+        task_status.started()
+        async with queue.admit(context, call):
+            log.append(model)
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        for model in ("m", "m", "n"):
+            await nursery.start(hold_model, model)
+            await trio.sleep(0.01)
+        assert log == ["m", "n"]  # n went at once though m's slot is full and one m waits
+        assert queue.group(("a",)).queue.depth() == 1 and queue.group(("b",)).queue.depth() == 0
+        stats = queue.statistics()
+        assert stats.busy == 2 and stats.queued["default"] == 1 and len(stats.groups) == 2
+        release.set()
+    assert log == ["m", "n", "m"]
+
+
+async def test_the_last_free_slot_is_kept_for_a_tenant_under_its_share(autojump_clock: trio.testing.MockClock) -> None:
+    """4 slots, a flood that would hold them all and a quiet tenant that asked
+    lately: the flood holds 3 (its share is 2, the last free slot is kept),
+    and the quiet tenant's next request goes at once; alone, the flood takes all 4."""
+    queue, release, log = make_queue(capacity=4), trio.Event(), []
+    async with trio.open_nursery() as nursery:
+        for _ in range(6):
+            await nursery.start(hold, queue, "flood", release, log)
+        await trio.sleep(0.01)
+        assert log.count("flood") == 4  # alone: every slot
+        release.set()
+    queue, release, log = make_queue(capacity=4), trio.Event(), []
+    quiet = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "quiet", quiet, log)
+        quiet.set()
+        await trio.sleep(0.01)  # quiet was served and asked lately
+        for _ in range(6):
+            await nursery.start(hold, queue, "flood", release, log)
+        await trio.sleep(0.01)
+        assert log.count("flood") == 3 and queue.busy == 3
+        start = trio.current_time()
+        await nursery.start(hold, queue, "quiet", release, log)
+        await trio.lowlevel.checkpoint()
+        assert log[-1] == "quiet" and trio.current_time() == start and queue.busy == 4
+        release.set()

@@ -91,6 +91,34 @@ async def test_a_full_queue_is_503_queue_full_at_once_with_retry_after(nursery: 
     assert p99 < 0.1, latencies
 
 
+async def test_an_admitted_answer_carries_the_x_ratelimit_headers_too(nursery: trio.Nursery) -> None:
+    _, url = await start(nursery, {}, tenants={"flood": {"requests_per_minute": 10, "tokens_per_minute": 1000}, "quiet": {}})
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        r = await client.post("/v1/completions", json=BODY, headers=auth("sk-flood"))
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-limit-requests"] == "10" and r.headers["x-ratelimit-remaining-requests"] == "9"
+        assert r.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert 990 <= int(r.headers["x-ratelimit-remaining-tokens"]) < 1000  # the prompt's, charged on admission
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+        async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}, headers=auth("sk-flood")) as s:
+            assert s.status_code == 200 and s.headers["x-ratelimit-remaining-requests"] == "8"
+            assert s.headers["cache-control"] == "no-cache"
+            await s.aread()
+        r = await client.post("/v1/completions", json=BODY, headers=auth("sk-quiet"))
+        assert r.status_code == 200 and "x-ratelimit-limit-requests" not in r.headers  # no limits, no headers
+
+
+async def test_a_body_priority_class_is_capped_and_a_bad_one_is_400_naming_it(nursery: trio.Nursery) -> None:
+    _, url = await start(nursery, {}, tenants={"flood": {"max_priority": "batch"}, "quiet": {}})
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        r = await client.post("/v1/completions", json={**BODY, "priority": "interactive"}, headers=auth("sk-flood"))
+        assert r.status_code == 200
+        r = await client.post("/v1/completions", json={**BODY, "priority": 3}, headers=auth("sk-quiet"))
+        assert r.status_code == 200  # vLLM's int still works
+        r = await client.post("/v1/completions", json={**BODY, "priority": "urgent"}, headers=auth("sk-quiet"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+
+
 async def test_x_priority_is_capped_and_a_bad_one_is_400(nursery: trio.Nursery) -> None:
     _, url = await start(nursery, {}, tenants={"flood": {"max_priority": "batch"}, "quiet": {}})
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:

@@ -266,5 +266,8 @@ async def test_metrics_export_the_pipelines_rejections_queue_depth_and_admitted(
         'headrace_queue_admitted_total{how="at_once"} 1.0',
         'headrace_backend_breaker_state{backend="a"} 0.0',
         "headrace_retry_budget_granted_total 0.0",
+        'headrace_backend_concurrency_limit{backend="a"} 64.0',
+        'headrace_queue_group_capacity{group="*"} 64.0',
+        'headrace_queue_group_busy{group="*"} 0.0',
     ):
         assert line in metrics, line
