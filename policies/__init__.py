@@ -1,6 +1,8 @@
 """Pure decision logic (sans-I/O), one kind per extension point: routing (round_robin, least_loaded, power_of_two, prefix_hash, kv_aware);
-admission (bounded, erlang), priority (fair_queue), rate limits (memory) and
-breakers (standard), each kind declared in :data:`policies.registry.KINDS`.
+admission (bounded, erlang), priority (fair_queue), rate limits (memory,
+redis: decided in a shared store by scripts this package holds) and
+breakers (standard), each kind declared in :data:`policies.registry.KINDS`;
+and the AIMD concurrency limit a backend's 429s teach.
 Nothing here imports trio, httpx or hypercorn."""
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from policies.breaker import (
     RetryBudget,
     full_jitter,
 )
-from policies.fairness import CLASSES, FairQueue, QueuePolicy, Waiting
+from policies.concurrency import AIMDLimit
+from policies.fairness import CLASSES, FairQueue, QueuePolicy, SlotShares, Waiting
 from policies.kv_aware import KVAware
 from policies.kv_index import KVIndex, RecentlySent
 from policies.prefix_hash import HashRing, PrefixHash, request_key, stable_hash
@@ -41,11 +44,13 @@ from policies.registry import (
     load_factory,
 )
 from policies.routing import LeastLoaded, PowerOfTwo, RoundRobin
+from policies.shared_limits import ScriptCall, SharedBuckets, SharedRateLimitPolicy
 
 __all__ = [
     "CLASSES",
     "GROUP",
     "KINDS",
+    "AIMDLimit",
     "AdmissionPolicy",
     "AdmissionView",
     "BackendView",
@@ -76,7 +81,11 @@ __all__ = [
     "RouteRequest",
     "RoutingFeedback",
     "RoutingPolicy",
+    "ScriptCall",
     "ServiceRate",
+    "SharedBuckets",
+    "SharedRateLimitPolicy",
+    "SlotShares",
     "TokenBucket",
     "TokenBuckets",
     "Verdict",

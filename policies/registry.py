@@ -48,6 +48,7 @@ from policies.kv_aware import KVAware
 from policies.prefix_hash import PrefixHash
 from policies.ratelimit import RateLimitPolicy, TokenBuckets
 from policies.routing import LeastLoaded, PowerOfTwo, RoundRobin
+from policies.shared_limits import SharedBuckets, SharedRateLimitPolicy
 
 __all__ = [
     "BUILTINS",
@@ -77,7 +78,7 @@ class Kind(NamedTuple):
     not landed, in which case any object is accepted."""
 
     name: str
-    protocol: type | None
+    protocol: type | tuple[type, ...] | None  # a tuple: any one of them
     requires: str  # the protocol as an error message names it
     summary: str
 
@@ -90,7 +91,8 @@ KINDS: dict[str, Kind] = {
         Kind("admission", AdmissionPolicy, "decide(view, now)", "admits, queues or sheds a request (503 + Retry-After)"),
         Kind("priority", QueuePolicy, "push, pop, remove, charge, depth",
              "orders waiting requests (priority, tenant share)"),
-        Kind("ratelimit", RateLimitPolicy, "acquire, charge, release",
+        Kind("ratelimit", (RateLimitPolicy, SharedRateLimitPolicy),
+             "acquire, charge, release (or, shared: acquire_call, acquire_result, settle_call)",
              "limits a tenant's request and token rates (429 + Retry-After)"),
         Kind("breaker", BreakerPolicy, "allows, dispatched, record, state", "opens a backend's circuit after failures"),
     )
@@ -112,7 +114,10 @@ BUILTINS: dict[str, dict[str, tuple[str, PolicyFactory]]] = {
         "erlang": ("policies.admission:ErlangShedding", ErlangShedding),
     },
     "priority": {"fair_queue": ("policies.fairness:FairQueue", FairQueue)},
-    "ratelimit": {"memory": ("policies.ratelimit:TokenBuckets", TokenBuckets)},
+    "ratelimit": {
+        "memory": ("policies.ratelimit:TokenBuckets", TokenBuckets),
+        "redis": ("policies.shared_limits:SharedBuckets", SharedBuckets),
+    },
     "breaker": {"standard": ("policies.breaker:Breakers", Breakers)},
 }
 

@@ -199,9 +199,8 @@ class RateLimits:
     concurrency); the figures of the tightest go out as ``x-ratelimit-*``
     headers on the answer, and on a 429."""
 
-    def __init__(self, tenants: Tenants, limiter: Limiter | RateLimitPolicy) -> None:
-        self.tenants = tenants
-        self.limiter: Limiter = LocalLimiter(limiter) if isinstance(limiter, RateLimitPolicy) else limiter
+    def __init__(self, tenants: Tenants, limiter: Limiter) -> None:
+        self.tenants, self.limiter = tenants, limiter
         self._holders = itertools.count()
         self._process = new_request_id()[:8]  # holder ids unique across routers sharing a store
 

@@ -44,8 +44,9 @@ from policies.base import KVEventSink, KVEventView, RoutingPolicy
 from policies.breaker import BreakerPolicy, RetryBudget
 from policies.ratelimit import Limits
 from policies.registry import create, create_policy
+from policies.shared_limits import SharedRateLimitPolicy
 from router.actors import BackendActor, Supervisor
-from router.admission import Queue, RateLimits, Tenants
+from router.admission import LocalLimiter, Queue, RateLimits, Tenants
 from router.config import MigrationConfig, ModelRoute, RouterConfig
 from router.dispatch import Dispatcher
 from router.health import HealthState
@@ -54,6 +55,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.migration import Settings as MigrationSettings
 from router.pipeline import Pipeline
 from router.prefix_keys import PrefixKeys, TokenizerLoadError, load_encoder
+from router.ratelimit_redis import RedisLimiter
 from router.routes import RouteTable
 from router.services import Service
 from router.store import SQLiteStore
@@ -214,7 +216,12 @@ class Router:
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
-        stages: list[Any] = [RateLimits(self.tenants, create("ratelimit", config.ratelimit.policy, config.ratelimit.options))]
+        limits_policy = create("ratelimit", config.ratelimit.policy, config.ratelimit.options)
+        # A shared policy's decisions are made in Redis; its limiter sends them (a supervised service).
+        self.shared_limits: RedisLimiter | None = None
+        if isinstance(limits_policy, SharedRateLimitPolicy) and config.ratelimit.url:
+            self.shared_limits = RedisLimiter(limits_policy, config.ratelimit.url)
+        stages: list[Any] = [RateLimits(self.tenants, self.shared_limits or LocalLimiter(limits_policy))]
         self.queue: Queue | None = None
         if a.enabled:
             self.queue = Queue(
@@ -241,6 +248,8 @@ class Router:
         self.job_store: SQLiteStore | None = None
         self.jobs: JobRunner | None = None
         services: list[Service] = list(self.actors)
+        if self.shared_limits is not None:
+            services.append(self.shared_limits)
         job_routes = {}
         if config.jobs.path is not None:
             self.job_store = SQLiteStore(config.jobs.path, idempotency_ttl=config.jobs.idempotency_ttl)

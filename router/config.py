@@ -36,6 +36,10 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     policy = "fair_queue"
     options = { aging = 10 }     # seconds per class of promotion
 
+    [ratelimit]                  # limits shared by every router on one Redis (default: in memory)
+    policy = "redis"
+    url = "redis://10.0.0.9:6379/0"
+
     [breaker]
     policy = "standard"
     options = { consecutive_failures = 5, base_ejection = 30, max_ejection = 300 }
@@ -83,6 +87,7 @@ import msgspec
 from msgspec import Meta
 
 from policies.registry import PolicyError, create, create_policy, load_factory
+from policies.shared_limits import SharedRateLimitPolicy
 
 __all__ = [
     "AdmissionConfig",
@@ -242,7 +247,8 @@ class AdmissionConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class RateLimitConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "memory"
+    policy: str = "memory"  # "redis": limits shared by every router on one Redis (url)
+    url: str | None = None  # redis://[:password@]host[:port][/db], for policy "redis"
 
 
 class PriorityConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -489,6 +495,14 @@ def _check_policies(config: RouterConfig) -> None:
             create(kind, name, options)
         except PolicyError as exc:
             raise ConfigError(f"{kind}: {exc}") from None
+    shared = isinstance(create("ratelimit", config.ratelimit.policy, config.ratelimit.options), SharedRateLimitPolicy)
+    url = config.ratelimit.url
+    if shared and not url:
+        raise ConfigError(f"ratelimit: policy {config.ratelimit.policy!r} keeps its limits in Redis: set ratelimit.url (redis://host:port/db)")
+    if url and not shared:
+        raise ConfigError(f"ratelimit.url is for a shared policy (policy = \"redis\"), not {config.ratelimit.policy!r}")
+    if url and not url.startswith("redis://"):
+        raise ConfigError(f"ratelimit.url must start with redis:// (rediss:// is not supported), not {url!r}")
 
 
 def _check_models(routes: tuple[ModelRoute, ...], backends: list[str]) -> None:

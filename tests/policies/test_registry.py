@@ -221,6 +221,7 @@ OTHER_BUILTINS = [  # (kind, name, value), in KINDS order
     ("admission", "erlang", "policies.admission:ErlangShedding"),
     ("priority", "fair_queue", "policies.fairness:FairQueue"),
     ("ratelimit", "memory", "policies.ratelimit:TokenBuckets"),
+    ("ratelimit", "redis", "policies.shared_limits:SharedBuckets"),
     ("breaker", "standard", "policies.breaker:Breakers"),
 ]
 
@@ -244,8 +245,9 @@ def test_headrace_policies_prints_each_kind_and_its_policies(capsys: pytest.Capt
     assert lines[admission + 3] == (
         "  shed          acme_admission  (fails to load: ModuleNotFoundError(\"No module named 'acme_admission'\"))"
     )
-    assert lines[-4].startswith("ratelimit: limits a tenant's request and token rates (429 + Retry-After)")
-    assert lines[-3].startswith("  memory        headrace        ")
+    assert lines[-5].startswith("ratelimit: limits a tenant's request and token rates (429 + Retry-After)")
+    assert lines[-4].startswith("  memory        headrace        ")
+    assert lines[-3].startswith("  redis         headrace        Token buckets in Redis")
     assert lines[-2] == "breaker: opens a backend's circuit after failures [headrace.policies.breaker]"
     assert lines[-1].startswith("  standard      headrace        ")
 
