@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import random
 import re
@@ -136,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", "--json", dest="out", default=DEFAULT_OUT, help="JSON report path")
     p.add_argument("--plot", dest="plot_path", help="PNG path (default: beside the JSON)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report", metavar="JSON", help="print the table of a saved run; run nothing")
     return p
 
 
@@ -879,14 +881,15 @@ def format_report(doc: dict[str, Any]) -> str:
     rows = [("cold TTFT (router, fresh prompt)", r.get("ttft_cold", {})),
             ("TTFT (router, shared prompt)", r.get("ttft_shared", {})),
             ("resume gap (router), all", r.get("resume_gap_all", {})),
-            ("  on a backend holding the prompt", r.get("resume_gap_held", {})),
-            ("  on one without it (fresh prompt)", r.get("resume_gap_not_held", {})),
+            ("  shared prompt (held*)", r.get("resume_gap_held", {})),
+            ("  fresh prompt (never held)", r.get("resume_gap_not_held", {})),
             ("cold TTFT (client, fresh prompt)", s.get("ttft_cold_ms", {})),
             ("TTFT (client, shared prompt)", s.get("ttft_shared_ms", {})),
             ("inter-token latency (client)", s.get("itl_ms", {}))]
     for label, d in rows:
         lines.append(f"{label:<36} {_f(d.get('p50')):>9} {_f(d.get('p99')):>9} {d.get('n', 0):>6}")
     lines.append("router figures: p50/p99 interpolated inside the histogram's buckets (.., 50, 100, 250, 500 ms, ..)")
+    lines.append("* by every backend but one restarted since it last served that prompt (its cache starts empty)")
     lines.append("")
     for name, value in doc.get("ratios", {}).items():
         lines.append(f"  {name}: {_f(value, '.2f')}")
@@ -923,8 +926,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     for t, ok in zip(ended, same, strict=True):
         (good if ok else bad)[int(t)] += 1
     left.plot(range(seconds), good, color="C0", label="identical answers / s")
-    if any(bad):
-        left.plot(range(seconds), bad, "x", color="C3", label="not identical / s")
+    worse = [(t, n) for t, n in enumerate(bad) if n]
+    if worse:
+        left.plot(*zip(*worse, strict=True), "x", color="C3", label="not identical / s")
     for i, k in enumerate(doc.get("kills", [])):
         left.axvspan(k["at_s"], k.get("back_s", k["at_s"]), color="C3", alpha=0.2,
                      label="a backend down" if i == 0 else None)
@@ -939,7 +943,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     left.legend(fontsize="small", loc="lower left")
     left.grid(True, alpha=0.3)
     labels = {"ttft_cold": "TTFT, fresh prompt", "ttft_shared": "TTFT, shared prompt",
-              "resume_gap_held": "resume gap, prompt held", "resume_gap_not_held": "resume gap, not held"}
+              "resume_gap_held": "resume gap, shared prompt", "resume_gap_not_held": "resume gap, fresh prompt"}
     for name, label in labels.items():
         points = doc.get("cdf", {}).get(name)
         if points:
@@ -969,10 +973,13 @@ def main(argv: list[str]) -> int:
     from bench.cli import describe_stop, is_interrupt
 
     args = _parser().parse_args(argv)
+    if args.report:
+        print(format_report(json.loads(Path(args.report).read_text())))
+        return 0
     _check(args)
     cpu = cpu_info()
     doc: dict[str, Any] = {"kind": "chaos", "cpu": {k: v for k, v in cpu.items() if k != "flags"},
-                           "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot_path", "no_plot")},
+                           "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot_path", "no_plot", "report")},
                            "kills": [], "timeline": []}
     try:
         trio.run(run, args, doc)

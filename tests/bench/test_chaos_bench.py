@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from bench.chaos_bench import (
+    Slot,
     Workload,
     _parser,
+    fleet_codes,
     histogram_quantile,
     judge,
     main,
     metrics_delta,
     parse_metrics,
+    router_config,
 )
+from router.config import decode_config
 
 
 def test_an_answer_is_identical_truncated_different_or_an_error() -> None:
@@ -115,3 +120,28 @@ def test_a_short_run_with_one_kill_counts_every_stream_and_all_are_identical(
     assert doc["cpu"]["cores"] >= 1 and doc["cpu"]["model"]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "identical to the reference" in capsys.readouterr().out
+
+
+def test_the_router_config_lists_each_mock_twice_in_two_routes_and_decodes() -> None:
+    args = _parser().parse_args(["--backends", "3"])
+    slots = [Slot(i, ["mock"], 9000 + i) for i in range(3)]
+    config = decode_config(tomllib.loads(router_config(args, slots)))
+    assert [b.name for b in config.backends] == ["mock0", "mock0-cold", "mock1", "mock1-cold", "mock2", "mock2-cold"]
+    assert {b.url for b in config.backends} == {"http://127.0.0.1:9000", "http://127.0.0.1:9001", "http://127.0.0.1:9002"}
+    routes = {m.name: m for m in config.models}
+    assert routes["mock"].backends == ("mock0", "mock1", "mock2")
+    assert routes["cold"].backends == ("mock0-cold", "mock1-cold", "mock2-cold")
+    assert routes["cold"].upstream_model == "mock"
+    assert config.server.max_concurrent_streams == 10 and config.health.interval == 0.5
+
+
+def test_the_fleet_is_one_letter_per_backend_of_the_shared_route() -> None:
+    listing = [
+        {"name": "mock1", "up": True, "breaker": {"state": "open"}},
+        {"name": "mock0", "up": True, "breaker": {"state": "closed"}},
+        {"name": "mock0-cold", "up": False, "breaker": None},
+        {"name": "mock2", "up": False, "breaker": {"state": "closed"}},
+        {"name": "mock3", "up": True, "breaker": {"state": "half_open"}},
+        {"name": "mock4", "up": True, "breaker": None},
+    ]
+    assert "".join(fleet_codes(listing).values()) == "UEDHU"
