@@ -494,7 +494,13 @@ def fleet_codes(listing: list[dict[str, Any]]) -> dict[str, str]:
         if b["name"].endswith(f"-{COLD}"):
             continue
         breaker = (b.get("breaker") or {}).get("state", "closed")
-        out[b["name"]] = ("D" if not b["up"] else "E" if breaker == "open" else "H" if breaker == "half_open" else "U")
+        state = b.get("state")  # routers whose health machine holds the breaker's states
+        if breaker == "open" or state == "ejected":
+            out[b["name"]] = "E"
+        elif breaker == "half_open" or state == "half_open":
+            out[b["name"]] = "H"
+        else:
+            out[b["name"]] = "U" if b["up"] else "D"
     return dict(sorted(out.items()))
 
 

@@ -143,5 +143,7 @@ def test_the_fleet_is_one_letter_per_backend_of_the_shared_route() -> None:
         {"name": "mock2", "up": False, "breaker": {"state": "closed"}},
         {"name": "mock3", "up": True, "breaker": {"state": "half_open"}},
         {"name": "mock4", "up": True, "breaker": None},
+        {"name": "mock5", "up": False, "state": "ejected", "breaker": {"state": "open"}},
+        {"name": "mock6", "up": True, "state": "half_open", "breaker": None},
     ]
-    assert "".join(fleet_codes(listing).values()) == "UEDHU"
+    assert "".join(fleet_codes(listing).values()) == "UEDHUEH"
