@@ -43,7 +43,7 @@ import httpx
 import msgspec
 import trio
 
-from bench.procs import cpu_info
+from bench.procs import admin_url, cpu_info
 from bench.progress import ProgressBar
 from bench.report import write_json
 from bench.router_bench import _python, _ready, _start_all
@@ -221,7 +221,7 @@ async def run_one(args: argparse.Namespace, policy: str, rate: float, logdir: Pa
             async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
                 args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         results, elapsed = await _replay(router.url, args, conversations, plan, f"{policy} @ {rate:g} req/s")
-        async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
+        async with httpx.AsyncClient(base_url=await admin_url(router), trust_env=False) as client:
             listed = (await client.get("/admin/backends")).json()["data"]
             routing = await client.get("/admin/routing")
     per_backend = {b["name"]: b["requests"] for b in listed}

@@ -20,9 +20,10 @@ import trio
 
 from backends.errors import BackendUnavailable
 
-__all__ = ["Server", "cpu_info", "cpu_seconds", "start_server"]
+__all__ = ["Server", "admin_url", "cpu_info", "cpu_seconds", "start_server"]
 
 _LISTENING = re.compile(rb"(?:listening|engine serving \S+) on (http://\S+)")  # servers; the engine
+_ADMIN = re.compile(rb"headrace admin on (https?://\S+)\n")
 
 
 class Server:
@@ -106,6 +107,18 @@ async def start_server(name: str, argv: list[str], logdir: Path, *,
         with trio.CancelScope(shield=True):
             await server.stop(grace=2.0)
         raise
+
+
+async def admin_url(server: Server, patience: float = 10.0) -> str:
+    """A router's admin listener (/metrics, /admin/*): the ``headrace admin on
+    URL`` line it prints right after its listening line."""
+    with trio.move_on_after(patience):
+        while server.process.returncode is None:
+            found = _ADMIN.search(server.log.read_bytes())
+            if found:
+                return found.group(1).decode()
+            await trio.sleep(0.05)
+    raise BackendUnavailable(f"{server.name} named no admin listener:\n{tail(server.log)}")
 
 
 def cpu_info() -> dict[str, object]:

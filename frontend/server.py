@@ -158,7 +158,8 @@ class OpenAIServer:
     template. ``coalesce``: SSE events that are ready together leave in one
     write (one socket send and one HTTP/2 DATA frame instead of one per
     token); off, every event is its own write, which fault injectors that
-    count tokens per write rely on.
+    count tokens per write rely on. ``openai_routes=False``: only
+    ``extra_routes`` (an admin or ops app that must never serve generations).
     """
 
     def __init__(
@@ -172,6 +173,7 @@ class OpenAIServer:
         gate: Gate = OPEN_GATE,
         coalesce: bool = False,
         body_idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT,
+        openai_routes: bool = True,
     ) -> None:
         self.backend = backend
         self.body_idle_timeout = body_idle_timeout
@@ -187,7 +189,7 @@ class OpenAIServer:
             ("POST", "/v1/generate"): self._generate,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
-        }
+        } if openai_routes else {}  # fmt: skip
         for (method, path), handler in {**builtins, **(extra_routes or {})}.items():
             self.routes.add(method, path, handler)
 

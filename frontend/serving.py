@@ -2,8 +2,10 @@
 the router, the engine server and the mock server.
 
 HTTP/1.1, HTTP/2 cleartext (prior knowledge and Upgrade) and HTTP/2 over TLS
-with ALPN. Graceful shutdown: when ``shutdown`` is set, stop accepting and let
-in-flight streams finish for up to ``graceful_timeout`` seconds.
+with ALPN (frontend/tls.py: TLS 1.2+, modern ciphers; :func:`reload_on_sighup`
+re-reads the certificate files without dropping a connection). Graceful
+shutdown: when ``shutdown`` is set, stop accepting and let in-flight streams
+finish for up to ``graceful_timeout`` seconds.
 
 Connections are not recycled after a number of requests (hypercorn closes
 them after 1,000 by default: GOAWAY on HTTP/2, ``Connection: close`` on
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -46,8 +49,9 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from frontend import hardening
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
+from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
-__all__ = ["Limits", "ServeOptions", "reserve_port", "serve", "wait_for_signal"]
+__all__ = ["Limits", "ServeOptions", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +267,12 @@ class _Config(HypercornConfig):
     # connection this object): the limits, and who holds the connections.
     headrace_limits: Limits = DEFAULT_LIMITS
     headrace_connections: ConnectionLedger | None = None
+    headrace_tls: Certificates | None = None  # the live context, reloaded in place
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        if self.headrace_tls is not None:
+            return self.headrace_tls.context
+        return super().create_ssl_context()
 
     def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
         headers = super().response_headers(protocol) if not self.include_date_header else None
@@ -286,7 +296,9 @@ class ServeOptions:
     default, never. ``keep_alive_timeout``: seconds an idle connection is
     kept. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
     processes may serve the same port. ``limits``: streams, buffering,
-    write stalls, budgets and connection caps (frontend/hardening.py)."""
+    write stalls, budgets and connection caps (frontend/hardening.py).
+    ``certfile`` and ``keyfile``: TLS (frontend/tls.py), loaded when serving
+    starts; :meth:`reload_certificates` re-reads them."""
 
     def __init__(
         self,
@@ -312,6 +324,21 @@ class ServeOptions:
         self.access_log = access_log
         self.reuse_port = reuse_port
         self.limits = limits
+        self.tls: Certificates | None = None  # made by hypercorn_config()
+
+    def reload_certificates(self) -> bool:
+        """Re-read the certificate files: new connections get what they hold
+        now, connections already open keep theirs. False (logged, the old
+        certificate still served) when there is no TLS or the files are bad."""
+        if self.tls is None:
+            return False
+        try:
+            self.tls.reload()
+        except (OSError, ssl.SSLError) as exc:
+            log.error("TLS certificate reload from %s failed, still serving the old one: %s", self.certfile, exc)
+            return False
+        log.info("TLS certificate reloaded from %s (new connections get it)", self.certfile)
+        return True
 
     def hypercorn_config(self) -> HypercornConfig:
         config = _Config()
@@ -320,6 +347,11 @@ class ServeOptions:
         config.certfile = self.certfile
         config.keyfile = self.keyfile
         config.alpn_protocols = ["h2", "http/1.1"]
+        if self.certfile is not None and self.keyfile is not None:
+            if self.tls is None:
+                self.tls = Certificates(self.certfile, self.keyfile, config.alpn_protocols)
+            config.headrace_tls = self.tls
+            config.ssl_handshake_timeout = HANDSHAKE_TIMEOUT
         config.graceful_timeout = self.graceful_timeout
         config.keep_alive_timeout = self.keep_alive_timeout
         # hypercorn compares the count with > (h2) or >= (h11); an int is needed.
@@ -397,6 +429,15 @@ async def serve(
         task_status=_Started(),
         mode="asgi",
     )
+
+
+async def reload_on_sighup(*options: ServeOptions) -> None:
+    """On each SIGHUP, re-read every listener's TLS certificate (a rotated
+    certificate takes effect without a restart or a dropped connection)."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            for o in options:
+                o.reload_certificates()
 
 
 async def wait_for_signal(shutdown: trio.Event) -> None:

@@ -2,27 +2,39 @@
 
 ::
 
-    client ─h2─> hypercorn ─> Router (ASGI)
-                               ├─ /health /ready /metrics ─> ops app (no auth)
-                               └─ everything else ────────> api app (auth -> Principal)
-                                    OpenAIServer: RequestContext, decode once (Call)
-                                    Pipeline.admit(context, call): once per request
-                                      RateLimits (429) -> Queue (admit / wait / 503)
-                                    Dispatcher.stream per choice: RouteTable.plan (model routes)
-                                    -> breakers.allows -> group policy.pick -> BackendActor.stream
-                                    -> Backend.stream; outcome -> breakers.record
-                                    ; before the first token: next backend, next model
-                                      (within the retry budget, after a full-jitter backoff)
+    client ─h2─> main listener ─> Router.public
+                                   ├─ /health /ready ──────> ops app (no auth)
+                                   └─ everything else ─────> api app (auth -> Principal)
+                                        OpenAIServer: RequestContext, decode once (Call)
+                                        Pipeline.admit(context, call): once per request
+                                          RateLimits (429) -> Queue (admit / wait / 503)
+                                        Dispatcher.stream per choice: RouteTable.plan (model routes)
+                                        -> breakers.allows -> group policy.pick -> BackendActor.stream
+                                        -> Backend.stream; outcome -> breakers.record
+                                        ; before the first token: next backend, next model
+                                          (within the retry budget, after a full-jitter backoff)
+    127.0.0.1 ──> admin listener ─> Router.admin
+                                   ├─ /health /ready /metrics ─> ops app (no auth)
+                                   └─ /admin/* ────────────> admin app (the admin key, if set)
+    in-process ─> Router (ASGI): every route on one app (tests, embedding)
 
-Both apps are :class:`~frontend.server.OpenAIServer` over the same
-dispatcher; they differ in authentication, so that probes and scrapers need
-no API key while every API and admin call does (when keys are configured).
+The apps are :class:`~frontend.server.OpenAIServer` over the same
+dispatcher; they differ in routes and authentication, so that probes and
+scrapers need no key while every API call needs an API key and every admin
+call the admin key (when keys are configured). ``headrace serve`` serves
+``Router.public`` on its main listener and ``Router.admin`` on a second one
+bound to 127.0.0.1 (router/server.py), so /metrics (tenant names) and
+/admin/* are never reachable from the network by default. Without an admin
+key (``[auth] admin_sha256``) /admin/* takes no key, which the loopback-only
+admin listener makes safe; a non-loopback admin listener needs the key. The
+in-process all-in-one app keeps the older rule for /admin/* without an admin
+key: an API key when API keys are configured.
 
 API keys are held as SHA-256 digests only (``[[auth.api_keys]] sha256``;
 plain ``[auth] keys`` are digested at startup): a presented key is digested
 and compared with every known digest in constant time (``hmac.compare_digest``,
 no early exit), and only a 12-hex-digit prefix of the digest (the key id)
-is ever logged or labelled.
+is ever logged or labelled. The admin key is held and compared the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +51,14 @@ import trio
 from backends.base import Backend
 from backends.errors import BadRequest, NotFound, Unauthorized
 from frontend.context import Principal
-from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
+from frontend.server import (
+    Authenticate,
+    Handler,
+    HTTPRequest,
+    OpenAIServer,
+    Response,
+    json_response,
+)
 from policies.base import KVEventSink, KVEventView, RoutingPolicy
 from policies.breaker import BreakerPolicy, RetryBudget
 from policies.ratelimit import Limits
@@ -62,9 +81,10 @@ from router.store import SQLiteStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPS_PATHS", "KVFanOut", "KnownKey", "NamedBackend", "Router", "key_digest", "kv_sink_for"]
+__all__ = ["OPS_PATHS", "PROBE_PATHS", "KVFanOut", "KnownKey", "NamedBackend", "Router", "key_digest", "kv_sink_for"]
 
 OPS_PATHS = frozenset({"/health", "/ready", "/metrics"})
+PROBE_PATHS = frozenset({"/health", "/ready"})  # the ops paths the main listener serves too
 
 
 class NamedBackend(msgspec.Struct, frozen=True):
@@ -258,16 +278,18 @@ class Router:
             job_routes = JobsAPI(self.job_store, self.jobs, self.dispatcher).routes()
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
+        admin_routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/admin/backends"): self._list_backends,
+            ("POST", "/admin/backends"): self._admin,
+            ("GET", "/admin/models"): self._list_models,
+            ("POST", "/admin/models"): self._admin_models,
+            ("GET", "/admin/routing"): self._list_routing,
+        }
+        sha = config.auth.admin_sha256
+        self.admin_key = bytes.fromhex(sha) if sha is not None else None
         self.api = OpenAIServer(
             self.dispatcher,
-            extra_routes={
-                ("GET", "/admin/backends"): self._list_backends,
-                ("POST", "/admin/backends"): self._admin,
-                ("GET", "/admin/models"): self._list_models,
-                ("POST", "/admin/models"): self._admin_models,
-                ("GET", "/admin/routing"): self._list_routing,
-                **job_routes,
-            },
+            extra_routes=job_routes,
             authenticate=self._authenticate if config.auth.enabled else None,
             max_body_bytes=limit,
             body_idle_timeout=config.server.body_idle_timeout,
@@ -282,6 +304,16 @@ class Router:
             body_idle_timeout=config.server.body_idle_timeout,
             observe=self.metrics.observe,
         )
+
+        def admin_app(authenticate: Authenticate | None) -> OpenAIServer:
+            return OpenAIServer(self.dispatcher, extra_routes=admin_routes, authenticate=authenticate,
+                                max_body_bytes=limit, body_idle_timeout=config.server.body_idle_timeout,
+                                observe=self.metrics.observe, openai_routes=False)  # fmt: skip
+
+        by_key: Authenticate | None = self._authenticate_admin if self.admin_key is not None else None
+        self.admin_api = admin_app(by_key)
+        self._admin_inline = self.admin_api if by_key is not None or not config.auth.enabled else admin_app(self._authenticate)
+        self.admin_url: str | None = None  # set by router.server.run_router once the admin listener is bound
 
     # ------------------------------------------------------------ lifecycle
 
@@ -328,7 +360,19 @@ class Router:
             await trio.sleep(self.config.health.interval)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        app = self.ops if scope.get("path") in OPS_PATHS else self.api
+        """Every route on one app, for in-process use (tests, embedding)."""
+        path = scope.get("path", "")
+        app = self.ops if path in OPS_PATHS else self._admin_inline if path.startswith("/admin/") else self.api
+        await app(scope, receive, send)
+
+    async def public(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The main listener's app: the API and the probes; no /metrics, no /admin."""
+        app = self.ops if scope.get("path") in PROBE_PATHS else self.api
+        await app(scope, receive, send)
+
+    async def admin(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The admin listener's app: the probes, /metrics and /admin/*; no API."""
+        app = self.ops if scope.get("path") in OPS_PATHS else self.admin_api
         await app(scope, receive, send)
 
     def actor(self, name: str) -> BackendActor:
@@ -393,6 +437,14 @@ class Router:
             if found is not None:
                 return Principal(found.tenant, found.key_id)
         raise Unauthorized("Incorrect or missing API key; send Authorization: Bearer <key>.")
+
+    def _authenticate_admin(self, headers: dict[str, str]) -> Principal:
+        """The admin key (``[auth] admin_sha256``), compared in constant time."""
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        if scheme.lower() == "bearer" and key and self.admin_key is not None and hmac.compare_digest(self.admin_key, digest):
+            return Principal("admin")
+        raise Unauthorized("Incorrect or missing admin key; send Authorization: Bearer <admin key>.")
 
     async def _ready(self, request: HTTPRequest) -> Response:
         ready = self.dispatcher.ready()

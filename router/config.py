@@ -152,6 +152,11 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     max_connections: PositiveInt | None = None  # client connections in total; None: 3/4 of the fd limit
     max_connections_per_client: PositiveInt | None = 256  # per client address; None: no cap
     reserved_connections: PositiveInt = 32  # of max_connections, kept for /health /ready /metrics
+    # The admin listener: /metrics and /admin/* (and /health, /ready) are
+    # served here only, not on the main listener. A non-loopback admin_host
+    # needs [auth] admin_sha256 (startup refuses it otherwise).
+    admin_host: str = "127.0.0.1"
+    admin_port: Port | None = None  # None: port + 1 (a free port when port is 0)
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -194,6 +199,10 @@ class AuthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # digests them at startup and warns to move them to api_keys).
     keys: dict[str, str] = {}
     api_keys: tuple[ApiKey, ...] = ()  # no keys in either: no authentication
+    # The admin key's hex SHA-256: /admin/* then needs Authorization: Bearer
+    # <admin key> (an API key is never an admin key). None: /admin/* needs no
+    # key, and the admin listener must be bound to a loopback address.
+    admin_sha256: SHA256_HEX | None = None
 
     @property
     def enabled(self) -> bool:

@@ -1,10 +1,17 @@
 """``headrace serve``: parse flags, load the config, run the router.
 
 Startup prints ``headrace listening on <url>`` (tests started with
-``--port 0`` read the port from it). SIGTERM or SIGINT starts a graceful
-drain: the listener closes at once, streams in flight run on for up to
-``--drain-timeout`` seconds, then everything is cancelled and the backend
-clients are closed. A bad config exits with status 2 and one clear line.
+``--port 0`` read the port from it), then ``headrace admin on <url>``: the
+admin listener, which alone serves ``/metrics`` and ``/admin/*`` (with
+``/health`` and ``/ready``), on ``[server] admin_host`` (127.0.0.1) and
+``admin_port`` (the main port + 1; a free port when the main one is 0). A
+non-loopback admin host needs ``[auth] admin_sha256`` and, when the main
+listener has TLS, serves TLS with the same certificate. SIGTERM or SIGINT
+starts a graceful drain: the listeners close at once, streams in flight run
+on for up to ``--drain-timeout`` seconds, then everything is cancelled and
+the backend clients are closed. With TLS, SIGHUP re-reads the certificate
+files: new connections get the new certificate, open ones keep theirs. A bad
+config exits with status 2 and one clear line.
 
 ``--workers N`` (``[server] workers``; default one per core) runs N router
 processes on the port under a supervisor (router/workers.py); ``--workers 1``
@@ -15,16 +22,27 @@ supervisor with the hidden ``--worker-config`` and ``--worker-index``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import logging
 import os
 import shlex
+import ssl
 import sys
 from functools import partial
 
 import msgspec
 import trio
 
-from frontend.serving import Limits, ServeOptions, serve, wait_for_signal
+from frontend.serving import (
+    Limits,
+    ServeOptions,
+    reload_on_sighup,
+    reserve_port,
+    serve,
+    wait_for_signal,
+)
+from frontend.tls import server_context
 from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
 from router.app import OPS_PATHS, Router
@@ -41,7 +59,7 @@ from router.factory import DEFAULT_REPLICAS, build_backends, default_backends
 from router.replicas import EngineReplica
 from router.workers import WorkerFailed, serve_workers, watch_parent
 
-__all__ = ["main", "options_for", "parse_args", "run_router", "worker_count"]
+__all__ = ["admin_options_for", "main", "options_for", "parse_args", "run_router", "worker_count"]
 
 log = logging.getLogger("headrace")
 
@@ -106,9 +124,9 @@ def worker_count(config: RouterConfig) -> int:
     return config.server.workers or os.cpu_count() or 1
 
 
-def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptions:
+def _limits(config: RouterConfig) -> Limits:
     s = config.server
-    limits = Limits(
+    return Limits(
         max_concurrent_streams=s.max_concurrent_streams,
         stream_buffer_bytes=s.stream_buffer_bytes,
         connection_buffer_bytes=s.connection_buffer_bytes,
@@ -120,6 +138,11 @@ def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptio
         reserved_connections=s.reserved_connections,
         reserved_paths=OPS_PATHS,
     )
+
+
+def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptions:
+    """The main listener."""
+    s = config.server
     return ServeOptions(
         s.host,
         s.port,
@@ -130,7 +153,50 @@ def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptio
         keep_alive_max_requests=s.keep_alive_max_requests,
         access_log=s.access_log,
         reuse_port=reuse_port,
-        limits=limits,
+        limits=_limits(config),
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_port(config: RouterConfig) -> int:
+    """``[server] admin_port``, or the main port + 1 (0, a free port, when the main port is 0)."""
+    s = config.server
+    port = s.admin_port if s.admin_port is not None else (s.port + 1 if s.port else 0)
+    if port > 65535:
+        raise ConfigError(f"server.admin_port: the main port + 1 is {port}; set server.admin_port")
+    if port and port == s.port and (s.admin_host == s.host or s.host in ("0.0.0.0", "::")):
+        raise ConfigError("server.admin_port: the admin listener needs a port of its own")
+    return port
+
+
+def admin_options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptions:
+    """The admin listener (/metrics, /admin/*): loopback unless the config
+    has an admin key; TLS like the main listener's when it is not loopback."""
+    s = config.server
+    loopback = is_loopback(s.admin_host)
+    if not loopback and config.auth.admin_sha256 is None:
+        raise ConfigError(
+            f"server.admin_host {s.admin_host!r} is not a loopback address: set auth.admin_sha256 "
+            "(the admin key's SHA-256: printf %s KEY | sha256sum) or keep the admin listener on 127.0.0.1"
+        )
+    return ServeOptions(
+        s.admin_host,
+        admin_port(config),
+        certfile=None if loopback else s.certfile,
+        keyfile=None if loopback else s.keyfile,
+        graceful_timeout=s.drain_timeout,
+        keep_alive_timeout=s.keep_alive_timeout,
+        access_log=s.access_log,
+        reuse_port=reuse_port,
+        limits=dataclasses.replace(_limits(config), reserved_connections=0),
     )
 
 
@@ -139,15 +205,21 @@ async def run_router(
     options: ServeOptions,
     *,
     shutdown: trio.Event,
+    admin: ServeOptions | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the actors and serve HTTP until ``shutdown`` is set and the drain
-    is over; ``task_status.started`` gets the bound URL."""
+    is over; ``task_status.started`` gets the main listener's URL. With
+    ``admin``, the main listener serves ``router.public`` and the admin one
+    ``router.admin`` (its URL in ``router.admin_url``); without, one
+    listener serves every route."""
     async with trio.open_nursery() as nursery:
         await nursery.start(router.run)
         nursery.start_soon(router.metrics.run_mirror)  # returns at once unless several workers share metrics
         async with trio.open_nursery() as http:
-            url = await http.start(partial(serve, router, options, shutdown=shutdown))
+            if admin is not None:
+                router.admin_url = await http.start(partial(serve, router.admin, admin, shutdown=shutdown))
+            url = await http.start(partial(serve, router.public if admin is not None else router, options, shutdown=shutdown))
             task_status.started(url)
         nursery.cancel_scope.cancel()
 
@@ -168,9 +240,14 @@ async def _serve_until_signal(
         if worker is not None:
             router.metrics.set_worker(worker)
         options = options_for(config, reuse_port=worker is not None)
+        admin = admin_options_for(config, reuse_port=worker is not None)
+        if options.certfile is not None or admin.certfile is not None:
+            nursery.start_soon(reload_on_sighup, options, admin)
         async with trio.open_nursery() as inner:
-            url = await inner.start(partial(run_router, router, options, shutdown=shutdown))
+            url = await inner.start(partial(run_router, router, options, shutdown=shutdown, admin=admin))
             print(f"headrace listening on {url}", flush=True)
+            if worker is None:  # the supervisor prints the workers' shared one
+                print(f"headrace admin on {router.admin_url}", flush=True)
         nursery.cancel_scope.cancel()
     log.info("headrace stopped")
 
@@ -180,14 +257,22 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
     shutdown = trio.Event()
     status = 0
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait_for_signal, shutdown)
-            start_backends = partial(start_replicas, engine_args=engine_args)
-            url = await nursery.start(
-                partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)
-            )
-            print(f"headrace listening on {url}", flush=True)
-            log.info("%d router workers serving %s", workers, url)
+        # The admin port, held here (SO_REUSEPORT, not listening) so that every
+        # worker binds the same one, as they do the main port.
+        s = config.server
+        with reserve_port(s.admin_host, admin_port(config)) as held:
+            config = with_overrides(config, admin_port=held.getsockname()[1])
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_signal, shutdown)
+                start_backends = partial(start_replicas, engine_args=engine_args)
+                url = await nursery.start(
+                    partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)
+                )
+                print(f"headrace listening on {url}", flush=True)
+                host = f"[{s.admin_host}]" if ":" in s.admin_host else s.admin_host
+                scheme = "https" if admin_options_for(config).certfile is not None else "http"
+                print(f"headrace admin on {scheme}://{host}:{config.server.admin_port}", flush=True)
+                log.info("%d router workers serving %s", workers, url)
     except* (WorkerFailed, OSError) as group:  # OSError: the port is taken
         for exc in group.exceptions:
             log.error("headrace serve: %s", exc)
@@ -213,6 +298,13 @@ async def start_replicas(nursery: trio.Nursery, engine_args: list[str], n: int =
     return urls
 
 
+def _check_certificate(certfile: str, keyfile: str) -> None:
+    try:
+        server_context(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"server.certfile/keyfile: cannot load {certfile} with {keyfile}: {exc}") from None
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -227,6 +319,9 @@ def main(argv: list[str]) -> int:
         config = worker_config(args.worker_config) if args.worker_config else config_from_args(args)
         policy = create_policy(config.routing.policy, options=config.routing.options)
         build_backends(config)  # validate adapter settings before anything starts
+        admin_options_for(config)  # the admin listener's address and key
+        if config.server.certfile is not None and config.server.keyfile is not None:
+            _check_certificate(config.server.certfile, config.server.keyfile)
     except (ConfigError, PolicyError) as exc:
         print(f"headrace serve: {exc}", file=sys.stderr)
         return 2

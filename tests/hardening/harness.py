@@ -62,6 +62,7 @@ class RouterProcess:
     process: trio.Process
     url: str
     log: Path
+    admin_url: str  # /metrics and /admin/* (127.0.0.1, its own listener)
 
     @property
     def port(self) -> int:
@@ -79,7 +80,7 @@ class RouterProcess:
         return self.log.read_text(errors="replace") + (out.read_text(errors="replace") if out.exists() else "")
 
     async def backends(self) -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=self.url, timeout=5) as client:
+        async with httpx.AsyncClient(base_url=self.admin_url, timeout=5) as client:
             r = await client.get("/admin/backends")
             data: list[dict[str, Any]] = r.json()["data"]
             return data
@@ -116,14 +117,15 @@ async def start_router(
     assert process.stdout is not None
     out = b""
     with trio.fail_after(30):
-        while b"\n" not in out:
+        while out.count(b"\n") < 2:
             chunk = await process.stdout.receive_some(4096)
             assert chunk, f"the router exited: {log.read_text()}"
             out += chunk
-    line = out.decode().splitlines()[0]
-    assert line.startswith("headrace listening on "), line
+    listening, admin = out.decode().splitlines()[:2]
+    assert listening.startswith("headrace listening on "), listening
+    assert admin.startswith("headrace admin on "), admin
     nursery.start_soon(_drain, process.stdout, tmp / "router.out", out)
-    return RouterProcess(process, line.rsplit(" ", 1)[1], log)
+    return RouterProcess(process, listening.rsplit(" ", 1)[1], log, admin.rsplit(" ", 1)[1])
 
 
 async def _drain(stdout: trio.abc.ReceiveStream, path: Path, first: bytes) -> None:

@@ -7,6 +7,7 @@ Real processes end to end, on a tiny random GGUF model."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,19 +70,25 @@ async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -
         assert proc.stdout is not None
         with trio.fail_after(180):
             line = await _read_until(proc.stdout, "headrace listening on ", seen)
+            while not re.search(r"headrace admin on \S+\n", "".join(seen)):  # /admin/*: its own listener
+                chunk = await proc.stdout.receive_some(65536)
+                assert chunk, "".join(seen)
+                seen.append(chunk.decode(errors="replace"))
         url = line.split(" on ", 1)[1].strip()
+        admin_url = re.findall(r"headrace admin on (\S+)\n", "".join(seen))[0]
         nursery.start_soon(_drain, proc.stdout)
         engines = _children(proc.pid)
         assert len(engines) == 2, seen
-        async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=url, http1=False, http2=True, timeout=30) as client, \
+                httpx.AsyncClient(base_url=admin_url, timeout=30) as admin:
             with trio.fail_after(30):
-                await _wait_up(client, {"engine-0", "engine-1"})
+                await _wait_up(admin, {"engine-0", "engine-1"})
             for _ in range(2):  # round robin: both replicas answer
                 r = await client.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] <= 4
-            listed = {b["name"]: b for b in (await client.get("/admin/backends")).json()["data"]}
+            listed = {b["name"]: b for b in (await admin.get("/admin/backends")).json()["data"]}
             assert listed["engine-0"]["requests"] == listed["engine-1"]["requests"] == 1
 
             # A replica killed outright comes back on its port, and serves again.
@@ -89,7 +96,7 @@ async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -
             with trio.fail_after(120):
                 while len(set(_children(proc.pid)) - {engines[0]}) < 2:
                     await trio.sleep(0.2)
-                await _wait_up(client, {"engine-0", "engine-1"})
+                await _wait_up(admin, {"engine-0", "engine-1"})
             engines = _children(proc.pid)
             for _ in range(2):
                 r = await client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})

@@ -26,7 +26,7 @@ import trio
 
 from backends.mock import MockBackend, MockConfig
 from frontend.server import OpenAIServer
-from frontend.serving import ServeOptions, serve
+from frontend.serving import ServeOptions, reserve_port, serve
 from router import cli
 from router.config import decode_config
 from router.server import worker_count
@@ -111,11 +111,13 @@ async def test_two_workers_share_the_port_metrics_add_up_a_dead_worker_comes_bac
             line = await serving.read_until("headrace listening on ")
             url = line.rsplit(" ", 1)[1].strip()
             assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+            admin = (await serving.read_until("headrace admin on ")).rsplit(" ", 1)[1].strip()
+            assert admin.startswith("http://127.0.0.1:") and not admin.endswith(":0")  # /metrics: the workers' shared admin port
             workers = children(proc.pid)
             assert len(workers) == 2
 
             await one_request_per_connection(url, 40)
-            text = await scrape(url)
+            text = await scrape(admin)
             assert samples(text, "headrace_requests_total")['{route="/v1/completions",status="200",tenant="default"}'] == 40
             per_worker = samples(text, "headrace_worker_requests_total")
             assert set(per_worker) == {'{worker="0"}', '{worker="1"}'}, per_worker
@@ -124,7 +126,7 @@ async def test_two_workers_share_the_port_metrics_add_up_a_dead_worker_comes_bac
             # The actors' own counts reach the scrape by the mirror (at most 1 s old).
             while sum(samples(text, "headrace_backend_requests_total").values()) < 40:
                 await trio.sleep(0.2)
-                text = await scrape(url)
+                text = await scrape(admin)
             assert samples(text, "headrace_backend_requests_total") == {'{backend="mock-0"}': 40.0}
             assert samples(text, "headrace_backend_in_flight") == {'{backend="mock-0"}': 0.0}
             up = samples(text, "headrace_backend_up")
@@ -138,7 +140,7 @@ async def test_two_workers_share_the_port_metrics_add_up_a_dead_worker_comes_bac
                 await trio.sleep(0.1)
             replaced = children(proc.pid)
             await one_request_per_connection(url, 20)
-            text = await scrape(url)
+            text = await scrape(admin)
             assert samples(text, "headrace_requests_total")['{route="/v1/completions",status="200",tenant="default"}'] == 65
             up = samples(text, "headrace_backend_up")
             assert f'{{backend="mock-0",pid="{workers[0]}"}}' not in up, up  # the dead worker's gauges are gone
@@ -182,7 +184,9 @@ async def test_the_supervisor_starts_the_engine_replicas_once_and_gives_them_to_
         started.append(urls)
         return urls
 
-    config = decode_config({"server": {"port": 0, "drain_timeout": 1}, "health": {"interval": 0.2}})
+    held = reserve_port("127.0.0.1")  # the admin port every worker binds (headrace serve's supervisor holds one so)
+    admin = f"http://127.0.0.1:{held.getsockname()[1]}"
+    config = decode_config({"server": {"port": 0, "drain_timeout": 1, "admin_port": held.getsockname()[1]}, "health": {"interval": 0.2}})
     shutdown = trio.Event()
     done = trio.Event()
 
@@ -193,12 +197,12 @@ async def test_the_supervisor_starts_the_engine_replicas_once_and_gives_them_to_
 
     with trio.fail_after(60):
         url = await nursery.start(supervise)
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=admin, timeout=10) as client:
             listed = (await client.get("/admin/backends")).json()["data"]
         assert sorted(b["name"] for b in listed) == ["engine-0", "engine-1"]
         while not all(b["state"] == "up" for b in listed):
             await trio.sleep(0.1)
-            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=admin, timeout=10) as client:
                 listed = (await client.get("/admin/backends")).json()["data"]
         await one_request_per_connection(url, 12)
     assert len(started) == 1
@@ -206,6 +210,7 @@ async def test_the_supervisor_starts_the_engine_replicas_once_and_gives_them_to_
     shutdown.set()
     with trio.fail_after(30):
         await done.wait()
+    held.close()
 
 
 def test_the_default_is_one_worker_per_core() -> None:

@@ -1,0 +1,148 @@
+"""TLS: 1.2 or later with forward-secret AEAD ciphers only, and a rotated
+certificate reloaded (SIGHUP, or ``ServeOptions.reload_certificates``)
+without dropping a connection: new connections get the new certificate,
+open ones keep theirs and go on serving; bad new files leave the old one in
+service."""
+
+from __future__ import annotations
+
+import signal
+import ssl
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from cryptography import x509
+
+from backends.mock import MockBackend
+from frontend.server import OpenAIServer
+from frontend.serving import ServeOptions, serve
+from frontend.tls import server_context
+from tests.hardening.harness import start_mocks, start_router
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Files:
+    """A certificate and key pair on disk, rotated by :meth:`install`."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ca = trustme.CA()
+        self.certfile, self.keyfile = tmp / "cert.pem", tmp / "key.pem"
+
+    def install(self) -> int:
+        """Write a fresh certificate for 127.0.0.1; its serial number."""
+        cert = self.ca.issue_cert("127.0.0.1", "localhost")
+        cert.cert_chain_pems[0].write_to_path(str(self.certfile))
+        cert.private_key_pem.write_to_path(str(self.keyfile))
+        serial: int = x509.load_pem_x509_certificate(cert.cert_chain_pems[0].bytes()).serial_number
+        return serial
+
+    def client(self, **versions: ssl.TLSVersion) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        self.ca.configure_trust(context)
+        context.set_alpn_protocols(["http/1.1"])
+        for name, value in versions.items():
+            setattr(context, name, value)
+        return context
+
+
+async def _connect(port: int, context: ssl.SSLContext) -> tuple[trio.SSLStream[trio.SocketStream], int]:
+    """A TLS connection after its handshake, and the server certificate's serial."""
+    stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=context, https_compatible=True)
+    await stream.do_handshake()
+    der = stream.getpeercert(binary_form=True)
+    assert der is not None
+    return stream, x509.load_der_x509_certificate(der).serial_number
+
+
+async def _get(stream: trio.SSLStream[trio.SocketStream], path: str = "/health") -> bytes:
+    """One HTTP/1.1 request on an open connection (kept alive); the status line."""
+    await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n".encode())
+    got = b""
+    with trio.fail_after(10):
+        while b"\r\n\r\n" not in got:
+            got += await stream.receive_some(65536)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+    return head.split(b"\r\n")[0]
+
+
+def test_the_server_context_allows_tls_12_and_later_with_forward_secret_aead_ciphers_only(tmp_path: Path) -> None:
+    files = Files(tmp_path)
+    files.install()
+    context = server_context(str(files.certfile), str(files.keyfile))
+    assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert context.options & ssl.OP_NO_COMPRESSION and context.options & ssl.OP_NO_RENEGOTIATION
+    tls12 = [c for c in context.get_ciphers() if c["protocol"] == "TLSv1.2"]
+    assert tls12 and all(c["kea"] == "kx-ecdhe" and c["aead"] for c in tls12), [c["name"] for c in tls12]
+
+
+async def test_old_protocols_and_weak_ciphers_are_refused_modern_ones_served(nursery: trio.Nursery, tmp_path: Path) -> None:
+    files = Files(tmp_path)
+    files.install()
+    url = await nursery.start(serve, OpenAIServer(MockBackend()),
+                              ServeOptions(certfile=str(files.certfile), keyfile=str(files.keyfile), graceful_timeout=0.1))  # fmt: skip
+    port = int(url.rsplit(":", 1)[1])
+    for versions in ({}, {"maximum_version": ssl.TLSVersion.TLSv1_2}):
+        stream, _ = await _connect(port, files.client(**versions))
+        assert await _get(stream) == b"HTTP/1.1 200 "
+        cipher, protocol, _ = stream.cipher()
+        assert protocol in ("TLSv1.2", "TLSv1.3") and ("GCM" in cipher or "CHACHA20" in cipher), cipher
+        await stream.aclose()
+    old = files.client(minimum_version=ssl.TLSVersion.TLSv1, maximum_version=ssl.TLSVersion.TLSv1_1)
+    old.set_ciphers("DEFAULT:@SECLEVEL=0")
+    weak = files.client(maximum_version=ssl.TLSVersion.TLSv1_2)
+    weak.set_ciphers("AES128-SHA:AES256-SHA")  # static RSA key exchange, CBC: no forward secrecy
+    for context in (old, weak):
+        with pytest.raises((ssl.SSLError, trio.BrokenResourceError)):
+            await _connect(port, context)
+
+
+async def test_a_reloaded_certificate_reaches_new_connections_while_open_ones_keep_serving(nursery: trio.Nursery, tmp_path: Path) -> None:
+    files = Files(tmp_path)
+    first = files.install()
+    options = ServeOptions(certfile=str(files.certfile), keyfile=str(files.keyfile), graceful_timeout=0.1)
+    port = int((await nursery.start(serve, OpenAIServer(MockBackend()), options)).rsplit(":", 1)[1])
+    old, serial = await _connect(port, files.client())
+    assert serial == first and await _get(old) == b"HTTP/1.1 200 "
+    second = files.install()
+    assert options.reload_certificates()
+    new, serial = await _connect(port, files.client())
+    assert serial == second != first
+    assert await _get(old) == b"HTTP/1.1 200 "  # the open connection was not dropped
+    assert await _get(new) == b"HTTP/1.1 200 "
+    files.keyfile.write_text("not a key")  # a half-rotated pair: refused, the old one stays
+    assert not options.reload_certificates()
+    third, serial = await _connect(port, files.client())
+    assert serial == second
+    for stream in (old, new, third):
+        await stream.aclose()
+
+
+async def test_sighup_reloads_the_routers_certificate_without_dropping_a_connection(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``headrace serve`` with TLS: a connection opened before SIGHUP keeps
+    its certificate and serves on; connections after it get the new one."""
+    files = Files(tmp_path)
+    first = files.install()
+    urls, _ = await start_mocks(nursery, n=1)
+    router = await start_router(nursery, tmp_path, urls, {"server.certfile": str(files.certfile), "server.keyfile": str(files.keyfile)})
+    assert router.url.startswith("https://127.0.0.1:")
+    assert router.admin_url.startswith("http://127.0.0.1:")  # loopback: plain HTTP
+    old, serial = await _connect(router.port, files.client())
+    assert serial == first and await _get(old) == b"HTTP/1.1 200 "
+    second = files.install()
+    router.process.send_signal(signal.SIGHUP)
+    with trio.fail_after(10):
+        while True:
+            stream, serial = await _connect(router.port, files.client())
+            await stream.aclose()
+            if serial == second:
+                break
+            await trio.sleep(0.05)
+    assert await _get(old) == b"HTTP/1.1 200 "
+    assert router.process.returncode is None
+    await old.aclose()
