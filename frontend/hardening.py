@@ -12,7 +12,10 @@ What each limit stops, and where it acts::
                                             floods): GOAWAY(ENHANCE_YOUR_CALM), close;
                                             a stream over MAX_CONCURRENT_STREAMS: its own
                                             RST_STREAM(REFUSED_STREAM); a malformed header
-                                            block: RST_STREAM(PROTOCOL_ERROR), not GOAWAY
+                                            block: RST_STREAM(PROTOCOL_ERROR), not GOAWAY;
+                                            RFC 9113's codes where h2 4.x gives PROTOCOL_ERROR
+                                            (HPACK: COMPRESSION_ERROR; a SETTINGS ack with a
+                                            payload: FRAME_SIZE_ERROR)
            ─> H11: Content-Length plus      400 and close (RFC 9112 6.1): no smuggled
               Transfer-Encoding             request behind it is ever read
     write  ─> StreamBuffer.push / drain     at most ``stream_buffer_bytes`` unsent per stream
@@ -47,6 +50,8 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
+import hpack.exceptions
 import msgspec
 import trio
 from hypercorn.events import Closed, RawData, Updated
@@ -223,6 +228,7 @@ class GuardedH2Connection(h2.connection.H2Connection):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.incoming_buffer = _FrameBuffer(server=not self.config.client_side)
         self.guard(DEFAULT_LIMITS, None)
 
     def guard(self, limits: Limits, peer: object) -> None:
@@ -274,6 +280,10 @@ class GuardedH2Connection(h2.connection.H2Connection):
         try:
             frames, events = super()._receive_headers_frame(frame)
         except h2.exceptions.ProtocolError as exc:
+            if type(exc) is h2.exceptions.ProtocolError and isinstance(exc.__cause__, hpack.exceptions.HPACKError):
+                # RFC 9113 4.3 (h2 says PROTOCOL_ERROR); an oversized list stays
+                # DenialOfServiceError, ENHANCE_YOUR_CALM.
+                raise _CompressionError(str(exc)) from exc
             # Only a new stream's own header block: every other failure
             # (connection state, stream ids, HPACK) stays a connection error.
             if not (new and type(exc) is h2.exceptions.ProtocolError and sid in self.streams):
@@ -293,6 +303,23 @@ class GuardedH2Connection(h2.connection.H2Connection):
 
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame)
+
+
+class _CompressionError(h2.exceptions.ProtocolError):
+    """A header block that does not decode: the HPACK state is lost with it."""
+
+    error_code = h2.errors.ErrorCodes.COMPRESSION_ERROR
+
+
+class _FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer, but a SETTINGS ack with a payload is
+    FRAME_SIZE_ERROR (RFC 9113 6.5), not h2's PROTOCOL_ERROR."""
+
+    def __next__(self) -> Any:
+        head = self._data[:9]
+        if len(head) == 9 and head[3] == 0x4 and head[4] & 0x1 and int.from_bytes(head[:3], "big"):
+            raise h2.exceptions.FrameDataMissingError("a SETTINGS ack with a payload")
+        return super().__next__()
 
 
 def _guarded_connection(old: h2.connection.H2Connection, limits: Limits, peer: object) -> GuardedH2Connection:

@@ -397,6 +397,37 @@ def test_the_h2_internals_the_guarded_connection_uses_are_unchanged() -> None:
     assert conn._frame_dispatch_table[HeadersFrame] == conn._receive_headers_frame
 
 
+def test_the_h2_frame_buffer_and_header_decoding_the_guarded_connection_relies_on_are_unchanged() -> None:
+    """_FrameBuffer peeks at FrameBuffer._data before h2 parses a frame (a
+    SETTINGS ack with a payload: FRAME_SIZE_ERROR); HPACK decoding errors
+    reach _receive_headers_frame as a plain ProtocolError caused by the
+    HPACKError (made COMPRESSION_ERROR there); the connection reads through
+    ``self.incoming_buffer``, which GuardedH2Connection replaces."""
+    import h2.connection
+    import h2.frame_buffer
+
+    buffer = h2.frame_buffer.FrameBuffer(server=False)
+    buffer.add_data(b"\0" * 9)
+    assert isinstance(buffer._data, bytearray) and bytes(buffer._data) == b"\0" * 9
+    source = _source(h2.connection)
+    assert "self.incoming_buffer = FrameBuffer(server=not self.config.client_side)" in source
+    assert "for frame in self.incoming_buffer:" in source
+    assert "except (HPACKError, IndexError, TypeError, UnicodeDecodeError) as e:" in source
+    assert 'msg = f"Error decoding header block: {e}"\n        raise ProtocolError(msg) from e' in source
+    assert isinstance(hardening.GuardedH2Connection().incoming_buffer, hardening._FrameBuffer)
+
+
+def test_the_hypercorn_tls_hooks_serving_uses_are_unchanged() -> None:
+    """serving._Config hands hypercorn its own (reloadable) context through
+    create_ssl_context, which worker_serve calls once per server."""
+    from hypercorn import config as hypercorn_config
+    from hypercorn.trio import run
+
+    assert _methods(_class_node(hypercorn_config, "Config"))["create_ssl_context"] == ["self"]
+    assert "ssl_context = config.create_ssl_context()" in _source(run)
+    assert isinstance(hypercorn_config.Config.ssl_handshake_timeout, (int, float))
+
+
 def test_the_hypercorn_internals_hardening_uses_are_unchanged() -> None:
     from hypercorn.protocol import h2 as hypercorn_h2
     from hypercorn.protocol import h11 as hypercorn_h11
