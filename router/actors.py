@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -148,6 +149,9 @@ class BackendActor:
         # Probe and failure counts are not kept here: statistics() derives
         # them from the events the health machine counted.
         self._counts = dict.fromkeys(("requests", "cancelled", "tokens", "restarts"), 0)
+        # When the backend last answered (a probe or a request that went well),
+        # on trio's clock: a stream that failed here may come back once it has.
+        self.ok_at = -math.inf
         self._detail = ""
         self.pending_prefill_tokens = 0
         self.kv_sink = kv_sink
@@ -226,6 +230,8 @@ class BackendActor:
 
     def _apply(self, event: HealthEvent) -> None:
         """Feed ``event`` to the health machine, the one place that moves the state."""
+        if event is HealthEvent.PROBE_OK or event is HealthEvent.REQUEST_OK:
+            self.ok_at = trio.current_time()
         before = self.state
         after = self.health.handle(event)
         if after is not before:

@@ -541,7 +541,10 @@ class Dispatcher:
         backend of its route (never one that failed it), until it finishes,
         or raise :class:`MigrationFailed`."""
         target, settings, error = b.target, b.settings, b.error
-        failed = {b.backend}
+        # Where this stream failed, and when (trio's clock). The backend that
+        # failed it last is never asked again straight away; an earlier one
+        # only once it has answered since (a restarted backend is back).
+        failed = {b.backend: trio.current_time()}
         migrations = 0
         diverged = False  # a replay differed: text continuation (when opted in) is what is left
         while True:
@@ -552,7 +555,8 @@ class Dispatcher:
                 raise error
             if migrations >= settings.max_migrations:
                 raise self._migration_failed(reason, f"the stream broke {migrations + 1} times (limit {settings.max_migrations} migrations)", "migration_limit")
-            candidates = self._candidates(target, failed, _Outcome())
+            excluded = {b.backend} | {n for n, at in failed.items() if self.actors[n].ok_at <= at}
+            candidates = self._candidates(target, excluded, _Outcome())
             by_ids = [a for a in candidates if a.info is not None and a.info.token_ids]
             by_text = text_request(b.sub, progress) if settings.text_continuation else None
             relay: Callable[[Event], Event | None]
@@ -579,14 +583,15 @@ class Dispatcher:
                 actor = self.actors.get(name) if name is not None else None
                 if actor is None or actor not in candidates:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
-                failed.add(actor.name)
                 info = actor.info
                 if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
                 log.info("resuming the stream on %s (%s, %d tokens sent)", actor.name, mode, len(progress.token_ids))
-                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at):
+                # This break counts as resumed the moment its continuation relays
+                # something, whatever becomes of the continuation later.
+                resumed = partial(self._migrated, reason, mode)
+                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed):
                     yield event
-                self._migrated(reason, mode)
                 return
             except MigrationFailed as exc:
                 if exc.code != "replay_diverged":
@@ -595,12 +600,13 @@ class Dispatcher:
                     self._migrated(reason, "failed")
                     raise
                 diverged = True  # nothing of the replay was relayed: continue from the text instead
-                if actor is not None:
-                    failed.discard(actor.name)  # it answered, differently: it may continue the text
+                continue  # it answered, differently: it (or another) may continue the text
             except UpstreamError as exc:
                 error = exc
             except ClientError as exc:  # the new backend refused the continuation: try another
                 error = UpstreamError(f"backend refused the resumed request: {exc.message}")
+            if actor is not None:
+                failed[actor.name] = trio.current_time()
             b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
 
     async def _continue(
@@ -613,8 +619,10 @@ class Dispatcher:
         progress: Progress,
         relay: Callable[[Event], Event | None],
         broke_at: float,
+        resumed: Callable[[], None],
     ) -> AsyncIterator[Event]:
-        """One continuation attempt, its events as the client gets them."""
+        """One continuation attempt, its events as the client gets them;
+        ``resumed()`` when the first of them leaves."""
         name, feedback = actor.name, _Feedback(target.policy)
         if self.breakers is not None:
             self.breakers.dispatched(name, self.clock())
@@ -622,7 +630,7 @@ class Dispatcher:
             feedback.dispatch(name, route, self.clock())
         finished, verdict, first, cached = False, None, True, None
         last_at = self.clock()
-        gap_from: float | None = broke_at  # until the first new token reaches the client
+        gap_from: float | None = broke_at  # until the first new event reaches the client
         first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
         stall = self.stall.timeout(name, settings)
         watched = actor.watches_stalls
@@ -648,9 +656,10 @@ class Dispatcher:
                     out = relay(event)
                     if out is None:
                         continue
-                    if gap_from is not None and (out.token_ids or out.text):
+                    if gap_from is not None:
                         self.recorder.resume_gap(name, now - gap_from)
                         gap_from = None
+                        resumed()
                     progress.add(out)
                     yield out
             if not progress.finished:

@@ -118,7 +118,8 @@ async def test_each_break_migrates_again_up_to_the_limit_then_the_terminal_error
     assert text(want).startswith(text(got)) and len(ids(got)) == 8  # exact as far as it went
     assert all(e.finish_reason is None for e in got)  # never a normal end
     stats = d.statistics()
-    assert stats.migration.migrations == {"broken:failed": 1}
+    # Each break is counted once: three were resumed, the fourth was not.
+    assert stats.migration.migrations == {"broken:resumed": 3, "broken:failed": 1}
     assert stats.failed == 1
 
 
@@ -400,3 +401,35 @@ async def test_chat_never_continues_from_text() -> None:
     with pytest.raises(MigrationFailed) as info:
         await run(d, request)
     assert info.value.code == "no_backend_to_resume"
+
+
+@pytest.mark.parametrize("recovered", [True, False])
+async def test_a_backend_that_failed_the_stream_earlier_is_used_again_once_it_answers(
+    autojump_clock: trio.testing.MockClock, recovered: bool
+) -> None:
+    """A breaks the stream, B continues it and breaks too: A is the only one
+    left. Once A has answered since (a probe: it restarted), the stream goes
+    back to A; until then it is not asked again (no backend to resume on)."""
+    from backends.fakes import SlowBackend
+
+    a = FlakyBackend(mock(), fail_first=1, after_events=2)
+    b = FlakyBackend(SlowBackend(mock(), tpot_s=1.0), fail_first=1, after_events=3)
+    fleet = await actors(a, b)
+    d = Dispatcher(fleet, Prefer("a", "b"))
+
+    async def probe_a_after_it_failed() -> None:
+        while fleet[0].statistics().failures == 0:
+            await trio.sleep(0.1)
+        if recovered:
+            await fleet[0].probe()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe_a_after_it_failed)
+        if recovered:
+            got = await run(d, REQUEST)
+            assert text(got) == text(await reference(REQUEST))
+            assert d.statistics().migration.migrations == {"broken:resumed": 2}
+        else:
+            with pytest.raises(MigrationFailed) as info:
+                await run(d, REQUEST)
+            assert info.value.code == "no_backend_to_resume"
