@@ -29,11 +29,12 @@ publishes what it caches and evicts. Off (the default), nothing changes.
 
 from __future__ import annotations
 
+import heapq
 import random
 import struct
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from types import TracebackType
 from typing import Literal
 
@@ -73,6 +74,7 @@ __all__ = [
     "MockConfig",
     "MockRun",
     "MockStatistics",
+    "PrefillLane",
     "decode_ids",
     "encode_text",
     "fault_applies",
@@ -417,6 +419,46 @@ class _Generation:
         return [Logprob(token, chosen, _word(token, self.vocab), top)]
 
 
+class PrefillLane:
+    """One replica's prefill lane: one request at a time, the highest
+    ``priority`` waiting first and, among equals, the one that came first
+    (the engine's scheduler order). A waiter cancelled after it was handed
+    the lane passes it on."""
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: list[tuple[int, int, trio.Event]] = []  # a heap of (-priority, arrival, wake)
+        self._arrivals = 0
+
+    @asynccontextmanager
+    async def turn(self, priority: int = 0) -> AsyncIterator[None]:
+        if self._busy:
+            self._arrivals += 1
+            entry = (-priority, self._arrivals, trio.Event())
+            heapq.heappush(self._waiting, entry)
+            try:
+                await entry[2].wait()
+            except BaseException:
+                if entry[2].is_set():
+                    self._release()  # handed the lane as it was cancelled: pass it on
+                else:
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                raise
+        else:
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._waiting:
+            heapq.heappop(self._waiting)[2].set()  # the lane stays busy: it is theirs now
+        else:
+            self._busy = False
+
+
 class MockRun:
     """One admitted request, stepped without I/O: ``step()`` gives each event
     (the first carries the prompt ids and seed; the last its finish reason and
@@ -446,6 +488,7 @@ class MockRun:
         self._delivered = False
         self.cached_tokens = 0  # prompt tokens the prefix cache served (its model on)
         self.block_hashes: list[int] = []  # the prompt's full blocks (its model on)
+        self.priority = 0  # its turn in the prefill lane: higher goes first (as in the engine)
 
     @property
     def emitted(self) -> int:
@@ -529,7 +572,7 @@ class MockBackend:
         self._rejected = 0
         c = self.config
         self.cache = PrefixCache(c.cache_blocks, c.block_size) if c.block_size > 0 else None
-        self._lane = trio.Lock()  # the prefill lane: FIFO (trio's Lock is fair)
+        self._lane = PrefillLane()  # one prefill at a time: higher priority, then arrival order
         self._kv_changed = trio.Event()
 
     def info(self) -> BackendInfo:
@@ -633,7 +676,9 @@ class MockBackend:
             self._rejected += 1
             raise
         self._requests += 1
-        return MockRun(self._tally, prompt, seed, gen, faults, ids=self.config.token_ids)
+        run = MockRun(self._tally, prompt, seed, gen, faults, ids=self.config.token_ids)
+        run.priority = request.priority
+        return run
 
     async def prefill(self, run: MockRun, delay: float = 0.0) -> None:
         """Wait out ``run``'s time to first token: ``ttft_s + delay``, then, with
@@ -642,7 +687,7 @@ class MockBackend:
         cache = self.cache
         if cache is None:
             return
-        async with self._lane:
+        async with self._lane.turn(run.priority):
             uncached = self._lookup(cache, run)
             await trio.sleep(uncached * self.config.prefill_s_per_token)
             self._store(cache, run)

@@ -4,7 +4,7 @@ publishes KV events in the engine's format.
 ``headrace mock --block-size 16 --cache-blocks N --prefill-ms-per-token X``
 turns it on. A mock replica then models one accelerator::
 
-    request ──ttft_s──> prefill lane (one at a time, FIFO) ──> first token ──tpot_s──> ...
+    request ──ttft_s──> prefill lane (one at a time; higher priority, then FIFO) ──> first token ──tpot_s──> ...
                          │ lookup: leading cached blocks     (cached_tokens in usage)
                          │ sleep uncached_tokens x prefill_s_per_token
                          └ store the prompt's full blocks ──> KV events (stored / removed)

@@ -42,6 +42,7 @@ from backends.errors import (
 
 __all__ = [
     "REASONS",
+    "RESUME_PRIORITY_BOOST",
     "MigrationStatistics",
     "Progress",
     "Replay",
@@ -166,9 +167,16 @@ class Progress:
         return Usage(prompt_tokens=prompt, completion_tokens=len(self.token_ids), cached_tokens=min(cached, prompt))
 
 
+# A continuation goes one step ahead of new requests of its class in the
+# backend's queue (the engine schedules by priority, then arrival): the client
+# is mid-answer, and a killed backend's streams all resume at once.
+RESUME_PRIORITY_BOOST = 1
+
+
 def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequest:
     """The continuation of ``request`` after what ``progress`` relayed: by
-    token ids, with the resume contract (:attr:`GenerateRequest.resumed_tokens`)."""
+    token ids, with the resume contract (:attr:`GenerateRequest.resumed_tokens`),
+    its priority raised by :data:`RESUME_PRIORITY_BOOST`."""
     assert progress.prompt_token_ids is not None
     k = len(progress.token_ids)
     return msgspec.structs.replace(
@@ -180,6 +188,7 @@ def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequ
         max_tokens=None if request.max_tokens is None else request.max_tokens - k,
         min_tokens=max(0, request.min_tokens - k),
         seed=progress.seed if progress.seed is not None else request.seed,
+        priority=request.priority + RESUME_PRIORITY_BOOST,
     )
 
 

@@ -326,6 +326,7 @@ def test_resume_request_reduces_the_limits_and_keeps_the_seed() -> None:
     progress.add(Event(token_ids=[9, 9, 9], text="x", prompt_token_ids=[1, 2], seed=42))
     r = resume_request(GenerateRequest(prompt="p", max_tokens=10, min_tokens=2), progress)
     assert (r.prompt_token_ids, r.resumed_tokens, r.max_tokens, r.min_tokens, r.seed, r.prompt) == ([1, 2, 9, 9, 9], 3, 7, 0, 42, None)
+    assert r.priority == 1  # one step ahead of new requests of its class
 
 
 async def test_a_client_that_leaves_mid_migration_cancels_the_continuation() -> None:
@@ -433,3 +434,53 @@ async def test_a_backend_that_failed_the_stream_earlier_is_used_again_once_it_an
             with pytest.raises(MigrationFailed) as info:
                 await run(d, REQUEST)
             assert info.value.code == "no_backend_to_resume"
+
+
+async def test_the_prefill_lane_serves_higher_priority_first_then_arrival_order(autojump_clock: trio.testing.MockClock) -> None:
+    from backends.mock import PrefillLane
+
+    lane = PrefillLane()
+    order: list[str] = []
+
+    async def use(name: str, priority: int, hold: float) -> None:
+        async with lane.turn(priority):
+            order.append(name)
+            await trio.sleep(hold)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(use, "first", 0, 1.0)  # takes the free lane
+        await trio.sleep(0.1)
+        for name, priority in (("new-a", 0), ("resumed", 1), ("new-b", 0), ("batch", -1), ("resumed-2", 1)):
+            nursery.start_soon(use, name, priority, 0.5)
+            await trio.sleep(0.01)
+    assert order == ["first", "resumed", "resumed-2", "new-a", "new-b", "batch"]
+
+
+async def test_a_waiter_cancelled_once_handed_the_lane_passes_it_on(autojump_clock: trio.testing.MockClock) -> None:
+    from backends.mock import PrefillLane
+
+    lane = PrefillLane()
+    got: list[str] = []
+
+    async def holder() -> None:
+        async with lane.turn():
+            await trio.sleep(1.0)
+
+    async def waiter(name: str, scope: trio.CancelScope | None = None) -> None:
+        with scope or trio.CancelScope():
+            async with lane.turn():
+                got.append(name)
+
+    doomed = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(holder)
+        await trio.sleep(0.1)
+        nursery.start_soon(waiter, "doomed", doomed)
+        await trio.sleep(0.1)
+        nursery.start_soon(waiter, "next")
+        await trio.sleep(0.1)
+        doomed.cancel()  # cancelled while waiting: leaves the queue
+    assert got == ["next"]
+    async with trio.open_nursery() as nursery:  # and the lane is free again
+        nursery.start_soon(waiter, "later")
+    assert got == ["next", "later"]
