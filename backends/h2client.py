@@ -35,7 +35,7 @@ whoever writes drains h2's whole buffer; others just append to it::
         │ A has news: hand the role over (B, if parked)
         ▼ consume                    ▼ consume / become reader
 
-**Flow control.** Local SETTINGS give each stream a 1 MiB window and the
+**Flow control.** Local SETTINGS give each stream a 256 KiB window and the
 connection a 16 MiB one. Received bytes are credited to the *connection* at
 once (in batches of a quarter window), so a stream whose consumer stops can
 never stall its neighbours; they are credited to the *stream* only as its
@@ -44,7 +44,12 @@ to a stream nobody reads, and the client holds at most ``stream_window`` bytes
 per stream (h2 raises on a peer that overruns it). Data for a stream we reset
 or forgot is credited by h2 itself (``_handle_data_on_closed_stream``); with
 its half-window batching and our quarter, the uncredited total stays below
-the window.
+the window. The stream window is most of what the router holds for a client
+that stops reading, per stream, until its stall timeout: with 1 MiB, 100
+stalled streams grew the router by over 120 MiB (and still growing after 8 s);
+with 256 KiB, by about 48 MiB, flat (tests/hardening/test_slow_readers.py).
+256 KiB still carries over 2 MB/s per stream at a 100 ms round trip, far more
+than a token stream needs.
 
 **GOAWAY.** h2 moves to CLOSED on GOAWAY and then rejects every frame, so
 ``_GoawayFilter`` cuts GOAWAY frames out of the byte stream before h2 sees
@@ -840,7 +845,7 @@ class H2Pool:
         write_timeout: float = 10.0,
         idle_timeout: float = 30.0,
         max_connections: int = 10,
-        stream_window: int = 1 << 20,
+        stream_window: int = 256 << 10,
         connection_window: int = 1 << 24,
     ) -> None:
         if max_connections < 1:

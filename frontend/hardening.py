@@ -18,11 +18,12 @@ What each limit stops, and where it acts::
                                             payload: FRAME_SIZE_ERROR)
            ─> H11: Content-Length plus      400 and close (RFC 9112 6.1): no smuggled
               Transfer-Encoding             request behind it is ever read
-    write  ─> StreamBuffer.push / drain     at most ``stream_buffer_bytes`` unsent per stream
-              (the app's ``send``)          and ``connection_buffer_bytes`` per connection;
-                                            blocked ``write_stall_timeout``: RST_STREAM(CANCEL)
-                                            and ``http.disconnect`` to the app (which cancels
-                                            its backend request)
+    write  ─> StreamBuffer.push / drain     at most ``stream_buffer_bytes`` unsent per stream,
+              (the app's ``send``)          and at most its share of ``connection_buffer_bytes``
+                                            (the budget over the connection's open streams, at
+                                            least MIN_SHARE each); blocked ``write_stall_timeout``:
+                                            RST_STREAM(CANCEL) and ``http.disconnect`` to the app
+                                            (which cancels its backend request)
            ─> TCPServer.protocol_send       one socket write blocked ``write_stall_timeout``
                                             (the client stopped reading): close the connection
 
@@ -33,6 +34,18 @@ client that advertises ``SETTINGS_INITIAL_WINDOW_SIZE=0`` let every stream
 buffer without bound (59 -> 229 MB in 40 s with 100 streams). Here only bytes
 actually taken wake a writer, and serving.py's ``_send_data`` no longer pops
 on a zero window.
+
+Why a share and not one connection-wide limit: HTTP/2 lets a client stall
+one stream by its flow control while the others flow (the router does
+exactly that upstream, for a slow client of its own). A limit on the
+connection's total made every stream wait once the stalled ones had filled
+it: with 50 stalled streams on the router's connection to an engine server,
+a neighbour's request on that connection waited the whole stall timeout
+(9.3 s). With shares, a stalled stream holds at most its share; a stream
+whose output flows is drained as it writes and never waits on the others.
+The connection then holds at most max(``connection_buffer_bytes``,
+streams x MIN_SHARE), 1.6 MiB at 100 streams, whether the client stalls
+its streams or the whole socket.
 
 The limits, budgets and ledger are plain objects in frontend/limits.py.
 """
@@ -79,6 +92,7 @@ log = logging.getLogger(__name__)
 
 
 RESERVE_IDLE_TIMEOUT = 2.0  # seconds a connection in the reserve may sit idle
+MIN_SHARE = 16 * 1024  # the least unsent output a stream may hold, however many share its connection
 
 
 # ---------------------------------------------------------------- bounded output
@@ -89,27 +103,34 @@ class WriteStalled(Exception):
 
 
 class _Unsent:
-    """Bytes a connection holds for its client, over all its streams; the
-    buffers waiting for it to drop below ``limit`` are woken when it does."""
+    """Bytes a connection holds for its client, over all its streams, and
+    each open stream's share of ``limit``; the buffers waiting on their
+    share are woken when it grows (a stream closed)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
+        self.streams = 0
         self.waiting: set[StreamBuffer] = set()
 
     @property
-    def full(self) -> bool:
-        return self.bytes >= self.limit
+    def share(self) -> int:
+        return max(MIN_SHARE, self.limit // max(1, self.streams))
 
     def add(self, n: int) -> None:
         self.bytes += n
 
     def take(self, n: int) -> None:
         self.bytes -= n
-        if self.waiting and not self.full:
-            waiting, self.waiting = self.waiting, set()
-            for buffer in waiting:
-                buffer._wake()
+
+    def join(self) -> None:
+        self.streams += 1
+
+    def leave(self) -> None:
+        self.streams -= 1
+        waiting, self.waiting = self.waiting, set()
+        for buffer in waiting:
+            buffer._wake()
 
 
 _UNBOUNDED = _Unsent(sys.maxsize)
@@ -117,10 +138,11 @@ _UNBOUNDED = _Unsent(sys.maxsize)
 
 class StreamBuffer:
     """hypercorn's ``StreamBuffer`` (same methods), bounded: ``push`` returns
-    once the stream holds under ``limit`` bytes and its connection under its
-    own limit, and raises :class:`WriteStalled` when that takes ``stall``
-    seconds; ``drain`` likewise. Only bytes actually taken by ``pop`` (sent)
-    wake a writer: a pop of 0 bytes (zero window) releases nobody."""
+    once the stream holds under ``limit`` bytes and under its share of the
+    connection's budget, and raises :class:`WriteStalled` when that takes
+    ``stall`` seconds; ``drain`` likewise. Only bytes actually taken by
+    ``pop`` (sent) wake a writer: a pop of 0 bytes (zero window) releases
+    nobody."""
 
     def __init__(self, event_class: object = None) -> None:
         self.buffer = bytearray()
@@ -128,6 +150,7 @@ class StreamBuffer:
         self._taken = trio.Event()
         self._blocked_since: float | None = None  # blocked, and nothing taken since
         self.unsent = _UNBOUNDED
+        self._attached = False  # counted in unsent.streams
         self.limit = DEFAULT_LIMITS.stream_buffer_bytes
         self.stall = DEFAULT_LIMITS.write_stall_timeout
 
@@ -135,6 +158,8 @@ class StreamBuffer:
         """Count this buffer in its connection's ``unsent`` from now on."""
         self.unsent.take(len(self.buffer))
         unsent.add(len(self.buffer))
+        unsent.join()
+        self._attached = True
         self.unsent, self.limit, self.stall = unsent, limits.stream_buffer_bytes, limits.write_stall_timeout
 
     @property
@@ -149,6 +174,9 @@ class StreamBuffer:
         self.unsent.take(len(self.buffer))
         self.buffer = bytearray()
         self._wake()
+        if self._attached:
+            self._attached = False
+            self.unsent.leave()
 
     async def push(self, data: bytes) -> None:
         if self._complete:
@@ -170,7 +198,7 @@ class StreamBuffer:
         await self._wait(lambda: bool(self.buffer))
 
     def _over(self) -> bool:
-        return len(self.buffer) >= self.limit or self.unsent.full
+        return len(self.buffer) >= min(self.limit, self.unsent.share)
 
     def _wake(self) -> None:
         self._taken.set()
@@ -178,10 +206,9 @@ class StreamBuffer:
 
     async def _wait(self, blocked: Callable[[], bool]) -> None:
         """Until not ``blocked()``: woken by our own bytes taken, by closing,
-        or (while the connection is over its limit) by the connection
-        dropping under it. The stall clock runs from the first wait after
-        our last bytes were taken: room made by other streams does not
-        reset it, only progress of our own."""
+        or by our share growing (another stream closed). The stall clock
+        runs from the first wait after our last bytes were taken: room made
+        by other streams does not reset it, only progress of our own."""
         if not blocked():
             return
         if self._blocked_since is None:
@@ -189,8 +216,7 @@ class StreamBuffer:
         deadline = self._blocked_since + self.stall
         try:
             while blocked() and not self._closed:
-                if self.unsent.full:
-                    self.unsent.waiting.add(self)
+                self.unsent.waiting.add(self)
                 with trio.move_on_at(deadline) as waited:
                     await self._taken.wait()
                 if waited.cancelled_caught:

@@ -581,7 +581,7 @@ async def test_abandoned_streams_do_not_stall_the_connection(nursery: trio.Nurse
     all of it is credited, so a new request on the same connection is quick."""
     server = await ScriptedServer(flood(4 * MiB)).start(nursery)
     with trio.fail_after(10):
-        async with server.pool() as pool:
+        async with server.pool(stream_window=MiB) as pool:  # 24 x 1 MiB: over the connection window
             for _ in range(24):
                 async with pool.stream("GET", "/big") as resp:
                     async for _chunk in resp.aiter_bytes():

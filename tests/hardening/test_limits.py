@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.hardening import StreamBuffer, WriteStalled, _Unsent
+from frontend.hardening import MIN_SHARE, StreamBuffer, WriteStalled, _Unsent
 from frontend.limits import Budget, ConnectionLedger, Limits
 
 
@@ -75,40 +75,51 @@ async def test_a_writer_blocked_for_the_stall_timeout_raises(autojump_clock: tri
 
 
 async def test_room_made_by_other_streams_does_not_restart_the_stall_clock(autojump_clock: trio.testing.MockClock) -> None:
-    """Blocked by the connection budget at t=0, released at t=20 by another
-    stream's progress, blocked again by its own limit: it stalls at t=30,
-    since none of its own bytes were ever taken."""
-    unsent = _Unsent(15)
-    stuck, other = _buffer(limit=10, stall=30.0, unsent=unsent), _buffer(limit=100, unsent=unsent)
-    await other.push(b"y" * 10)
+    """Two streams share 2 x MIN_SHARE: over its share at t=0, released at
+    t=20 when the other stream closes (its share doubles), over it again:
+    it stalls at t=30, since none of its own bytes were ever taken."""
+    unsent = _Unsent(2 * MIN_SHARE)
+    stuck, other = _buffer(limit=1 << 20, stall=30.0, unsent=unsent), _buffer(limit=1 << 20, unsent=unsent)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stuck.push, b"x" * 9)  # 19 >= 15: the connection is over
+        nursery.start_soon(stuck.push, b"x" * (MIN_SHARE + 1))
         await trio.sleep(20)
-        await other.pop(10)
+        await other.close()
     assert trio.current_time() == pytest.approx(20)
     with pytest.raises(WriteStalled):
-        await stuck.push(b"x" * 5)  # 14 >= 10: its own limit
+        await stuck.push(b"x" * MIN_SHARE)  # over its doubled share
     assert trio.current_time() == pytest.approx(30)
 
 
-async def test_the_connection_budget_holds_a_second_stream_until_the_first_drains(autojump_clock: trio.testing.MockClock) -> None:
-    unsent = _Unsent(16)
-    first, second = _buffer(limit=100, unsent=unsent), _buffer(limit=100, unsent=unsent)
-    pushed = trio.Event()
-
-    async def push_second() -> None:
-        await second.push(b"b" * 4)
-        pushed.set()
-
+async def test_stalled_streams_hold_their_shares_and_never_hold_up_a_flowing_one(autojump_clock: trio.testing.MockClock) -> None:
+    """HTTP/2 lets a client stall some streams by flow control while others
+    flow (the router does, upstream, for a slow client of its own). Three
+    streams nobody reads have written far past the connection's budget and
+    wait; a fourth whose output is taken as it comes writes 1 MiB without
+    ever waiting on them. (A connection-wide limit made it wait the whole
+    stall timeout.)"""
+    unsent = _Unsent(4 * MIN_SHARE)
+    stalled = [_buffer(limit=1 << 20, unsent=unsent) for _ in range(3)]
+    flowing = _buffer(limit=1 << 20, unsent=unsent)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(first.push, b"a" * 16)
+        for buffer in stalled:
+            nursery.start_soon(buffer.push, b"s" * (1 << 20))
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(push_second)
-        await trio.testing.wait_all_tasks_blocked()
-        assert not pushed.is_set() and unsent.bytes == 20
-        await first.pop(10)
-        await trio.testing.wait_all_tasks_blocked()
-        assert pushed.is_set() and unsent.bytes == 10
+        assert unsent.bytes == 3 << 20  # over the budget: each waits on its share
+        sent = 0
+        for _ in range(128):
+            with trio.fail_after(1):
+                await flowing.push(b"f" * 8192)
+            sent += len(await flowing.pop(1 << 20))
+        assert sent == 1 << 20 and trio.current_time() == 0
+        assert len(nursery.child_tasks) == 3  # still waiting
+        nursery.cancel_scope.cancel()
+
+
+def test_a_connection_holds_at_most_max_of_its_budget_and_streams_times_min_share() -> None:
+    unsent = _Unsent(1 << 20)
+    for streams, share in ((1, 1 << 20), (16, 1 << 16), (64, MIN_SHARE), (100, MIN_SHARE)):
+        unsent.streams = streams
+        assert unsent.share == share
 
 
 async def test_closing_a_buffer_releases_its_writer_and_its_share(autojump_clock: trio.testing.MockClock) -> None:
