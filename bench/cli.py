@@ -5,6 +5,7 @@ concurrency), ``headrace bench router`` (the router's CPU per request and
 rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-bandwidth decode floor),
 ``headrace bench kernels`` (the engine's linear kernels by row count),
 ``headrace bench chaos`` (stream migration while backends are killed at random),
+``headrace bench overload`` (admission, priority and tenant fairness at twice the fleet's capacity),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
 """
@@ -277,6 +278,9 @@ def _sub(name: str) -> Any:
     if name == "chaos":
         from bench import chaos_bench
         return chaos_bench.main
+    if name == "overload":
+        from bench import overload_bench
+        return overload_bench.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
@@ -284,7 +288,7 @@ def _sub(name: str) -> Any:
 def main(argv: list[str]) -> int:
     try:
         if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies",
-                                "cache", "chaos"}:
+                                "cache", "chaos", "overload"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

@@ -31,19 +31,22 @@ heads that may not take the slot on offer (below).
 
 Slots, not only order: a queue orders who goes *next*, but a tenant that
 holds every backend slot with long streams still makes a quiet tenant wait
-for the next stream to end. :class:`SlotShares` keeps the last ``reserve``
-free slots of a group for tenants under their weighted share of it::
+for the next stream to end, and batch streams that hold every slot make an
+interactive request wait for one of them. :class:`SlotShares` keeps the last
+``reserve`` free slots of a group for the flows (a tenant's requests of one
+class) that need them::
 
-    share(t)  = capacity x weight(t) / sum of the weights of the tenants active lately
-    over(t)   = held(t) >= share(t)       (a tenant holding nothing is never over)
-    t may take a free slot when it is not over its share, or more than
-    ``reserve`` slots are free
+    share(f)  = capacity x weight(f) / sum of the weights of the active flows of f's class
+    a flow may not take one of the last ``reserve`` free slots when
+      a higher class was active lately (those slots are the higher class's), or
+      it holds at least its share (a flow holding nothing is never held back)
 
 "Active lately" is holding or waiting for a slot, or having asked within
 ``window`` seconds, so a tenant that sends one request at a time still
-counts between its requests. A lone tenant's share is the whole capacity:
+counts between its requests. A lone flow's share is the whole capacity:
 with nobody else about, nothing is held back. The price is at most
-``reserve`` idle slots while a light tenant is about and not using them.
+``reserve`` idle slots while a light flow, or a higher class, is about and
+not using them.
 """
 
 from __future__ import annotations
@@ -166,6 +169,22 @@ class FairQueue:
     def charge(self, tenant: str, weight: float, tokens: int, now: float) -> None:
         self._served[tenant] = self._served.get(tenant, self._vtime) + tokens / weight
 
+    def ahead_of(self, tenant: str, rank: int, weight: float = 1.0) -> int:
+        """About how many waiting requests would leave before one more of
+        ``tenant`` at ``rank``: every one of a higher class, the tenant's own
+        of its class, and of each other tenant of its class its weighted
+        share of that (strict priority, then weighted fair sharing; aging
+        and token sizes ignored). What a wait estimate should count: a quiet
+        tenant behind a flood's hundred waiting requests is next, not 101st."""
+        own = len(self._queues.get((rank, tenant), ()))
+        ahead = own
+        for (r, t), queue in self._queues.items():
+            if r < rank:
+                ahead += len(queue)
+            elif r == rank and t != tenant:
+                ahead += min(len(queue), math.ceil((own + 1) * queue[0].weight / weight))
+        return ahead
+
     def served(self, tenant: str) -> float:
         return self._served.get(tenant, 0.0)
 
@@ -179,57 +198,65 @@ class FairQueue:
 
 
 class SlotShares:
-    """Who holds a group's slots, who asked lately, and whether a tenant is
-    over its weighted share (see the module docstring). Sans-I/O: the
-    caller passes ``now``."""
+    """Who holds a group's slots, who asked lately, and what a flow (a
+    tenant's requests of one class) may take (see the module docstring).
+    Sans-I/O: the caller passes ``now``."""
 
-    def __init__(self, window: float = 2.0, reserve: int = 1) -> None:
+    def __init__(self, window: float = 10.0, reserve: int = 1) -> None:
         if window < 0 or reserve < 0:
             raise ValueError(f"window and reserve must be >= 0, not {window}, {reserve}")
         self.window, self.reserve = window, reserve
-        self.held: dict[str, int] = {}
-        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last asked, weight)
-        self._waiting: dict[str, int] = {}
+        self.held: dict[tuple[str, int], int] = {}
+        self._seen: dict[tuple[str, int], tuple[float, float]] = {}  # flow -> (last asked, weight)
+        self._waiting: dict[tuple[str, int], int] = {}
 
-    def asked(self, tenant: str, weight: float, now: float) -> None:
-        self._seen[tenant] = (now, weight)
+    def asked(self, tenant: str, rank: int, weight: float, now: float) -> None:
+        self._seen[(tenant, rank)] = (now, weight)
 
-    def wait(self, tenant: str, delta: int) -> None:
-        """``delta`` requests of ``tenant`` started (+) or stopped (-) waiting."""
-        left = self._waiting.get(tenant, 0) + delta
-        if left > 0:
-            self._waiting[tenant] = left
-        else:
-            self._waiting.pop(tenant, None)
+    def wait(self, tenant: str, rank: int, delta: int) -> None:
+        """``delta`` requests of the flow started (+) or stopped (-) waiting."""
+        _add(self._waiting, (tenant, rank), delta)
 
-    def take(self, tenant: str, slots: int) -> None:
-        self.held[tenant] = self.held.get(tenant, 0) + slots
+    def take(self, tenant: str, rank: int, slots: int) -> None:
+        _add(self.held, (tenant, rank), slots)
 
-    def give(self, tenant: str, slots: int) -> None:
-        left = self.held.get(tenant, 0) - slots
-        if left > 0:
-            self.held[tenant] = left
-        else:
-            self.held.pop(tenant, None)
+    def give(self, tenant: str, rank: int, slots: int) -> None:
+        _add(self.held, (tenant, rank), -slots)
 
-    def share(self, tenant: str, capacity: int, now: float) -> float:
-        """``tenant``'s weighted share of ``capacity`` slots among the tenants
-        active lately (itself counted as active). O(tenants seen lately)."""
-        own = self._seen.get(tenant, (0.0, 1.0))[1]
-        total = own
-        for name, (at, weight) in list(self._seen.items()):
-            if name == tenant:
-                continue
-            if name in self.held or name in self._waiting or now - at <= self.window:
-                total += weight
+    def _active(self, now: float) -> dict[tuple[str, int], float]:
+        """Flows holding or waiting for a slot, or that asked within the window: their weights."""
+        active: dict[tuple[str, int], float] = {}
+        for flow, (at, weight) in list(self._seen.items()):
+            if flow in self.held or flow in self._waiting or now - at <= self.window:
+                active[flow] = weight
             else:
-                del self._seen[name]  # gone quiet: forgotten (idleness banks nothing)
+                del self._seen[flow]  # gone quiet: forgotten (idleness banks nothing)
+        return active
+
+    def share(self, tenant: str, rank: int, capacity: int, now: float) -> float:
+        """The flow's weighted share of ``capacity`` among the active flows of
+        its class (itself counted as active). O(flows seen lately)."""
+        active = self._active(now)
+        own = self._seen.get((tenant, rank), (0.0, 1.0))[1]
+        total = own + sum(w for (t, r), w in active.items() if r == rank and t != tenant)
         return capacity * own / total
 
-    def reserved(self, tenant: str, capacity: int, now: float) -> int:
-        """Free slots ``tenant`` may not take now: ``reserve`` when it holds
-        at least its share, else none."""
-        if self.reserve == 0:
+    def reserved(self, tenant: str, rank: int, capacity: int, now: float) -> int:
+        """Free slots the flow may not take now: ``reserve`` (at most half
+        the capacity) when a higher class was active lately, or when it
+        holds at least its share of its own class; else none."""
+        reserve = min(self.reserve, capacity // 2)  # never most of a small group
+        if reserve == 0:
             return 0
-        held = self.held.get(tenant, 0)
-        return self.reserve if held > 0 and held >= self.share(tenant, capacity, now) else 0
+        if any(r < rank for _, r in self._active(now)):
+            return reserve
+        held = self.held.get((tenant, rank), 0)
+        return reserve if held > 0 and held >= self.share(tenant, rank, capacity, now) else 0
+
+
+def _add(counts: dict[tuple[str, int], int], key: tuple[str, int], delta: int) -> None:
+    left = counts.get(key, 0) + delta
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

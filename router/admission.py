@@ -25,9 +25,13 @@ router. Each group has its own fair queue, service rate and slot shares, so
 a model whose backends are full never holds up another's. A request holds
 ``min(n, capacity)`` slots; a freed slot goes to the group queue's choice at
 once (a tenant over its weighted share does not get the last ``reserve_slots``
-free ones: policies.fairness.SlotShares). Waiting requests also look again
-every ``POLL`` seconds, so capacity that appears (a backend coming up, an
-ejection ending) is used without a release. Groups that share backends
+free ones: policies.fairness.SlotShares). The queue's own task
+(:meth:`Queue.run`, a supervised service) offers free slots again every
+``POLL`` seconds, so capacity that appears (a backend coming up, an
+ejection ending) is used without a release. A request with a deadline
+(``X-Deadline-Ms``) waits at most until its deadline less a slot's measured
+hold time, and is shed at arrival when the M/M/c wait estimate says it
+would not get its answer in time. Groups that share backends
 count their slots apart (exact for disjoint groups, the usual case).
 
 Tokens are counted per event (``token_ids``, or one per event with text
@@ -277,12 +281,12 @@ GroupKey = tuple[str, ...]  # the backends a request may be sent to (sorted); ()
 
 
 class _Waiter:
-    __slots__ = ("event", "slots", "tenant")
+    __slots__ = ("event", "rank", "slots", "tenant")
 
-    def __init__(self, slots: int, tenant: str) -> None:
+    def __init__(self, slots: int, tenant: str, rank: int) -> None:
         self.event = trio.Event()
         self.slots = slots
-        self.tenant = tenant
+        self.tenant, self.rank = tenant, rank
 
 
 class _Group:
@@ -348,19 +352,23 @@ class Queue:
         capacity = self.capacity(g.key)
         slots = max(1, min(len(call.subs), capacity))
         timeout = self.config.queue_timeout.of(cls)
-        time_left = timeout if context.deadline is None else min(timeout, context.deadline - now)
+        time_left = timeout
+        if context.deadline is not None:
+            # The deadline is for the answer: the wait may take what the
+            # answer's own time (the measured hold of a slot) leaves of it.
+            time_left = min(timeout, context.deadline - now - (g.rate.mean or 0.0))
         rank = rank_of(cls)
-        g.shares.asked(context.tenant, tenant.weight, now)
+        g.shares.asked(context.tenant, rank, tenant.weight, now)
         view = AdmissionView(
             capacity=capacity,
             busy=g.busy,
             slots=slots,
-            ahead=sum(g.queue.depth(r) for r in range(rank + 1)),
+            ahead=self._ahead(g, context.tenant, rank, tenant.weight),
             queued_in_class=g.queue.depth(rank),
             queue_limit=int(self.config.queue_size.of(cls)),
             service_rate=g.rate.rate,
             time_left=time_left,
-            reserved=g.shares.reserved(context.tenant, capacity, now),
+            reserved=g.shares.reserved(context.tenant, rank, capacity, now),
         )
         verdict = self.policy.decide(view, now)
         cost = prompt_tokens(call)
@@ -373,7 +381,7 @@ class Queue:
             self._counts["after_wait"] += 1
         else:
             g.busy += slots
-            g.shares.take(context.tenant, slots)
+            g.shares.take(context.tenant, rank, slots)
             g.queue.charge(context.tenant, tenant.weight, cost, now)
             self._counts["at_once"] += 1
         meter(call, lambda n: g.queue.charge(context.tenant, tenant.weight, n, trio.current_time()))
@@ -382,9 +390,17 @@ class Queue:
             yield
         finally:
             g.busy -= slots
-            g.shares.give(context.tenant, slots)
+            g.shares.give(context.tenant, rank, slots)
             g.rate.observe(trio.current_time() - started)
             self._grant(g)
+
+    def _ahead(self, g: _Group, tenant: str, rank: int, weight: float) -> int:
+        """Waiting requests that would go before this one: the queue policy's
+        estimate when it has one (FairQueue.ahead_of), else all at or above its class."""
+        ahead_of: Callable[[str, int, float], int] | None = getattr(g.queue, "ahead_of", None)
+        if ahead_of is not None:
+            return ahead_of(tenant, rank, weight)
+        return sum(g.queue.depth(r) for r in range(rank + 1))
 
     def _rejection(self, g: _Group, code: str, retry_after: float, cls: str) -> Overloaded:
         messages = {
@@ -398,35 +414,48 @@ class Queue:
         return Overloaded(messages.get(code, code), code=code, retry_after=retry_after)
 
     async def _wait(self, g: _Group, item: Waiting, slots: int, deadline: float, estimate: float | None) -> None:
-        waiter = _Waiter(slots, item.tenant)
+        waiter = _Waiter(slots, item.tenant, item.rank)
         g.waiters[item.id] = waiter
         g.queue.push(item, trio.current_time())
-        g.shares.wait(item.tenant, +1)
+        g.shares.wait(item.tenant, item.rank, +1)
         try:
             self._grant(g)
-            while not waiter.event.is_set():
-                now = trio.current_time()
-                if now >= deadline:
-                    raise Overloaded(
-                        f"no backend slot within {deadline - item.arrival:.3g} s (the queue timeout or deadline); retry later",
-                        code="queue_timeout",
-                        retry_after=max(1.0, estimate or 1.0),
-                    )
-                with trio.move_on_at(min(deadline, now + POLL)):
-                    await waiter.event.wait()
-                if not waiter.event.is_set():
-                    self._grant(g)  # capacity may have appeared without a release
+            with trio.move_on_at(deadline):
+                await waiter.event.wait()
+            if not waiter.event.is_set():
+                raise Overloaded(
+                    f"no backend slot within {deadline - item.arrival:.3g} s (the queue timeout or deadline); retry later",
+                    code="queue_timeout",
+                    retry_after=max(1.0, estimate or 1.0),
+                )
         except BaseException:
             if waiter.event.is_set():  # granted, then cancelled before it ran
                 g.busy -= slots
-                g.shares.give(item.tenant, slots)
+                g.shares.give(item.tenant, item.rank, slots)
                 self._grant(g)
             else:
                 g.queue.remove(item.id)
             raise
         finally:
-            g.shares.wait(item.tenant, -1)
+            g.shares.wait(item.tenant, item.rank, -1)
             del g.waiters[item.id]
+
+    name = "admission queue"
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Every ``POLL`` seconds, offer each group's free slots to its queue:
+        capacity that appears without a release (a backend coming up, an
+        ejection ending, a learned limit growing) is used within ``POLL``.
+        One task for all the waiters, rather than each waking to look."""
+        task_status.started()
+        while True:
+            await trio.sleep(POLL)
+            for g in list(self.groups.values()):
+                if g.waiters:
+                    self._grant(g)
+
+    def crashed(self, exc: BaseException) -> None:
+        pass  # the supervisor logs it and restarts run(); the queues are intact
 
     def _grant(self, g: _Group) -> None:
         """Give free slots to the queue's choices, in its order, each to a
@@ -437,14 +466,14 @@ class Queue:
             free = capacity - g.busy
 
             def may_take(w: Waiting, free: int = free) -> bool:
-                return free > g.shares.reserved(w.tenant, capacity, now)
+                return free > g.shares.reserved(w.tenant, w.rank, capacity, now)
 
             item = g.queue.pop(now, may_take)
             if item is None:
                 return
             waiter = g.waiters[item.id]
             g.busy += waiter.slots
-            g.shares.take(waiter.tenant, waiter.slots)
+            g.shares.take(waiter.tenant, waiter.rank, waiter.slots)
             waiter.event.set()
 
     def statistics(self) -> QueueStatistics:

@@ -270,6 +270,8 @@ class Router:
         services: list[Service] = list(self.actors)
         if self.shared_limits is not None:
             services.append(self.shared_limits)
+        if self.queue is not None:
+            services.append(self.queue)
         job_routes = {}
         if config.jobs.path is not None:
             self.job_store = SQLiteStore(config.jobs.path, idempotency_ttl=config.jobs.idempotency_ttl)

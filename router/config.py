@@ -252,7 +252,7 @@ class AdmissionConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # under their weighted share of it (policies.fairness.SlotShares); a tenant
     # that asked within share_window seconds counts as active. 0: none kept.
     reserve_slots: Annotated[int, Meta(ge=0)] = 1
-    share_window: NonNegative = 2.0
+    share_window: NonNegative = 10.0
 
 
 class RateLimitConfig(PolicyConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):

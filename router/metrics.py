@@ -185,6 +185,11 @@ def _pipeline(p: PipelineStatistics) -> Iterable[Metric]:
     for code, count in sorted(p.rejected.items()):
         rejected.add_metric([code], count)
     yield rejected
+    latency = GaugeMetricFamily("headrace_pipeline_rejection_seconds", "Arrival to refusal of the last 1024 requests refused at arrival (not queue_timeout), by quantile", labels=["quantile"])
+    for q, value in (("0.5", p.rejection_p50), ("0.99", p.rejection_p99)):
+        if value is not None:
+            latency.add_metric([q], value)
+    yield latency
 
 
 def _queue(q: QueueStatistics) -> Iterable[Metric]:

@@ -21,10 +21,12 @@ and the waiting. With no stages the pipeline is a counted pass-through.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgspec
+import trio
 
 from backends.errors import HeadraceError
 from frontend.call import Call
@@ -37,6 +39,14 @@ class PipelineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     admitted: int  # client requests let through (each counted once, whatever its n)
     in_flight: int  # admitted and not yet finished
     rejected: dict[str, int]  # refused, by error code (or type when it has none)
+    # Seconds from a refused request's arrival (its headers) to its refusal,
+    # over the last REJECTION_SAMPLES refusals: the router's own part of a
+    # rejection's latency (a queue_timeout, which waited, is not counted).
+    rejection_p50: float | None = None
+    rejection_p99: float | None = None
+
+
+REJECTION_SAMPLES = 1024
 
 
 class Pipeline:
@@ -47,6 +57,7 @@ class Pipeline:
         self._admitted = 0
         self._in_flight = 0
         self._rejected: dict[str, int] = {}
+        self._rejections: deque[float] = deque(maxlen=REJECTION_SAMPLES)
 
     @asynccontextmanager
     async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
@@ -57,6 +68,8 @@ class Pipeline:
             except HeadraceError as exc:
                 reason = exc.code or exc.type
                 self._rejected[reason] = self._rejected.get(reason, 0) + 1
+                if reason != "queue_timeout":
+                    self._rejections.append(trio.current_time() - context.arrival)
                 raise
             self._admitted += 1
             self._in_flight += 1
@@ -66,4 +79,18 @@ class Pipeline:
                 self._in_flight -= 1
 
     def statistics(self) -> PipelineStatistics:
-        return PipelineStatistics(admitted=self._admitted, in_flight=self._in_flight, rejected=dict(self._rejected))
+        ordered = sorted(self._rejections)
+        return PipelineStatistics(
+            admitted=self._admitted,
+            in_flight=self._in_flight,
+            rejected=dict(self._rejected),
+            rejection_p50=_quantile(ordered, 0.5),
+            rejection_p99=_quantile(ordered, 0.99),
+        )
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float | None:
+    """The nearest-rank quantile of sorted samples (None: no samples)."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -75,25 +75,40 @@ def test_bad_bounds_are_refused() -> None:
 
 def test_a_tenant_over_its_share_may_not_take_the_reserved_slots_while_another_is_about() -> None:
     shares = SlotShares(window=2.0, reserve=1)
-    shares.asked("flood", 1.0, 0.0)
-    shares.take("flood", 3)
-    assert shares.reserved("flood", 4, 0.0) == 0  # alone: its share is everything
-    shares.asked("quiet", 1.0, 0.5)  # asked, was served, holds nothing now
-    assert shares.share("flood", 4, 1.0) == 2.0
-    assert shares.reserved("flood", 4, 1.0) == 1  # holds 3 >= its share of 2
-    assert shares.reserved("quiet", 4, 1.0) == 0  # holds nothing: never held back
-    assert shares.reserved("flood", 4, 3.0) == 0  # quiet gone quiet for longer than the window
+    shares.asked("flood", 1, 1.0, 0.0)
+    shares.take("flood", 1, 3)
+    assert shares.reserved("flood", 1, 4, 0.0) == 0  # alone: its share is everything
+    shares.asked("quiet", 1, 1.0, 0.5)  # asked, was served, holds nothing now
+    assert shares.share("flood", 1, 4, 1.0) == 2.0
+    assert shares.reserved("flood", 1, 4, 1.0) == 1  # holds 3 >= its share of 2
+    assert shares.reserved("quiet", 1, 4, 1.0) == 0  # holds nothing: never held back
+    assert shares.reserved("flood", 1, 4, 3.0) == 0  # quiet gone quiet for longer than the window
 
 
 def test_shares_follow_the_weights_and_a_waiting_tenant_counts_as_active() -> None:
     shares = SlotShares(window=0.0, reserve=2)
-    shares.asked("heavy", 3.0, 0.0)
-    shares.asked("light", 1.0, 0.0)
-    shares.take("heavy", 6)
-    assert shares.share("light", 8, 10.0) == 2.0  # heavy holds slots: active
-    shares.wait("light", +1)
-    assert shares.share("heavy", 8, 10.0) == 6.0
-    assert shares.reserved("heavy", 8, 10.0) == 2
-    shares.wait("light", -1)  # not waiting, not holding, out of the window: gone
-    assert shares.reserved("heavy", 8, 10.0) == 0
-    assert shares.share("heavy", 8, 10.0) == 8.0
+    shares.asked("heavy", 1, 3.0, 0.0)
+    shares.asked("light", 1, 1.0, 0.0)
+    shares.take("heavy", 1, 6)
+    shares.wait("light", 1, +1)
+    assert shares.share("light", 1, 8, 10.0) == 2.0  # heavy holds slots: active
+    assert shares.share("heavy", 1, 8, 10.0) == 6.0  # light waits: active
+    assert shares.reserved("heavy", 1, 8, 10.0) == 2
+    shares.wait("light", 1, -1)  # not waiting, not holding, out of the window: gone
+    assert shares.reserved("heavy", 1, 8, 10.0) == 0
+    assert shares.share("heavy", 1, 8, 10.0) == 8.0
+
+
+def test_shares_are_within_a_class_and_a_higher_class_about_keeps_the_reserve_from_lower_ones() -> None:
+    shares = SlotShares(window=5.0, reserve=3)
+    shares.asked("bulk", 2, 1.0, 0.0)
+    shares.take("bulk", 2, 10)
+    shares.asked("chat", 0, 1.0, 0.0)
+    shares.take("chat", 0, 10)
+    # Different classes: each is alone in its class, so chat is never held back...
+    assert shares.share("chat", 0, 16, 1.0) == 16.0 and shares.reserved("chat", 0, 16, 1.0) == 0
+    # ...and bulk, a lower class, leaves the last 3 free slots to chat while it is about.
+    assert shares.reserved("bulk", 2, 16, 1.0) == 3
+    shares.give("chat", 0, 10)
+    assert shares.reserved("bulk", 2, 16, 6.0) == 0  # chat gone for longer than the window
+    assert shares.reserved("bulk", 2, 4, 1.0) == 2  # the reserve is at most half a small group

@@ -226,3 +226,46 @@ async def test_the_last_free_slot_is_kept_for_a_tenant_under_its_share(autojump_
         await trio.lowlevel.checkpoint()
         assert log[-1] == "quiet" and trio.current_time() == start and queue.busy == 4
         release.set()
+
+
+async def test_a_request_with_a_deadline_waits_at_most_its_deadline_less_a_slots_hold(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    queue, release, log = make_queue(timeout=30), trio.Event(), []
+    queue.group(()).rate.observe(2.0)  # a slot is held 2 s
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hold, queue, "a", release, log)
+        context, call = call_for("b")
+        context.deadline = trio.current_time() + 5  # X-Deadline-Ms: 5000
+        start = trio.current_time()
+        with pytest.raises(Overloaded) as info:
+            async with queue.admit(context, call):
+                pass
+        # Its answer would need 2 s more: it gives up after 3, not 5.
+        assert info.value.code == "queue_timeout" and trio.current_time() - start == pytest.approx(3)
+        release.set()
+
+
+async def test_capacity_that_appears_without_a_release_is_given_within_a_poll(autojump_clock: trio.testing.MockClock) -> None:
+    slots = [0]
+    config = AdmissionConfig(queue_timeout=ClassTable(interactive=30, default=30, batch=30))
+    queue = Queue(Tenants({}), config, ErlangShedding(), lambda: FairQueue(aging=1000), lambda key: slots[0])
+    context, call = call_for("a")
+    with pytest.raises(Overloaded):  # no backend at all: refused at once
+        async with queue.admit(context, call):
+            pass
+    slots[0] = 1
+    release, log = trio.Event(), []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        await nursery.start(hold, queue, "a", release, log)
+        await nursery.start(hold, queue, "b", release, log)
+        await trio.sleep(0.01)
+        assert log == ["a"]
+        slots[0] = 2  # a backend came up
+        start = trio.current_time()
+        while log != ["a", "b"]:
+            await trio.sleep(0.01)
+        assert trio.current_time() - start <= 0.26
+        release.set()
+        nursery.cancel_scope.cancel()

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from backends.errors import RateLimited
 from frontend.call import Call
@@ -95,3 +96,31 @@ async def test_a_bad_body_is_refused_before_the_gate(nursery: trio.Nursery) -> N
     async with httpx.AsyncClient(base_url=url) as client:
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 0})
     assert r.status_code == 400 and stage.calls == []
+
+
+async def test_the_pipeline_times_refusals_from_arrival_and_leaves_queue_timeouts_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class Slow:
+        """Refuses after ``delay`` s, with ``code``."""
+
+        def __init__(self, delay: float, code: str) -> None:
+            self.delay, self.code = delay, code
+
+        @asynccontextmanager
+        async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+            await trio.sleep(self.delay)
+            raise RateLimited("no", code=self.code, retry_after=1)
+            yield  # pragma: no cover
+
+    pipeline = Pipeline()
+    assert pipeline.statistics().rejection_p99 is None
+    for delay, code in ((0.002, "shed"), (0.004, "shed"), (30.0, "queue_timeout")):
+        pipeline.stages = [Slow(delay, code)]
+        context = RequestContext(request_id="r", arrival=trio.current_time())
+        with pytest.raises(RateLimited):
+            async with pipeline.admit(context, None):  # type: ignore[arg-type]
+                pass
+    stats = pipeline.statistics()
+    assert stats.rejected == {"shed": 2, "queue_timeout": 1}
+    assert stats.rejection_p50 == pytest.approx(0.004) and stats.rejection_p99 == pytest.approx(0.004)

@@ -1,0 +1,87 @@
+"""headrace bench overload's pure parts: the slotted mock runs S streams at
+once in arrival order, the plans are seeded Poisson schedules, the summary
+counts goodput and refusals per class, the verdicts check the issue's
+targets, and the router config it writes decodes."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tomllib
+
+import pytest
+import trio
+import trio.testing
+
+from backends.base import GenerateRequest
+from backends.mock import MockBackend, MockConfig
+from bench.overload_bench import (
+    Outcome,
+    Slotted,
+    fairness_plan,
+    mixed_plan,
+    router_config,
+    schedule,
+    summarize,
+    verdicts,
+)
+from bench.procs import Server
+from router.config import decode_config
+
+
+async def test_the_slotted_mock_runs_its_slots_at_once_and_the_rest_in_order(autojump_clock: trio.testing.MockClock) -> None:
+    backend = Slotted(MockBackend(MockConfig(ttft_s=1.0, max_tokens=1, models=("m",))), 2)
+    done: list[tuple[int, float]] = []
+
+    async def one(i: int) -> None:
+        async for _ in backend.stream(GenerateRequest(model="m", prompt="x", max_tokens=1)):
+            pass
+        done.append((i, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(one, i)
+            await trio.sleep(0.01)
+    assert [i for i, _ in done] == [0, 1, 2, 3, 4]
+    assert [round(t) for _, t in done] == [1, 1, 2, 2, 3]
+
+
+def test_plans_are_seeded_poisson_schedules_with_the_mix_and_a_20x_flood() -> None:
+    times = schedule(50.0, 100.0, random.Random(1))
+    assert 4500 < len(times) < 5500 and times == sorted(times) and times[-1] < 100
+    plan = mixed_plan(20.0, 50.0, [0.2, 0.3, 0.5], seed=3)
+    assert plan == mixed_plan(20.0, 50.0, [0.2, 0.3, 0.5], seed=3)
+    share = sum(1 for _, _, c in plan if c == "batch") / len(plan)
+    assert 0.45 < share < 0.55 and {(t, c) for _, t, c in plan} == {("chat", "interactive"), ("app", "default"), ("bulk", "batch")}
+    fair = fairness_plan(2.0, 100.0, seed=0, flood=True)
+    quiet, flood = sum(1 for _, t, _ in fair if t == "quiet"), sum(1 for _, t, _ in fair if t == "flood")
+    assert 15 < flood / quiet < 25
+
+
+def test_the_summary_counts_goodput_refusals_and_their_latency_per_class() -> None:
+    outcomes = [
+        Outcome(tenant="chat", cls="interactive", scheduled=0, status=200, ttft=0.1, e2e=1.0, good=True),
+        Outcome(tenant="chat", cls="interactive", scheduled=1, status=200, ttft=2.0, e2e=3.0, error="deadline"),
+        Outcome(tenant="bulk", cls="batch", scheduled=2, status=503, code="shed", e2e=0.004),
+        Outcome(tenant="bulk", cls="batch", scheduled=3, status=503, code="queue_full", e2e=0.002),
+    ]
+    s = summarize(outcomes)
+    assert s["classes"]["interactive"]["goodput"] == 0.5 and s["classes"]["interactive"]["gave_up"] == 1
+    assert s["classes"]["batch"]["refused"] == {"shed": 1, "queue_full": 1}
+    assert s["goodput"] == 0.25 and s["refusal_ms"]["count"] == 2
+    assert s["refusal_ms"]["p50"] == pytest.approx(3.0)
+    fair = {"count": 1, "ttft_ms": {"p50": 100.0, "p99": 110.0}}
+    doc = {"mixed": {"on": s, "off": {**s, "goodput": 0.1}}, "fairness": {"solo": fair, "flooded": {**fair, "ttft_ms": {"p50": 1, "p99": 140.0}}}}
+    v = verdicts(doc)
+    assert v["total_goodput_on_vs_off"]["ok"] and v["refusal_p99_ms"]["ok"]
+    assert not v["interactive_goodput_on"]["ok"] and not v["quiet_ttft_p99_ratio"]["ok"]
+
+
+def test_the_router_config_it_writes_decodes() -> None:
+    args = argparse.Namespace(deadlines=[3.0, 8.0, 20.0], slots=4)
+    mocks = [Server(f"mock{i}", None, f"http://127.0.0.1:{9000 + i}", None) for i in range(2)]  # type: ignore[arg-type]
+    for admission in (True, False):
+        config = decode_config(tomllib.loads(router_config(mocks, args, admission=admission, reserve=4)))
+        assert config.admission.enabled is admission and config.admission.reserve_slots == 4
+        assert [b.max_concurrency for b in config.backends] == [4, 4]
+        assert config.tenants["bulk"].max_priority == "batch" and len(config.auth.api_keys) == 5
