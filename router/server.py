@@ -6,7 +6,8 @@ admin listener, which alone serves ``/metrics`` and ``/admin/*`` (with
 ``/health`` and ``/ready``), on ``[server] admin_host`` (127.0.0.1) and
 ``admin_port`` (the main port + 1; a free port when the main one is 0). A
 non-loopback admin host needs ``[auth] admin_sha256`` and, when the main
-listener has TLS, serves TLS with the same certificate. SIGTERM or SIGINT
+listener has TLS, serves TLS with the same certificate. With workers, SIGHUP
+to the supervisor is passed on to each worker. SIGTERM or SIGINT
 starts a graceful drain: the listeners close at once, streams in flight run
 on for up to ``--drain-timeout`` seconds, then everything is cancelled and
 the backend clients are closed. With TLS, SIGHUP re-reads the certificate
@@ -27,9 +28,11 @@ import ipaddress
 import logging
 import os
 import shlex
+import signal
 import ssl
 import sys
 from functools import partial
+from pathlib import Path
 
 import msgspec
 import trio
@@ -264,6 +267,8 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
             config = with_overrides(config, admin_port=held.getsockname()[1])
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wait_for_signal, shutdown)
+                if s.certfile is not None:
+                    nursery.start_soon(_forward_sighup_to_workers)
                 start_backends = partial(start_replicas, engine_args=engine_args)
                 url = await nursery.start(
                     partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)
@@ -279,6 +284,35 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
         status = 1
     log.info("headrace stopped")
     return status
+
+
+async def _forward_sighup_to_workers() -> None:
+    """SIGHUP to the supervisor: every worker re-reads its certificate (the
+    workers run in sessions of their own, so they do not get it otherwise;
+    engine replicas, which do not reload, are left alone)."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            for pid in _worker_pids():
+                try:
+                    os.kill(pid, signal.SIGHUP)
+                except ProcessLookupError:
+                    pass
+
+
+def _worker_pids() -> list[int]:
+    """This process's children started with ``--worker-config`` (from /proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"\0--worker-config\0" in cmdline:
+            found.append(int(entry))
+    return found
 
 
 async def start_replicas(nursery: trio.Nursery, engine_args: list[str], n: int = DEFAULT_REPLICAS) -> list[str]:

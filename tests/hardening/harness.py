@@ -56,8 +56,8 @@ async def start_mocks(nursery: trio.Nursery, n: int = 2, **config: Any) -> tuple
 
 @dataclass
 class RouterProcess:
-    """``headrace serve --workers 1`` with ``--set`` overrides; stderr goes
-    to ``log`` (read it with :meth:`log_text`)."""
+    """``headrace serve`` (one process unless ``workers``) with ``--set``
+    overrides; stderr goes to ``log`` (read it with :meth:`log_text`)."""
 
     process: trio.Process
     url: str
@@ -94,9 +94,10 @@ async def start_router(
     *,
     nofile: int | None = None,
     log_level: str = "WARNING",
+    workers: int = 1,
 ) -> RouterProcess:
     """Start the router; it is killed when ``nursery`` is cancelled."""
-    command = [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--port", "0", "--log-level", log_level]
+    command = [sys.executable, "-m", "router.cli", "serve", "--workers", str(workers), "--port", "0", "--log-level", log_level]
     for url in backends:
         command += ["--backend", url]
     if os.environ.get("HEADRACE_HARDENING_BEFORE"):  # measuring a checkout without the new settings

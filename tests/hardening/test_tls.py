@@ -146,3 +146,25 @@ async def test_sighup_reloads_the_routers_certificate_without_dropping_a_connect
     assert await _get(old) == b"HTTP/1.1 200 "
     assert router.process.returncode is None
     await old.aclose()
+
+
+async def test_sighup_to_the_worker_supervisor_reaches_every_worker(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``--workers 2``: the workers run in sessions of their own; the
+    supervisor passes SIGHUP on, so new connections, whichever worker the
+    kernel gives them to, get the new certificate."""
+    files = Files(tmp_path)
+    files.install()
+    urls, _ = await start_mocks(nursery, n=1)
+    router = await start_router(nursery, tmp_path, urls, {"server.certfile": str(files.certfile), "server.keyfile": str(files.keyfile)},
+                                workers=2)  # fmt: skip
+    second = files.install()
+    router.process.send_signal(signal.SIGHUP)
+    with trio.fail_after(20):
+        fresh = 0
+        while fresh < 16:  # 16 new connections in a row, spread over both workers, see it
+            stream, serial = await _connect(router.port, files.client())
+            await stream.aclose()
+            fresh = fresh + 1 if serial == second else 0
+            if not fresh:
+                await trio.sleep(0.05)
+    assert router.process.returncode is None
