@@ -133,3 +133,34 @@ async def test_a_hundred_zero_window_streams_hold_under_64_mib(nursery: trio.Nur
     1 s floor) and migrate the streams. The watchdog is set past the test
     here: what is measured is the memory the router holds."""
     await _attack(nursery, tmp_path, window=0, read=True, streams=100, mock=MANY, settings={"migration.stall_timeout": 30}, stall=15)
+
+
+async def test_an_http1_client_that_stops_reading_is_cut_off(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """HTTP/1.1, where there is no flow control but TCP's: a streamed
+    completion whose client never reads the socket. The router's write
+    blocks; after the stall timeout the connection is closed and the
+    backend request cancelled; memory stays bounded meanwhile."""
+    stall = 5.0
+    urls, mocks = await start_mocks(nursery, **MOCK)
+    router: RouterProcess = await start_router(nursery, tmp_path, urls, {"server.write_stall_timeout": stall})
+    rss0, fds0, _ = router.usage()
+    sock = trio.socket.socket()
+    sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)  # a small window: the router blocks soon
+    await sock.connect(("127.0.0.1", router.port))
+    stream = trio.SocketStream(sock)
+    body = completion(1_000_000, prompt=ATTACK_PROMPT)
+    await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    started = trio.current_time()
+    with trio.fail_after(stall + 10):
+        while sum(m.statistics().cancelled for m in mocks) < 1:
+            await trio.sleep(0.1)
+    cancelled_after = trio.current_time() - started
+    rss1, fds1, _ = router.usage()
+    await stream.aclose()
+    await trio.sleep(0.5)
+    _, fds2, _ = router.usage()
+    print(f"\nHTTP/1.1 client that reads nothing: backend request cancelled after {cancelled_after:.1f} s;"
+          f" RSS {rss0:.0f} -> {rss1:.0f} MiB; fds {fds0} -> {fds1} -> {fds2}")  # fmt: skip
+    assert rss1 - rss0 < 64
+    assert fds2 <= fds0 + 2
