@@ -374,9 +374,11 @@ class SQLiteStore:
         return await self._run(self._claim, slots, per_tenant, owner)
 
     def _claim(self, slots: int, per_tenant: int, owner: str) -> list[Job]:
-        now = self.clock()
         claimed: list[Job] = []
         with self._tx() as db:
+            # The clock is read inside the write lock: a claim that waited for
+            # another process's commit (a job finishing) starts after it.
+            now = self.clock()
             running = dict(db.execute("SELECT tenant, count(*) FROM jobs WHERE status = 'running' GROUP BY tenant").fetchall())
             rows = db.execute(
                 _SELECT + f" WHERE status = 'queued' AND not_before <= ? ORDER BY {_RANK}, seq LIMIT ?", (now, slots * 64)
