@@ -283,7 +283,9 @@ async def test_two_routers_on_one_file_share_the_queue_and_run_each_job_once_tho
     assert served.backend.statistics().completed + served_2.backend.statistics().completed == 6
     assert first.jobs is not None and second.jobs is not None
     assert first.jobs.statistics().recovered == second.jobs.statistics().recovered == 0
-    assert first.jobs.statistics().started > 0 and second.jobs.statistics().started > 0
+    # Each job started once, by one router or the other (which one wins a claim
+    # is up to the scheduler: on a loaded box one router can take them all).
+    assert first.jobs.statistics().started + second.jobs.statistics().started == 6
 
 
 async def test_a_job_cancelled_through_another_process_stops_running_within_the_lease(
