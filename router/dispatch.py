@@ -460,17 +460,11 @@ class Dispatcher:
                     if feedback.dispatch is not None:
                         feedback.dispatch(actor.name, route, self.clock())
                     recorder, name, last_at = self.recorder, actor.name, arrived
-                    first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
                     cached: int | None = None
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
-                    # The backend times its own silences (given the watchdog's
-                    # timeout), or the dispatcher times each wait here.
-                    stall = self.stall.timeout(name, settings)
-                    watched = actor.watches_stalls
-                    after_first = math.inf if watched else stall
                     try:
-                        upstream = actor.stream(sub, prompt_tokens=route.prompt_tokens, stall_timeout=stall if watched else None)
+                        upstream, first_wait, after_first = self._open(actor, sub, route, settings)
                         async with closing_stream(upstream) as events:
                             while True:
                                 event = await _next(events, after_first if progress.events else first_wait, name, progress)
@@ -631,12 +625,8 @@ class Dispatcher:
         finished, verdict, first, cached = False, None, True, None
         last_at = self.clock()
         gap_from: float | None = broke_at  # until the first new event reaches the client
-        first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
-        stall = self.stall.timeout(name, settings)
-        watched = actor.watches_stalls
-        after_first = math.inf if watched else stall
         try:
-            upstream = actor.stream(sub, prompt_tokens=route.prompt_tokens, stall_timeout=stall if watched else None)
+            upstream, first_wait, after_first = self._open(actor, sub, route, settings)
             async with closing_stream(upstream) as events:
                 while True:
                     event = await _next(events, first_wait if first else after_first, name, progress)
@@ -677,6 +667,18 @@ class Dispatcher:
             self._judge(name, verdict)
             if feedback.complete is not None:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+
+    def _open(
+        self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings
+    ) -> tuple[AsyncIterator[Event], float, float]:
+        """One attempt's stream, and how long to wait for its first event and
+        for each later one. The backend times its own silences (given the
+        watchdog's timeout), or the dispatcher times each wait itself."""
+        first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
+        stall = self.stall.timeout(actor.name, settings)
+        watched = actor.watches_stalls
+        upstream = actor.stream(sub, prompt_tokens=route.prompt_tokens, stall_timeout=stall if watched else None)
+        return upstream, first_wait, math.inf if watched else stall
 
     def _migrated(self, reason: str, outcome: str) -> None:
         key = f"{reason}:{outcome}"

@@ -22,26 +22,13 @@ from backends.base import BackendInfo, Event, GenerateRequest, Usage
 from backends.errors import BackendProtocolError, MigrationFailed
 from backends.fakes import FlakyBackend, StallingBackend, WrappedBackend
 from backends.mock import MockBackend, MockConfig
-from policies.base import BackendView, RouteRequest
 from policies.routing import RoundRobin
 from router.actors import BackendActor
 from router.dispatch import Dispatcher
 from router.migration import Progress, Replay, Settings, StallWatch, resume_request
 from tests.router.fakes import FakeBackend
+from tests.router.test_breakers import Prefer
 from tests.router.test_dispatch import actors_for
-
-
-class Prefer:
-    """Routes to the first of ``order`` among the candidates."""
-
-    name = "prefer"
-
-    def __init__(self, *order: str) -> None:
-        self.order = order
-
-    def pick(self, backends: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
-        names = {b.name for b in backends}
-        return next((n for n in self.order if n in names), None)
 
 
 def mock(**kw: Any) -> MockBackend:
