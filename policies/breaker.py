@@ -25,9 +25,13 @@ One breaker per backend, its lifecycle a transition table (CONVENTIONS.md #2)::
   that ends with no verdict (cancelled, a 4xx, a 429) gives its slot back
   (``release``).
 - :class:`Breakers` holds one per backend and refuses a trip that would eject
-  more than ``max_ejection_fraction`` of the backends (at least one may
-  always go) or the last one not ejected: an outage of one backend must not
-  become an outage of all. Backends the router's health probes hold down
+  more than ``max_ejection_fraction`` of a group's backends (at least one
+  may always go) or the group's last one not ejected: an outage of one
+  backend must not become an outage of a model. Groups are the model
+  routes' backend sets (:meth:`Breakers.set_groups`); a backend in no
+  configured group belongs to the group of all such backends (with no
+  groups configured: the whole fleet), and a backend in several groups
+  may go only if every one of them allows it. Backends the router's health probes hold down
   (:meth:`Breakers.set_serving`) count as out for that rule, and their
   breaker is reset: one state per backend, the router's
   (``router/health.py``), which hears every breaker transition.
@@ -118,7 +122,7 @@ class BreakerOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     base_ejection: float = 30.0
     max_ejection: float = 300.0
     half_open_successes: int = 2
-    max_ejection_fraction: float = 0.5  # of a router's backends ejected at once (at least one)
+    max_ejection_fraction: float = 0.5  # of a group's backends ejected at once (at least one)
 
     def __post_init__(self) -> None:
         if self.consecutive_failures < 1 or self.half_open_successes < 1 or self.min_requests < 1:
@@ -285,11 +289,27 @@ class Breakers:
         self._breakers: dict[str, CircuitBreaker] = {}
         self._refused: dict[str, int] = {}
         self._out: set[str] = set()  # held down by the router's health probes
+        self._groups: list[frozenset[str]] = []  # configured groups (model routes' backends)
 
     def add(self, names: Iterable[str]) -> None:
         """Know these backends (the fleet rule counts them)."""
         for name in names:
             self._breaker(name)
+
+    def set_groups(self, groups: Iterable[Iterable[str]]) -> None:
+        """The backend groups the fleet rule holds for, each apart (a
+        model's backends); backends in none form one more group."""
+        self._groups = list(dict.fromkeys(frozenset(g) for g in groups if g))
+        for group in self._groups:
+            self.add(group)
+
+    def groups_of(self, backend: str) -> list[frozenset[str]]:
+        """The groups whose rule an ejection of ``backend`` must pass."""
+        found = [g for g in self._groups if backend in g]
+        if found:
+            return found
+        grouped = frozenset().union(*self._groups)
+        return [frozenset(name for name in self._breakers if name not in grouped)]
 
     def _breaker(self, name: str) -> CircuitBreaker:
         found = self._breakers.get(name)
@@ -311,14 +331,14 @@ class Breakers:
         breaker = self._breaker(backend)
         allow = True
         if not ok and breaker.trips(now):
-            allow = self._may_eject(now)
+            allow = all(self._may_eject(group, now) for group in self.groups_of(backend))
             if not allow:
                 self._refused[backend] = self._refused.get(backend, 0) + 1
         breaker.record(ok, now, allow_trip=allow)
 
-    def _may_eject(self, now: float) -> bool:
-        total = len(self._breakers)
-        out = sum(name in self._out or b.poll(now) is not BreakerState.CLOSED for name, b in self._breakers.items())
+    def _may_eject(self, group: frozenset[str], now: float) -> bool:
+        total = len(group)
+        out = sum(name in self._out or self._breaker(name).poll(now) is not BreakerState.CLOSED for name in group)
         most = max(1, math.floor(self.options.max_ejection_fraction * total))
         return out + 1 <= most and out + 1 < total
 

@@ -327,7 +327,7 @@ class Dispatcher:
         self._set_serving: Callable[[str, bool, float], None] | None = getattr(breakers, "set_serving", None)
         self._ejected_until: Callable[[str, float], float | None] | None = getattr(breakers, "ejected_until", None)
         if breakers is not None and hasattr(breakers, "add"):
-            breakers.add(self.actors)  # the fleet rule counts every backend
+            breakers.add(self.actors)  # the fleet rule counts every backend, per group
         self.retry_budget = retry_budget
         self.migration = migration or MigrationSettings()
         self.stall = StallWatch(self.migration)
@@ -339,6 +339,9 @@ class Dispatcher:
         self.keys = keys
         self.policy = policy
         self.routes = routes if routes is not None else RouteTable((), policy)
+        if breakers is not None and hasattr(breakers, "set_groups"):
+            # the fleet rule holds per model group: a route's configured backends
+            breakers.set_groups(self.routes.groups())
         self.max_attempts = max_attempts
         self.retry_after = retry_after
         self.cooldowns = Cooldowns(cooldown, max_cooldown)

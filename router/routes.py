@@ -197,6 +197,12 @@ class RouteTable:
                 seen.setdefault(id(route.target.policy), (route.target.policy, route.target.backends))
         return list(seen.values())
 
+    def groups(self) -> list[tuple[str, ...]]:
+        """Each served route's configured backends (routes that name none
+        are left out: their group is whoever lists the model)."""
+        found = (r.target.backends for r in self._routes.values() if r.target is not None)
+        return list(dict.fromkeys(b for b in found if b))
+
     def plan(self, request: GenerateRequest) -> Plan:
         """The Targets ``request`` tries, in order."""
         model = request.model

@@ -1,7 +1,7 @@
 """The breaker: its transition table (every pair legal or an error), trips
 on consecutive failures or a failure rate, ejection times base x n capped,
 half-open probes, the fleet rule (never the last backend, at most a
-fraction), the retry budget and full-jitter backoff."""
+fraction, in each model group apart), the retry budget and full-jitter backoff."""
 
 from __future__ import annotations
 
@@ -110,6 +110,50 @@ def test_the_fleet_never_ejects_its_last_backend_or_more_than_its_fraction(n: in
     ejected = sum(fleet.state(x, 0.0) is not S.CLOSED for x in names)
     assert ejected <= max(1, int(fraction * n)) and (ejected < n or ejected == 0)
     assert any(fleet.allows(x, 0.0) for x in names)
+
+
+@settings(max_examples=100)
+@given(
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    loose=st.integers(0, 3),
+    fraction=st.floats(0, 1),
+    order=st.lists(st.integers(0, 17), max_size=40),
+)
+def test_the_fleet_rule_holds_in_each_group_apart(sizes: list[int], loose: int, fraction: float, order: list[int]) -> None:
+    """Each model group keeps its own fraction and its last backend; the
+    backends in no group form one more group."""
+    fleet = Breakers(BreakerOptions(consecutive_failures=1, max_ejection_fraction=fraction))
+    groups = [[f"g{g}b{i}" for i in range(n)] for g, n in enumerate(sizes)]
+    rest = [f"r{i}" for i in range(loose)]
+    fleet.add(rest)
+    fleet.set_groups(groups)
+    names = [b for g in groups for b in g] + rest
+    for i in order:
+        fleet.record(names[i % len(names)], False, 0.0)
+    for group in [*groups, rest] if rest else groups:
+        ejected = sum(fleet.state(x, 0.0) is not S.CLOSED for x in group)
+        assert ejected <= max(1, int(fraction * len(group))) and ejected < len(group) or ejected == 0
+        assert any(fleet.allows(x, 0.0) for x in group)
+
+
+def test_one_groups_ejections_do_not_count_against_another() -> None:
+    """Fleet-wide counting would refuse b's ejection here (a's group has its
+    one allowed ejection, and 2 of 4 is the fleet's fraction); per group it
+    is allowed, and a group's last backend is still never ejected."""
+    fleet = Breakers(BreakerOptions(consecutive_failures=1, max_ejection_fraction=0.5))
+    fleet.set_groups([["a1", "a2"], ["b1", "b2"]])
+    fleet.record("a1", False, 0.0)
+    fleet.record("b1", False, 0.0)
+    assert fleet.state("a1", 0.0) is S.OPEN and fleet.state("b1", 0.0) is S.OPEN
+    fleet.record("b2", False, 0.0)
+    assert fleet.state("b2", 0.0) is S.CLOSED
+    assert [s.refused_trips for s in fleet.statistics(0.0)] == [0, 0, 0, 1]
+    # a backend in two groups goes only if both allow it
+    shared = Breakers(BreakerOptions(consecutive_failures=1, max_ejection_fraction=0.5))
+    shared.set_groups([["x", "s"], ["y", "s", "z", "w"]])
+    shared.record("x", False, 0.0)
+    shared.record("s", False, 0.0)
+    assert shared.state("s", 0.0) is S.CLOSED
 
 
 def test_the_fleet_policy_comes_from_the_registry_with_options() -> None:

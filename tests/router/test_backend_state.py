@@ -119,7 +119,7 @@ async def test_a_backend_the_probes_hold_down_counts_for_the_fleet_rule(autojump
     assert breakers.statistics(trio.current_time())[0].refused_trips == 3
 
 
-async def test_when_every_backend_of_a_group_is_ejected_the_503_says_when_the_first_returns(
+async def test_when_no_backend_of_a_group_takes_requests_the_503_says_when_the_first_ejection_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fakes = [FakeBackend(n, fail_before=BackendUnavailable("refused") if n in "ab" else None) for n in "abcd"]
@@ -127,9 +127,11 @@ async def test_when_every_backend_of_a_group_is_ejected_the_503_says_when_the_fi
     table = RouteTable([ModelRoute(name="m", backends=("a", "b"))], Prefer("a", "b", "c", "d"), lambda r: Prefer("a", "b"))
     d = Dispatcher(await actors_for(*fakes), Prefer("a", "b"), routes=table, breakers=breakers, draw=lambda: 0.0)
     with pytest.raises(BackendUnavailable):
-        await drain_stream(d)  # a and b both fail: both ejected
+        await drain_stream(d)  # a and b both fail: a is ejected, b is the group's last
     await trio.sleep(3)
-    assert {n: d.actors[n].state for n in "ab"} == {"a": S.EJECTED, "b": S.EJECTED}
+    assert d.actors["a"].state is S.EJECTED and d.actors["b"].state is not S.EJECTED
+    assert breakers.state("b", trio.current_time()) is BreakerState.CLOSED
+    d.actors["b"].drain()  # the group's other backend takes nothing either
     with pytest.raises(BackendUnavailable, match="ejected") as info:
         await drain_stream(d)
     assert info.value.retry_after == pytest.approx(7)  # a's 10 s ejection, 3 s into it
@@ -221,7 +223,7 @@ async def test_an_ejected_backend_shows_as_ejected_everywhere_and_comes_back_the
         assert await everywhere() == ("up", True, "closed", True, True, "0.0", 8)
 
 
-async def test_a_group_whose_backends_are_all_ejected_is_503_with_the_soonest_return_as_retry_after(
+async def test_a_group_whose_backends_are_ejected_or_drained_is_503_with_the_soonest_return_as_retry_after(
     nursery: trio.Nursery,
 ) -> None:
     clock = FakeClock()
@@ -229,7 +231,12 @@ async def test_a_group_whose_backends_are_all_ejected_is_503_with_the_soonest_re
     router, url = await start(nursery, clock, {"a": status(503), "b": status(503), "c": [], "d": []}, breaker=breaker,
                               models=[{"name": "m", "backends": ["a", "b"]}, {"name": "n", "backends": ["c", "d"], "upstream_model": "m"}])  # fmt: skip
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-        assert (await client.post("/v1/completions", json=BODY)).status_code == 503  # a then b: both ejected
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 503  # a then b: a is ejected
+        # b is the group's last: its trip is refused, whatever c and d do
+        state = {b["name"]: b["breaker"] for b in (await client.get("/admin/backends")).json()["data"]}
+        assert (state["a"]["state"], state["b"]["state"], state["b"]["refused_trips"]) == ("open", "closed", 1)
+        drained = await client.post("/admin/backends", json={"backend": "b", "action": "drain"})
+        assert drained.status_code == 200
         clock.offset += 12
         r = await client.post("/v1/completions", json=BODY)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"

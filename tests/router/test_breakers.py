@@ -26,8 +26,9 @@ from backends.openai_http import OpenAIHTTPBackend
 from policies.base import BackendView, RouteRequest
 from policies.breaker import BreakerOptions, Breakers, BreakerState, RetryBudget
 from router.app import NamedBackend, Router
-from router.config import decode_config
+from router.config import ModelRoute, decode_config
 from router.dispatch import Dispatcher
+from router.routes import RouteTable
 from tests.backends.conftest import Served, serve_mock
 from tests.router.fakes import FakeBackend
 from tests.router.test_dispatch import ListRecorder, actors_for
@@ -101,6 +102,23 @@ async def test_a_retry_cancelled_in_its_backoff_gives_its_budget_slot_back(autoj
     with trio.move_on_after(5):
         await drain_stream(d)
     assert good.started == 0 and budget.active == 0 and budget.granted == 1
+
+
+async def test_the_fleet_rule_counts_each_model_groups_ejections_apart(autojump_clock: trio.testing.MockClock) -> None:
+    """At a quarter, a fleet-wide count (1 of 6) would keep b1 in after a1
+    went; per group, model mb may lose one of its own four."""
+    fakes = {n: FakeBackend(n, fail_before=BackendUnavailable("refused")) for n in ("a1", "b1")}
+    fakes |= {n: FakeBackend(n) for n in ("a2", "b2", "b3", "b4")}
+    breakers = Breakers(options(max_ejection_fraction=0.25))
+    order = Prefer("a1", "b1", "a2", "b2", "b3", "b4")
+    routes = RouteTable([ModelRoute(name="ma", backends=("a1", "a2")), ModelRoute(name="mb", backends=("b1", "b2", "b3", "b4"))],
+                        order, lambda r: order)  # fmt: skip
+    d = Dispatcher(await actors_for(*fakes.values()), order, routes=routes, breakers=breakers, draw=lambda: 0.0)
+    for model in ("ma", "mb"):
+        assert len([e async for e in d.stream(GenerateRequest(model=model))]) == 4  # retried on the group's next
+    now = trio.current_time()
+    assert {n: breakers.state(n, now) for n in ("a1", "b1")} == {"a1": BreakerState.OPEN, "b1": BreakerState.OPEN}
+    assert [g for g in breakers.groups_of("b1")] == [frozenset({"b1", "b2", "b3", "b4"})]
 
 
 async def test_a_cancelled_half_open_probe_does_not_wedge_the_breaker(autojump_clock: trio.testing.MockClock) -> None:
