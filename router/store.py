@@ -66,6 +66,8 @@ import trio
 from backends.errors import UpstreamError
 
 __all__ = [
+    "INSERT_JOB",
+    "SELECT_JOBS",
     "TRANSITIONS",
     "IdemBusy",
     "IdemMismatch",
@@ -80,7 +82,9 @@ __all__ = [
     "LeaseLost",
     "SQLiteStore",
     "StoreUnavailable",
+    "job_row",
     "new_job_id",
+    "row_job",
     "transition",
 ]
 
@@ -167,6 +171,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     not_before: float = 0.0  # a retried job waits until then
     owner: str | None = None  # the runner that claimed it (while running)
     heartbeat: float | None = None  # when that runner last said it was alive
+    batch_id: str | None = None  # an item of this batch (router/batch_store.py) ...
+    line: int | None = None  # ... from this line of its input file (from 1)
 
 
 class IdemReserved(msgspec.Struct, frozen=True):
@@ -255,15 +261,72 @@ MIGRATIONS: Sequence[str] = (
     """
     ALTER TABLE jobs ADD COLUMN errors INTEGER NOT NULL DEFAULT 0;
     """,
+    # 4: files and batches (router/batch_store.py). A batch's items are jobs
+    # (``batch_id``, ``line``: the input file's line, from 1), run by the same
+    # runner; ``(batch_id, line)`` is unique, so a validation cut short by a
+    # crash is redone without doubling an item. Plain SQL for the PostgreSQL port.
+    """
+    ALTER TABLE jobs ADD COLUMN batch_id TEXT;
+    ALTER TABLE jobs ADD COLUMN line INTEGER;
+    CREATE UNIQUE INDEX jobs_batch_line ON jobs (batch_id, line);
+    CREATE TABLE files (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        purpose TEXT NOT NULL,
+        filename TEXT NOT NULL,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        lines INTEGER NOT NULL DEFAULT 0,
+        status TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        batch_id TEXT
+    );
+    CREATE INDEX files_tenant ON files (tenant, seq);
+    CREATE TABLE batches (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        endpoint TEXT NOT NULL,
+        input_file_id TEXT NOT NULL,
+        completion_window TEXT NOT NULL,
+        status TEXT NOT NULL,
+        metadata BLOB NOT NULL,
+        output_file_id TEXT NOT NULL,
+        error_file_id TEXT NOT NULL,
+        total INTEGER NOT NULL DEFAULT 0,
+        errors BLOB,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        in_progress_at REAL,
+        finalizing_at REAL,
+        completed_at REAL,
+        failed_at REAL,
+        cancelling_at REAL,
+        cancelled_at REAL,
+        expired_at REAL
+    );
+    CREATE INDEX batches_tenant ON batches (tenant, seq);
+    CREATE INDEX batches_status ON batches (status);
+    """,
 )
 
 _COLUMNS = ("id", "tenant", "kind", "body", "status", "priority", "metadata", "result", "error", "attempts",
-            "created_at", "started_at", "finished_at", "not_before", "owner", "heartbeat", "errors")  # fmt: skip
-_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM jobs"
+            "created_at", "started_at", "finished_at", "not_before", "owner", "heartbeat", "errors", "batch_id", "line")  # fmt: skip
+SELECT_JOBS = "SELECT " + ", ".join(_COLUMNS) + " FROM jobs"
 _RANK = "CASE priority WHEN 'interactive' THEN 0 WHEN 'default' THEN 1 ELSE 2 END"
 
 
-def _row_job(row: tuple[Any, ...]) -> Job:
+INSERT_JOB = ("INSERT INTO jobs (id, tenant, kind, body, status, priority, metadata, created_at, result, error,"
+              " batch_id, line, finished_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)")  # fmt: skip
+
+
+def job_row(job: Job) -> tuple[Any, ...]:
+    """The values of :data:`INSERT_JOB` for ``job``."""
+    return (job.id, job.tenant, job.kind, job.body, job.status.value, job.priority, msgspec.json.encode(job.metadata),
+            job.created_at, job.result, job.error, job.batch_id, job.line, job.finished_at)  # fmt: skip
+
+
+def row_job(row: tuple[Any, ...]) -> Job:
     fields = dict(zip(_COLUMNS, row, strict=True))
     fields["status"] = JobStatus(fields["status"])
     fields["metadata"] = msgspec.json.decode(fields["metadata"])
@@ -332,11 +395,7 @@ class SQLiteStore:
     def _create(self, job: Job) -> Job:
         job = msgspec.structs.replace(job, created_at=self.clock())
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO jobs (id, tenant, kind, body, status, priority, metadata, created_at) VALUES (?,?,?,?,?,?,?,?)",
-                (job.id, job.tenant, job.kind, job.body, job.status.value, job.priority,
-                 msgspec.json.encode(job.metadata), job.created_at),
-            )  # fmt: skip
+            db.execute(INSERT_JOB, job_row(job))
         return job
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
@@ -345,8 +404,8 @@ class SQLiteStore:
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
         with self._lock:
-            row = self._db.execute(_SELECT + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
-        return _row_job(row) if row is not None else None
+            row = self._db.execute(SELECT_JOBS + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+        return row_job(row) if row is not None else None
 
     async def list_jobs(self, tenant: str, *, after: str | None, limit: int) -> tuple[list[Job], bool]:
         """``tenant``'s jobs newest first, those older than job ``after``;
@@ -362,9 +421,10 @@ class SQLiteStore:
                     raise KeyError(after)
                 bound = row[0]
             rows = self._db.execute(
-                _SELECT + " WHERE tenant = ? AND seq < ? ORDER BY seq DESC LIMIT ?", (tenant, bound, limit + 1)
+                SELECT_JOBS + " WHERE tenant = ? AND seq < ? AND batch_id IS NULL ORDER BY seq DESC LIMIT ?",
+                (tenant, bound, limit + 1),
             ).fetchall()
-        return [_row_job(r) for r in rows[:limit]], len(rows) > limit
+        return [row_job(r) for r in rows[:limit]], len(rows) > limit
 
     async def claim(self, *, slots: int, per_tenant: int, owner: str = "") -> list[Job]:
         """Start up to ``slots`` queued jobs that are due, highest priority
@@ -381,10 +441,10 @@ class SQLiteStore:
             now = self.clock()
             running = dict(db.execute("SELECT tenant, count(*) FROM jobs WHERE status = 'running' GROUP BY tenant").fetchall())
             rows = db.execute(
-                _SELECT + f" WHERE status = 'queued' AND not_before <= ? ORDER BY {_RANK}, seq LIMIT ?", (now, slots * 64)
+                SELECT_JOBS + f" WHERE status = 'queued' AND not_before <= ? ORDER BY {_RANK}, seq LIMIT ?", (now, slots * 64)
             ).fetchall()
             for row in rows:
-                job = _row_job(row)
+                job = row_job(row)
                 if len(claimed) >= slots or running.get(job.tenant, 0) >= per_tenant:
                     continue
                 running[job.tenant] = running.get(job.tenant, 0) + 1
@@ -400,10 +460,10 @@ class SQLiteStore:
 
     def _apply(self, job_id: str, event: JobEvent, owner: str | None, fields: dict[str, Any]) -> Job:
         with self._tx() as db:
-            row = db.execute(_SELECT + " WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute(SELECT_JOBS + " WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise KeyError(job_id)
-            job = _row_job(row)
+            job = row_job(row)
             if owner is not None and job.owner != owner:
                 raise LeaseLost(job.status, event)
             return self._write(db, job, event, fields)
@@ -426,10 +486,10 @@ class SQLiteStore:
 
     def _cancel(self, tenant: str, job_id: str) -> tuple[JobStatus, Job] | None:
         with self._tx() as db:
-            row = db.execute(_SELECT + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+            row = db.execute(SELECT_JOBS + " WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
                 return None
-            job = _row_job(row)
+            job = row_job(row)
             return job.status, self._write(db, job, JobEvent.CANCEL, {})
 
     async def heartbeat(self, owner: str, job_ids: Sequence[str]) -> set[str]:
@@ -453,9 +513,9 @@ class SQLiteStore:
     def _requeue_stale(self, lease: float) -> int:
         stale = self.clock() - lease
         with self._tx() as db:
-            rows = db.execute(_SELECT + " WHERE status = 'running' AND (heartbeat IS NULL OR heartbeat <= ?)", (stale,)).fetchall()
+            rows = db.execute(SELECT_JOBS + " WHERE status = 'running' AND (heartbeat IS NULL OR heartbeat <= ?)", (stale,)).fetchall()
             for row in rows:
-                self._write(db, _row_job(row), JobEvent.REQUEUE, {"started_at": None, "owner": None, "heartbeat": None})
+                self._write(db, row_job(row), JobEvent.REQUEUE, {"started_at": None, "owner": None, "heartbeat": None})
         return len(rows)
 
     # ------------------------------------------------------------ idempotency

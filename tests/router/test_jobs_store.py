@@ -150,7 +150,7 @@ async def test_a_file_at_schema_version_1_is_migrated_keeping_its_jobs(tmp_path:
                     " VALUES ('job_old', 't', 'chat', '{}', 'running', 'batch', '{}', 1)")  # fmt: skip
     raw.close()
     store = SQLiteStore(path)
-    assert store.schema_version() == len(MIGRATIONS) == 3
+    assert store.schema_version() == len(MIGRATIONS) == 4
     old = await store.get("t", "job_old")
     assert old is not None and old.status is JobStatus.RUNNING and old.heartbeat is None
     assert await store.requeue_stale(30) == 1  # a v1 runner left no lease: requeued at once
