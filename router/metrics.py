@@ -1,4 +1,5 @@
-"""Every Prometheus metric the router exports, named in this one file.
+"""The router's Prometheus metrics, built from :mod:`frontend.metric_names`
+(the one table of names, types, help, labels and buckets, shared with the engine).
 
 Per-request observations (status, latency, time to first token, inter-token
 latency, queue time) go into histograms as they happen; state (in-flight per
@@ -34,13 +35,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from frontend import metric_names as N
 from router.actors import ActorStatistics
 from router.admission import QueueStatistics
 from router.dispatch import DispatchStatistics
@@ -49,10 +52,6 @@ from router.pipeline import PipelineStatistics
 __all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Mirror", "RouterMetrics", "StatisticsCollector"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# Seconds: token latencies are small, request latencies can be minutes.
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 MIRROR_INTERVAL = 1.0  # seconds between two mirrors of a worker's live state (multiprocess mode)
 # How a mirrored gauge aggregates across workers; any other gauge: "liveall" (one series per worker).
@@ -87,52 +86,29 @@ class StatisticsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats = self._actors()
-        gauges = {
-            "in_flight": GaugeMetricFamily("headrace_backend_in_flight", "Requests in flight per backend", labels=["backend"]),
-            "up": GaugeMetricFamily("headrace_backend_up", "1 when the backend takes requests (up, or suspect after a failure)", labels=["backend"]),
-            "draining": GaugeMetricFamily("headrace_backend_draining", "1 when an operator drained the backend", labels=["backend"]),
-        }
-        counters = {
-            field: CounterMetricFamily(f"headrace_backend_{field}", help_, labels=["backend"])
-            for field, help_ in (
-                ("requests", "Streams started on the backend"),
-                ("failures", "Streams ended by an upstream error"),
-                ("cancelled", "Streams abandoned by the client"),
-                ("tokens", "Tokens relayed from the backend"),
-                ("probe_failures", "Failed health probes"),
-                ("restarts", "Actor restarts after a crash"),
-            )
-        }
-        limit = GaugeMetricFamily("headrace_backend_concurrency_limit", "Streams at once the backend is given (learned from its 429s, at most its max_concurrency)", labels=["backend"])
-        cuts = CounterMetricFamily("headrace_backend_concurrency_decreases", "Times a 429 cut the backend's concurrency limit", labels=["backend"])
+        limit, cuts = N.BACKEND_LIMIT.collected(), N.BACKEND_CUTS.collected()
         for s in stats:
             limit.add_metric([s.name], s.limit)
             cuts.add_metric([s.name], s.concurrency.decreases if s.concurrency is not None else 0)
         yield from (limit, cuts)
+        in_flight, up, draining = N.BACKEND_IN_FLIGHT.collected(), N.BACKEND_UP.collected(), N.BACKEND_DRAINING.collected()
+        counters = {field: family.collected() for field, family in N.BACKEND_COUNTERS.items()}
         for s in stats:
-            gauges["in_flight"].add_metric([s.name], s.in_flight)
-            gauges["up"].add_metric([s.name], 1.0 if s.up else 0.0)
-            gauges["draining"].add_metric([s.name], 1.0 if s.draining else 0.0)
-            for field, family in counters.items():
-                family.add_metric([s.name], getattr(s, field))
-        yield from gauges.values()
+            in_flight.add_metric([s.name], s.in_flight)
+            up.add_metric([s.name], 1.0 if s.up else 0.0)
+            draining.add_metric([s.name], 1.0 if s.draining else 0.0)
+            for field, metric in counters.items():
+                metric.add_metric([s.name], getattr(s, field))
+        yield from (in_flight, up, draining)
         yield from counters.values()
         d = self._dispatch()
-        for field, help_ in (
-            ("retries", "Attempts moved to another backend before the first token"),
-            ("unavailable", "Requests refused because no backend was eligible"),
-            ("fallbacks", "Requests answered by a fallback model of their route"),
-            ("rate_limited", "429s from backends (each cooled that backend down)"),
-        ):
-            yield CounterMetricFamily(f"headrace_dispatch_{field}", help_, value=getattr(d, field))
-        cooling = GaugeMetricFamily("headrace_backend_cooling", "1 while a backend rests after a 429", labels=["backend"])
+        for field in ("retries", "unavailable", "fallbacks", "rate_limited"):
+            yield N.DISPATCH_COUNTERS[field].collected(getattr(d, field))
+        cooling = N.BACKEND_COOLING.collected()
         for s in stats:
             cooling.add_metric([s.name], 1.0 if s.name in d.cooling else 0.0)
         yield cooling
-        labels = ["route", "version"]
-        weight = GaugeMetricFamily("headrace_model_version_weight", "Traffic weight of a version of a split route", labels=labels)
-        requests = CounterMetricFamily("headrace_model_version_requests", "Requests a split route sent to a version", labels=labels)
-        failed = CounterMetricFamily("headrace_model_version_failed", "Of those, ended by an error", labels=labels)
+        weight, requests, failed = N.VERSION_WEIGHT.collected(), N.VERSION_REQUESTS.collected(), N.VERSION_FAILED.collected()
         for v in d.versions:
             weight.add_metric([v.route, v.version], v.weight)
             requests.add_metric([v.route, v.version], v.requests)
@@ -148,24 +124,18 @@ class StatisticsCollector(Collector):
 
 def _migrations(d: DispatchStatistics) -> Iterable[Metric]:
     m = d.migration
-    family = CounterMetricFamily(
-        "headrace_migrations",
-        "Streams that broke after their first token, by why and how it ended (resumed by token ids, replayed and verified, failed)",
-        labels=["reason", "outcome"],
-    )
+    family = N.MIGRATIONS.collected()
     for key, count in sorted(m.migrations.items()):
         reason, _, outcome = key.partition(":")
         family.add_metric([reason, outcome], count)
     yield family
-    yield CounterMetricFamily("headrace_migration_replay_divergences", "Replays whose text differed from what the client had", value=m.divergences)
-    yield CounterMetricFamily("headrace_migration_inexact", "Resumes on a backend that does not promise exact resume", value=m.inexact)
+    yield N.MIGRATION_DIVERGENCES.collected(m.divergences)
+    yield N.MIGRATION_INEXACT.collected(m.inexact)
 
 
 def _breakers(d: DispatchStatistics) -> Iterable[Metric]:
-    yield CounterMetricFamily("headrace_dispatch_retries_refused", "Retries the retry budget refused (the request got the upstream error)", value=d.retries_refused)
-    state = GaugeMetricFamily("headrace_backend_breaker_state", "The backend's circuit breaker: 0 closed, 1 half-open, 2 open (ejected)", labels=["backend"])
-    ejections = CounterMetricFamily("headrace_backend_ejections", "Times the backend's breaker opened", labels=["backend"])
-    refused = CounterMetricFamily("headrace_backend_refused_ejections", "Ejections refused by the fleet rule (too many ejected already)", labels=["backend"])
+    yield N.DISPATCH_COUNTERS["retries_refused"].collected(d.retries_refused)
+    state, ejections, refused = N.BREAKER_STATE.collected(), N.EJECTIONS.collected(), N.REFUSED_EJECTIONS.collected()
     for b in d.breakers:
         state.add_metric([b.name], BREAKER_STATES.get(b.state, 2.0))
         ejections.add_metric([b.name], b.ejections)
@@ -173,19 +143,19 @@ def _breakers(d: DispatchStatistics) -> Iterable[Metric]:
     yield from (state, ejections, refused)
     if d.retry_budget is not None:
         r = d.retry_budget
-        yield GaugeMetricFamily("headrace_retry_budget_active", "Retries in flight", value=r.active)
-        yield CounterMetricFamily("headrace_retry_budget_granted", "Retries the budget let through", value=r.granted)
-        yield CounterMetricFamily("headrace_retry_budget_refused", "Retries the budget refused", value=r.refused)
+        yield N.RETRY_ACTIVE.collected(r.active)
+        yield N.RETRY_GRANTED.collected(r.granted)
+        yield N.RETRY_REFUSED.collected(r.refused)
 
 
 def _pipeline(p: PipelineStatistics) -> Iterable[Metric]:
-    yield CounterMetricFamily("headrace_pipeline_admitted", "Client requests the pipeline let through", value=p.admitted)
-    yield GaugeMetricFamily("headrace_pipeline_in_flight", "Admitted client requests not finished yet", value=p.in_flight)
-    rejected = CounterMetricFamily("headrace_pipeline_rejected", "Client requests refused by the pipeline, by error code", labels=["code"])
+    yield N.PIPELINE_ADMITTED.collected(p.admitted)
+    yield N.PIPELINE_IN_FLIGHT.collected(p.in_flight)
+    rejected = N.PIPELINE_REJECTED.collected()
     for code, count in sorted(p.rejected.items()):
         rejected.add_metric([code], count)
     yield rejected
-    latency = GaugeMetricFamily("headrace_pipeline_rejection_seconds", "Arrival to refusal of the last 1024 requests refused at arrival (not queue_timeout), by quantile", labels=["quantile"])
+    latency = N.PIPELINE_REJECTION_SECONDS.collected()
     for q, value in (("0.5", p.rejection_p50), ("0.99", p.rejection_p99)):
         if value is not None:
             latency.add_metric([q], value)
@@ -193,28 +163,27 @@ def _pipeline(p: PipelineStatistics) -> Iterable[Metric]:
 
 
 def _queue(q: QueueStatistics) -> Iterable[Metric]:
-    depth = GaugeMetricFamily("headrace_queue_depth", "Requests waiting for a backend slot, per priority class", labels=["class"])
+    depth = N.QUEUE_DEPTH.collected()
     for cls, count in q.queued.items():
         depth.add_metric([cls], count)
     yield depth
-    yield GaugeMetricFamily("headrace_queue_capacity", "Admission slots of the backends that take requests now", value=q.capacity)
-    yield GaugeMetricFamily("headrace_queue_busy", "Admission slots held", value=q.busy)
-    labels = ["group"]
-    group_capacity = GaugeMetricFamily("headrace_queue_group_capacity", "Admission slots of a model group's backends that take requests now", labels=labels)
-    group_busy = GaugeMetricFamily("headrace_queue_group_busy", "Admission slots a model group's requests hold", labels=labels)
-    group_queued = GaugeMetricFamily("headrace_queue_group_depth", "Requests waiting for a slot of a model group", labels=labels)
+    yield N.QUEUE_CAPACITY.collected(q.capacity)
+    yield N.QUEUE_BUSY.collected(q.busy)
+    group_capacity, group_busy, group_queued = (
+        N.QUEUE_GROUP_CAPACITY.collected(), N.QUEUE_GROUP_BUSY.collected(), N.QUEUE_GROUP_DEPTH.collected()
+    )
     for g in q.groups:
         name = ",".join(g.backends) or "*"  # *: every backend
         group_capacity.add_metric([name], g.capacity)
         group_busy.add_metric([name], g.busy)
         group_queued.add_metric([name], g.queued)
     yield from (group_capacity, group_busy, group_queued)
-    admitted = CounterMetricFamily("headrace_queue_admitted", "Requests given a slot, at once or after waiting", labels=["how"])
+    admitted = N.QUEUE_ADMITTED.collected()
     admitted.add_metric(["at_once"], q.admitted_at_once)
     admitted.add_metric(["after_wait"], q.admitted_after_wait)
     yield admitted
     if q.service_rate is not None:
-        yield GaugeMetricFamily("headrace_queue_service_rate", "Measured completions per second per slot", value=q.service_rate)
+        yield N.QUEUE_SERVICE_RATE.collected(q.service_rate)
 
 
 class Mirror:
@@ -282,13 +251,13 @@ class RouterMetrics:
         self._mirror = Mirror()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("headrace_requests", "HTTP requests by route, status and tenant", ["route", "status", "tenant"], registry=r)
-        self.latency = Histogram("headrace_request_duration_seconds", "Request latency, to the last byte", ["route"], buckets=REQUEST_BUCKETS, registry=r)
-        self.ttft = Histogram("headrace_time_to_first_token_seconds", "From arrival to the backend's first event", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
-        self.itl = Histogram("headrace_inter_token_latency_seconds", "Between consecutive token events", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
-        self.resume = Histogram("headrace_resume_gap_seconds", "From a stream breaking mid-answer to its next token from the backend it migrated to", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
-        self.queue = Histogram("headrace_queue_time_seconds", "From arrival to the backend being chosen", ["backend"], buckets=TOKEN_BUCKETS, registry=r)
-        self.worker_requests = Counter("headrace_worker_requests", "HTTP requests served, by router worker process", ["worker"], registry=r)
+        self.requests = cast(Counter, N.REQUESTS.instrument(r))
+        self.latency = cast(Histogram, N.REQUEST_DURATION.instrument(r))
+        self.ttft = cast(Histogram, N.TTFT.instrument(r))
+        self.itl = cast(Histogram, N.ITL.instrument(r))
+        self.resume = cast(Histogram, N.RESUME_GAP.instrument(r))
+        self.queue = cast(Histogram, N.QUEUE_TIME.instrument(r))
+        self.worker_requests = cast(Counter, N.WORKER_REQUESTS.instrument(r))
         self._this_worker = self.worker_requests.labels("0")
         self._requests: dict[tuple[str, int, str], Counter] = {}
         self._latency: dict[str, Histogram] = {}

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily
 
 from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
@@ -45,6 +45,7 @@ from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
+from frontend import metric_names as N
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
@@ -166,7 +167,7 @@ class _Routes:
 
 
 class _EngineCollector:
-    """Reads the engine's statistics on each scrape (metric names live here only)."""
+    """Reads the engine's statistics on each scrape; names from :mod:`frontend.metric_names`."""
 
     def __init__(self, backend: EngineBackend) -> None:
         self.backend = backend
@@ -174,55 +175,31 @@ class _EngineCollector:
     def collect(self) -> Any:
         e = self.backend.engine.statistics()
         b = self.backend.statistics()
-        p = "headrace_engine_"
-        yield _gauge(
-            p + "tokens_per_second", "Generated tokens per second (last 10 s)", b.tokens_per_second
-        )
-        yield _gauge(p + "num_requests_running", "Sequences in the running batch", e.num_running)
-        yield _gauge(p + "num_requests_waiting", "Sequences waiting for admission", e.num_waiting)
-        yield _gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", e.kv_usage)
-        yield _gauge(
-            p + "prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache",
-            e.prefix_hit_rate,
-        )
-        yield _counter(p + "generated_tokens", "Tokens generated", e.num_tokens_generated)
-        yield _counter(p + "preemptions", "Sequences preempted (recompute)", e.num_preemptions)
-        yield _counter(p + "steps", "Engine steps", e.num_steps)
-        yield _counter(p + "step_errors", "Engine steps that failed", b.num_step_errors)
-        yield _counter(p + "requests_finished", "Requests finished", e.num_requests_finished)
+        yield N.ENGINE_TOKENS_PER_SECOND.collected(b.tokens_per_second)
+        yield N.ENGINE_RUNNING.collected(e.num_running)
+        yield N.ENGINE_WAITING.collected(e.num_waiting)
+        yield N.ENGINE_KV_USAGE.collected(e.kv_usage)
+        yield N.ENGINE_PREFIX_HIT_RATE.collected(e.prefix_hit_rate)
+        yield N.ENGINE_GENERATED.collected(e.num_tokens_generated)
+        yield N.ENGINE_PREEMPTIONS.collected(e.num_preemptions)
+        yield N.ENGINE_STEPS.collected(e.num_steps)
+        yield N.ENGINE_STEP_ERRORS.collected(b.num_step_errors)
+        yield N.ENGINE_FINISHED.collected(e.num_requests_finished)
         buckets, total = [], 0
         for bound, count in sorted(b.batch_size_histogram.items()):
             total += count
             buckets.append((str(float(bound)), total))
         buckets.append(("+Inf", total))
-        hist = HistogramMetricFamily(
-            p + "batch_size",
-            "Sequences per engine step",
-            buckets=buckets,
-            sum_value=e.mean_batch_size * e.num_steps,
-        )
-        yield hist
+        f = N.ENGINE_BATCH_SIZE
+        yield HistogramMetricFamily(f.name, f.help, buckets=buckets, sum_value=e.mean_batch_size * e.num_steps)
         spec = getattr(e, "speculative", None)  # SpecEngineStatistics when speculating
         if spec is not None:
-            yield _counter(p + "spec_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens)
-            yield _counter(p + "spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)
-            yield _counter(p + "spec_verify_steps", "Request-steps that verified drafts", spec.num_verified)
-            yield _gauge(p + "spec_acceptance_rate", "Accepted / drafted tokens", spec.acceptance_rate)
-            yield _gauge(
-                p + "spec_tokens_per_verify", "Tokens emitted per verifying request-step", spec.mean_emitted_per_verify
-            )
-            yield _counter(
-                p + "spec_batch_cutoffs", "Steps with speculation off because the batch was large", spec.num_batch_cutoffs
-            )
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
+            yield N.ENGINE_SPEC_DRAFT.collected(spec.num_draft_tokens)
+            yield N.ENGINE_SPEC_ACCEPTED.collected(spec.num_accepted_tokens)
+            yield N.ENGINE_SPEC_VERIFY.collected(spec.num_verified)
+            yield N.ENGINE_SPEC_ACCEPTANCE.collected(spec.acceptance_rate)
+            yield N.ENGINE_SPEC_PER_VERIFY.collected(spec.mean_emitted_per_verify)
+            yield N.ENGINE_SPEC_CUTOFFS.collected(spec.num_batch_cutoffs)
 
 
 async def run_server(
