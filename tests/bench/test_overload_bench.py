@@ -23,6 +23,7 @@ from bench.overload_bench import (
     router_config,
     schedule,
     summarize,
+    summarize_probe,
     verdicts,
 )
 from bench.procs import Server
@@ -73,8 +74,16 @@ def test_the_summary_counts_goodput_refusals_and_their_latency_per_class() -> No
     fair = {"count": 1, "ttft_ms": {"p50": 100.0, "p99": 110.0}}
     doc = {"mixed": {"on": s, "off": {**s, "goodput": 0.1}}, "fairness": {"solo": fair, "flooded": {**fair, "ttft_ms": {"p50": 1, "p99": 140.0}}}}
     v = verdicts(doc)
-    assert v["total_goodput_on_vs_off"]["ok"] and v["refusal_p99_ms"]["ok"]
+    assert v["total_goodput_on_vs_off"]["ok"] and not v["refusal_p99_ms"]["ok"]  # no probe ran: no verdict
     assert not v["interactive_goodput_on"]["ok"] and not v["quiet_ttft_p99_ratio"]["ok"]
+    # The refusal verdict is the probe's, in its own process; admitted probes are not refusals.
+    answers = [{"status": 503, "code": "shed", "ms": 4.0}, {"status": 503, "code": "shed", "ms": 6.0},
+               {"status": 200, "code": None, "ms": 900.0}]  # fmt: skip
+    probe = summarize_probe(answers, argparse.Namespace(probe_rate=5.0))
+    assert probe["sent"] == 3 and probe["refused"] == {"shed": 2} and probe["refusal_ms"]["count"] == 2
+    assert verdicts({**doc, "mixed": {**doc["mixed"], "on": {**s, "probe": probe}}})["refusal_p99_ms"]["ok"]
+    slow = summarize_probe([*answers, {"status": 429, "code": "rate_limited", "ms": 40.0}], argparse.Namespace(probe_rate=5.0))
+    assert not verdicts({**doc, "mixed": {**doc["mixed"], "on": {**s, "probe": slow}}})["refusal_p99_ms"]["ok"]
 
 
 def test_the_router_config_it_writes_decodes() -> None:
@@ -84,4 +93,4 @@ def test_the_router_config_it_writes_decodes() -> None:
         config = decode_config(tomllib.loads(router_config(mocks, args, admission=admission, reserve=4)))
         assert config.admission.enabled is admission and config.admission.reserve_slots == 4
         assert [b.max_concurrency for b in config.backends] == [4, 4]
-        assert config.tenants["bulk"].max_priority == "batch" and len(config.auth.api_keys) == 5
+        assert config.tenants["bulk"].max_priority == "batch" and len(config.auth.api_keys) == 6
