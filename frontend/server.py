@@ -65,6 +65,7 @@ __all__ = [
     "Producer",
     "RequestTimeout",
     "Response",
+    "StreamingBody",
     "error_response",
     "json_response",
 ]
@@ -103,6 +104,44 @@ class HTTPRequest:
         self.body = body
         self.context = context
         self.defer = defer
+        self.reader: BodyReader | None = None  # a StreamingBody route's body, unread
+
+
+class BodyReader:
+    """The request body of a :class:`StreamingBody` route, chunk by chunk as
+    it arrives (``read()``; ``b""`` at its end), for handlers that write it
+    somewhere instead of holding it (file uploads). A client silent for
+    ``idle_timeout`` is a 408; one that leaves is a 400. The handler enforces its own size limit."""
+
+    def __init__(self, receive: Any, idle_timeout: float) -> None:
+        self._receive, self.idle_timeout, self.done = receive, idle_timeout, False
+
+    async def read(self) -> bytes:
+        while not self.done:
+            message: dict[str, Any] | None = None
+            with trio.move_on_after(self.idle_timeout):
+                message = await self._receive()
+            if message is None:
+                raise RequestTimeout(f"no request body bytes for {self.idle_timeout:g} s")
+            if message["type"] == "http.disconnect":
+                raise BadRequest("client went away before sending the body")
+            self.done = not message.get("more_body", False)
+            chunk: bytes = message.get("body", b"")
+            if chunk:
+                return chunk
+        return b""
+
+
+class StreamingBody:
+    """Wraps a handler that reads its body itself (``request.reader``): the
+    server does not buffer it nor apply ``max_body_bytes``."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, request: HTTPRequest) -> Response:
+        return await self.handler(request)
+
 
 
 class Response:
@@ -220,12 +259,15 @@ class OpenAIServer:
                         principal = self.authenticate(headers)
                         context.tenant, context.key_id = principal.tenant, principal.key_id
                     apply_request_headers(context, headers)
-                    body = await self._read_body(headers, receive)
-                    # Only now watch for disconnect: the body has been consumed.
-                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+                    streams = found is not None and isinstance(found.handler, StreamingBody)
+                    body = b"" if streams else await self._read_body(headers, receive)
+                    if not streams:  # only now watch for disconnect: the body has been consumed
+                        nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
                     # No route: 404 or 405, told only to an authenticated client.
                     match = found or self.routes.resolve(scope["method"], scope["path"])
                     request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)
+                    if streams:
+                        request.reader = BodyReader(receive, self.body_idle_timeout)
                     response = await match.handler(request)
                 except HeadraceError as exc:
                     response = error_response(exc)

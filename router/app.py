@@ -67,9 +67,10 @@ from policies.shared_limits import SharedRateLimitPolicy
 from router.actors import BackendActor, Supervisor
 from router.admission import LocalLimiter, Queue, RateLimits, Tenants
 from router.config import MigrationConfig, ModelRoute, RouterConfig
+from router.data import open_data
 from router.dispatch import Dispatcher
 from router.health import HealthState
-from router.jobs import JobRunner, JobsAPI
+from router.jobs import JobRunner
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.migration import Settings as MigrationSettings
 from router.pipeline import Pipeline
@@ -273,11 +274,13 @@ class Router:
         if self.queue is not None:
             services.append(self.queue)
         job_routes = {}
-        if config.jobs.path is not None:
-            self.job_store = SQLiteStore(config.jobs.path, idempotency_ttl=config.jobs.idempotency_ttl)
-            self.jobs = JobRunner(self.job_store, self.dispatcher, config.jobs, gate=self.pipeline, ready=self.dispatcher.ready)
-            services.append(self.jobs)
-            job_routes = JobsAPI(self.job_store, self.jobs, self.dispatcher).routes()
+        # The data directory (router/data.py): jobs, files, batches, Idempotency-Key.
+        self.data = open_data(config.jobs, self.dispatcher, self.pipeline, ready=self.dispatcher.ready,
+                              max_line_bytes=config.server.max_body_bytes)  # fmt: skip
+        if self.data is not None:
+            self.job_store, self.jobs = self.data.store, self.data.jobs
+            services += [self.data.jobs, self.data.batches]
+            job_routes = self.data.routes
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
         admin_routes: dict[tuple[str, str], Handler] = {
@@ -299,6 +302,9 @@ class Router:
             gate=self.pipeline,
             coalesce=True,
         )
+        if self.data is not None:  # Idempotency-Key on the OpenAI POSTs too
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/generate"):
+                self.api.routes.add("POST", path, self.data.idempotency.wrap(self.api.routes.resolve("POST", path).handler))
         self.ops = OpenAIServer(
             self.dispatcher,
             extra_routes={("GET", "/ready"): self._ready, ("GET", "/metrics"): self._metrics},

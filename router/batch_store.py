@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -146,6 +146,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
 class BatchStore(Protocol):
     """What the files and batches APIs and the batch runner need beyond :class:`~router.store.JobStore`."""
+
+    clock: Callable[[], float]  # wall time, the job store's
 
     async def create_file(self, record: FileRecord) -> FileRecord: ...
     async def get_file(self, tenant: str, file_id: str) -> FileRecord | None: ...

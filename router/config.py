@@ -277,10 +277,16 @@ class RetryConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[jobs]``: async jobs (router/jobs.py), durable in one SQLite file.
-    Off unless ``path`` is set: without it ``/v1/jobs`` is a 404."""
+    """``[jobs]``: async jobs (router/jobs.py), files and batches
+    (router/files.py, router/batches.py), durable in one SQLite file under
+    the data directory. Off unless ``enabled``, ``data_dir`` or ``path`` is
+    set (or ``--data-dir`` / ``HEADRACE_DATA_DIR``): then ``/v1/jobs`` ... are 404s."""
 
-    path: str | None = None  # the SQLite database file (created; WAL beside it)
+    enabled: bool = False  # on, in the data directory (default: $XDG_DATA_HOME/headrace or ~/.local/share/headrace)
+    data_dir: str | None = None  # the data directory: headrace.db and files/ (created)
+    path: str | None = None  # the SQLite database file (default: <data_dir>/headrace.db; WAL beside it)
+    max_file_bytes: PositiveInt = 200 * 1024 * 1024  # an uploaded file's limit (413 past it)
+    max_batch_lines: PositiveInt = 50_000  # requests in one batch's input file
     concurrency: PositiveInt = 8  # jobs running at once, all tenants
     per_tenant: PositiveInt = 2  # jobs running at once for one tenant
     max_attempts: PositiveInt = 3  # runs of a job that meets upstream errors before it fails

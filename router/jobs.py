@@ -31,7 +31,6 @@ twice if it was cut short).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections.abc import Callable
@@ -49,10 +48,8 @@ from frontend.server import Handler, HTTPRequest, Response, json_response
 from frontend.wire import Kind, error_body
 from router.admission import ENGINE_PRIORITY
 from router.config import JobsConfig
+from router.idempotency import Idempotency, IdempotencyConflict, IdempotencyMismatch
 from router.store import (
-    IdemBusy,
-    IdemMismatch,
-    IdemReplay,
     InvalidTransition,
     Job,
     JobEvent,
@@ -73,20 +70,6 @@ ENDPOINTS: dict[str, Kind] = {
 KIND_ENDPOINT = {kind: endpoint for endpoint, kind in ENDPOINTS.items()}
 PRIORITIES = ("interactive", "default", "batch")
 MAX_LIMIT = 100
-
-
-class IdempotencyConflict(ClientError):
-    """409: the first request with this ``Idempotency-Key`` is still in flight."""
-
-    status = 409
-    code = "idempotency_key_in_use"
-
-
-class IdempotencyMismatch(ClientError):
-    """422: this ``Idempotency-Key`` was used with a different body."""
-
-    status = 422
-    code = "idempotency_key_reused"
 
 
 class JobRequest(msgspec.Struct, frozen=True):
@@ -150,39 +133,19 @@ def job_view(job: Job) -> dict[str, Any]:
 class JobsAPI:
     """The ``/v1/jobs`` routes, tenant by tenant: another tenant's job is a 404."""
 
-    def __init__(self, store: JobStore, runner: JobRunner, backend: Backend) -> None:
-        self.store, self.runner, self.backend = store, runner, backend
+    def __init__(self, store: JobStore, runner: JobRunner, backend: Backend, idempotency: Idempotency) -> None:
+        self.store, self.runner, self.backend, self.idempotency = store, runner, backend, idempotency
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
-            ("POST", "/v1/jobs"): self.submit,
+            ("POST", "/v1/jobs"): self.idempotency.wrap(self.submit),
             ("GET", "/v1/jobs"): self.list_jobs,
             ("GET", "/v1/jobs/{id}"): self.get,
             ("DELETE", "/v1/jobs/{id}"): self.cancel,
         }
 
     async def submit(self, request: HTTPRequest) -> Response:
-        key = request.headers.get("idempotency-key")
-        if key is None:
-            status, body = await self._create(request)
-            return Response(status, body)
-        if not 1 <= len(key) <= 255:
-            raise BadRequest("Idempotency-Key must be 1 to 255 characters", param="idempotency-key")
-        tenant = request.context.tenant
-        found = await self.store.reserve(tenant, key, hashlib.sha256(request.body).hexdigest())
-        if isinstance(found, IdemReplay):
-            return Response(found.status, found.body, headers=[("idempotent-replayed", "true")])
-        if isinstance(found, IdemBusy):
-            raise IdempotencyConflict("a request with this Idempotency-Key is still in flight", param="idempotency-key")
-        if isinstance(found, IdemMismatch):
-            raise IdempotencyMismatch("this Idempotency-Key was used with a different request body", param="idempotency-key")
-        try:
-            status, body = await self._create(request)
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await self.store.release_key(tenant, key)
-            raise
-        await self.store.complete_key(tenant, key, status, body, msgspec.json.decode(body)["id"])
+        status, body = await self._create(request)
         return Response(status, body)
 
     async def _create(self, request: HTTPRequest) -> tuple[int, bytes]:
@@ -364,7 +327,10 @@ class JobRunner:
             await self._finish(job, JobEvent.REQUEUE, started_at=None, not_before=not_before, errors=errors)
             self._counts["requeued"] += 1
             return
-        error = msgspec.json.encode(error_body(exc.message, exc.type, exc.param, exc.code)["error"])
+        fields = error_body(exc.message, exc.type, exc.param, exc.code)["error"]
+        if job.batch_id is not None:  # the status goes in the batch's error file
+            fields["status_code"] = exc.status
+        error = msgspec.json.encode(fields)
         await self._finish(job, JobEvent.FAIL, error=error, errors=errors)
         self._counts["failed"] += 1
 

@@ -58,6 +58,7 @@ from router.config import (
     load_config,
     with_overrides,
 )
+from router.data import with_data_dir
 from router.factory import DEFAULT_REPLICAS, build_backends, default_backends
 from router.replicas import EngineReplica
 from router.workers import WorkerFailed, serve_workers, watch_parent
@@ -77,6 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--certfile", help="TLS certificate (PEM); serves HTTP/2 over TLS with ALPN")
     p.add_argument("--keyfile", help="TLS private key (PEM)")
     p.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM (default 30)")
+    p.add_argument("--data-dir", help="jobs, files and batches live here (also HEADRACE_DATA_DIR, [jobs] data_dir)")
     p.add_argument("--workers", type=int, help="router processes sharing the port (SO_REUSEPORT); default one per core")
     p.add_argument(
         "--engine-args",
@@ -110,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         config = with_overrides(config, backends=backends)
     if args.policy:
         config = with_overrides(config, policy=args.policy)
+    # --data-dir, else HEADRACE_DATA_DIR, over [jobs] data_dir: either turns jobs, files and batches on.
+    config = msgspec.structs.replace(config, jobs=with_data_dir(config.jobs, args.data_dir))
     return apply_settings(config, args.settings)
 
 

@@ -203,7 +203,7 @@ async def test_an_idempotency_key_replays_the_first_response_409_while_in_flight
         # A first request still in flight (reserved, no response yet): 409.
         assert router.job_store is not None
         body = json.dumps(chat()).encode()
-        await router.job_store.reserve("alice", "k-2", hashlib.sha256(body).hexdigest())
+        await router.job_store.reserve("alice", "k-2", hashlib.sha256(b"/v1/jobs\0" + body).hexdigest())  # path and body
         busy = await client.post("/v1/jobs", content=body, headers={"idempotency-key": "k-2"})
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "idempotency_key_in_use", busy.text
         # A body that fails validation does not use the key up.

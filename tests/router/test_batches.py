@@ -1,0 +1,221 @@
+"""Files and batches in the OpenAI Batch API shape, through the real router
+over loopback to a real mock server, durable in a real SQLite file and data
+directory: the lifecycle, output and error files, partial output, cancel,
+bad input (a bad line fails only itself), tenant isolation (404), pagination."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from tests.router.test_jobs import ALICE, BOB, FAST, SLOW, jobs_router
+
+
+def line(custom_id: str, text: str = "hi", url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
+    payload = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": payload}
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows)
+
+
+async def upload(client: httpx.AsyncClient, content: bytes, purpose: str = "batch", **kw: Any) -> httpx.Response:
+    return await client.post("/v1/files", data={"purpose": purpose}, files={"file": ("in.jsonl", content)}, **kw)
+
+
+async def start_batch(client: httpx.AsyncClient, content: bytes, **fields: Any) -> dict[str, Any]:
+    r = await upload(client, content)
+    assert r.status_code == 200, r.text
+    body = {"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h", **fields}
+    created = await client.post("/v1/batches", json=body)
+    assert created.status_code == 200, created.text
+    batch: dict[str, Any] = created.json()
+    assert batch["status"] == "validating" and batch["object"] == "batch"
+    return batch
+
+
+async def wait_batch(client: httpx.AsyncClient, batch_id: str, *statuses: str, timeout: float = 10) -> dict[str, Any]:
+    with trio.fail_after(timeout):
+        while True:
+            batch: dict[str, Any] = (await client.get(f"/v1/batches/{batch_id}")).json()
+            if batch["status"] in statuses:
+                return batch
+            await trio.sleep(0.02)
+
+
+async def content(client: httpx.AsyncClient, file_id: str) -> list[dict[str, Any]]:
+    r = await client.get(f"/v1/files/{file_id}/content")
+    assert r.status_code == 200, r.text
+    return [json.loads(x) for x in r.content.splitlines()]
+
+
+async def test_a_batch_validates_runs_and_completes_with_each_line_once_in_the_output_file(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, client, served = await jobs_router(nursery, tmp_path / "jobs.db", per_tenant=4)
+    rows = [line(f"req-{i}", f"question {i}") for i in range(12)]
+    async with client:
+        up = await upload(client, jsonl(rows))
+        assert up.json()["bytes"] == len(jsonl(rows)) and up.json()["purpose"] == "batch"
+        assert (tmp_path / "files" / f"{up.json()['id']}.jsonl").read_bytes() == jsonl(rows)  # on disk, in the data dir
+        assert (await client.get(f"/v1/files/{up.json()['id']}/content")).content == jsonl(rows)
+        batch = await start_batch(client, jsonl(rows), metadata={"run": "1"})
+        done = await wait_batch(client, batch["id"], "completed")
+        assert done["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
+        assert done["in_progress_at"] and done["finalizing_at"] and done["completed_at"] and done["metadata"] == {"run": "1"}
+        output = await content(client, done["output_file_id"])
+        assert [o["custom_id"] for o in output] == [f"req-{i}" for i in range(12)]  # input order
+        first = output[0]
+        assert first["id"].startswith("batch_req_") and first["error"] is None
+        assert first["response"]["status_code"] == 200 and first["response"]["body"]["object"] == "chat.completion"
+        assert await content(client, done["error_file_id"]) == []
+        meta = (await client.get(f"/v1/files/{done['output_file_id']}")).json()
+        assert meta["purpose"] == "batch_output" and meta["status"] == "processed" and meta["bytes"] > 0
+        body = {"input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        second = (await client.post("/v1/batches", json=body)).json()
+        await wait_batch(client, second["id"], "completed")
+        listed = (await client.get("/v1/batches", params={"limit": "1"})).json()
+        assert [b["id"] for b in listed["data"]] == [second["id"]] and listed["has_more"] is True  # newest first
+        older = (await client.get("/v1/batches", params={"after": second["id"]})).json()
+        assert [b["id"] for b in older["data"]] == [batch["id"]] and older["has_more"] is False
+        assert (await client.get("/v1/jobs")).json()["data"] == []  # items are not in the jobs list
+    assert served.backend.statistics().completed == 24
+
+
+async def test_a_malformed_line_fails_only_that_line_with_its_line_number_in_the_error_file(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, client, served = await jobs_router(nursery, tmp_path / "jobs.db", per_tenant=4)
+    rows: list[Any] = [
+        line("ok-1"),
+        b"{not json",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {}},  # no custom_id
+        line("ok-1"),  # duplicate custom_id
+        line("wrong-url", url="/v1/completions"),
+        line("bad-body", messages="hi"),
+        line("no-model", model="nope"),
+        b"   ",  # blank: skipped
+        line("ok-2"),
+    ]
+    async with client:
+        batch = await start_batch(client, jsonl(rows))
+        done = await wait_batch(client, batch["id"], "completed")
+        assert done["request_counts"] == {"total": 8, "completed": 2, "failed": 6}
+        assert [o["custom_id"] for o in await content(client, done["output_file_id"])] == ["ok-1", "ok-2"]
+        errors = await content(client, done["error_file_id"])
+        assert [e["error"]["line"] for e in errors] == [2, 3, 4, 5, 6, 7]
+        assert [e["error"]["code"] for e in errors[:4]] == ["invalid_json", "missing_custom_id", "duplicate_custom_id",
+                                                              "mismatched_endpoint"]  # fmt: skip
+        assert all(e["response"] is None and e["error"]["message"].startswith(f"line {e['error']['line']}:") for e in errors)
+        # Every line bad: the batch fails, saying why.
+        failed = await wait_batch(client, (await start_batch(client, jsonl([b"[1]", b"nope"])))["id"], "failed")
+        assert [e["line"] for e in failed["errors"]["data"]] == [1, 2] and failed["failed_at"]
+    assert served.backend.statistics().completed == 2
+
+
+async def test_bad_files_and_batch_requests_get_clear_400s_in_the_openai_shape(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, client, served = await jobs_router(nursery, tmp_path / "jobs.db", max_file_bytes=1000, max_batch_lines=3)
+    async with client:
+        good = (await upload(client, jsonl([line("a")]))).json()["id"]
+        four = (await upload(client, jsonl([line(str(i)) for i in range(4)]))).json()["id"]
+        cases: list[tuple[httpx.Response, int, str | None]] = [
+            (await upload(client, b""), 400, "file"),
+            (await upload(client, b"x" * 1001), 413, "file"),
+            (await upload(client, jsonl([line("a")]), purpose="fine-tune"), 400, "purpose"),
+            (await client.post("/v1/files", content=b"{}", headers={"content-type": "application/json"}), 400, None),
+            (await client.post("/v1/files", data={"purpose": "batch"}), 400, None),
+        ]
+        batch = {"input_file_id": good, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        for change, status, param in [
+            ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+            ({"completion_window": "1h"}, 400, "completion_window"),
+            ({"completion_window": None}, 400, "completion_window"),
+            ({"input_file_id": "file-missing"}, 404, "input_file_id"),
+            ({"input_file_id": four}, 400, "input_file_id"),  # over max_batch_lines
+            ({"metadata": [1]}, 400, "metadata"),
+        ]:
+            cases.append((await client.post("/v1/batches", json={**batch, **change}), status, param))
+        cases.append((await client.post("/v1/batches", content=b"{nope"), 400, None))
+        for path in ("/v1/batches/batch_missing", "/v1/files/file-missing", "/v1/files/file-missing/content"):
+            cases.append((await client.get(path), 404, "id"))
+        cases.append((await client.post("/v1/batches/batch_missing/cancel"), 404, "id"))
+        cases.append((await client.get("/v1/batches", params={"limit": "0"}), 400, "limit"))
+        for i, (r, status, param) in enumerate(cases):
+            assert r.status_code == status, (i, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, (i, error)
+        assert (await client.get("/v1/batches")).json()["data"] == []
+        # An output file is no batch input.
+        done = await wait_batch(client, (await start_batch(client, jsonl([line("a")])))["id"], "completed")
+        r = await client.post("/v1/batches", json={**batch, "input_file_id": done["output_file_id"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_file_id"
+    assert not list((tmp_path / "files").glob(".*.part"))  # refused uploads leave nothing behind
+    assert served.backend.statistics().completed == 1
+
+
+async def test_another_tenants_files_and_batches_are_404s_never_403s(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, client, _ = await jobs_router(nursery, tmp_path / "jobs.db")
+    async with client:
+        batch = await start_batch(client, jsonl([line("a")]))
+        done = await wait_batch(client, batch["id"], "completed")
+        for path in (f"/v1/batches/{batch['id']}", f"/v1/files/{batch['input_file_id']}",
+                     f"/v1/files/{batch['input_file_id']}/content", f"/v1/files/{done['output_file_id']}/content"):  # fmt: skip
+            r = await client.get(path, headers=BOB)
+            assert r.status_code == 404 and r.json()["error"]["code"] is None or r.status_code == 404, r.text
+        assert (await client.post(f"/v1/batches/{batch['id']}/cancel", headers=BOB)).status_code == 404
+        theirs = {"input_file_id": batch["input_file_id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        assert (await client.post("/v1/batches", json=theirs, headers=BOB)).status_code == 404
+        assert (await client.get("/v1/batches", headers=BOB)).json()["data"] == []
+        assert (await client.get("/v1/batches", params={"after": batch["id"]}, headers=BOB)).status_code == 400
+
+
+async def test_partial_output_is_readable_while_a_batch_runs_and_a_cancel_keeps_what_completed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, client, served = await jobs_router(nursery, tmp_path / "jobs.db", SLOW, per_tenant=1)
+    async with client:
+        fast = [line("quick", max_tokens=1)]
+        rows = fast + [line(f"slow-{i}") for i in range(3)]
+        batch = await start_batch(client, jsonl(rows))
+        running = await wait_batch(client, batch["id"], "in_progress")
+        assert running["request_counts"]["total"] == 4
+        with trio.fail_after(5):  # the first item runs (slow: ttft 30 s): its job is running
+            while served.backend.statistics().started < 1:
+                await trio.sleep(0.02)
+        assert await content(client, running["output_file_id"]) == []  # nothing done yet, readable
+        cancelled = await client.post(f"/v1/batches/{batch['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
+        done = await wait_batch(client, batch["id"], "cancelled")
+        assert done["cancelling_at"] and done["cancelled_at"]
+        again = await client.post(f"/v1/batches/{batch['id']}/cancel")
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"
+        errors = await content(client, done["error_file_id"])
+        assert sorted(e["custom_id"] for e in errors) == ["quick", "slow-0", "slow-1", "slow-2"]
+        assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+        with trio.fail_after(5):  # the running item's backend request was cancelled
+            while served.backend.statistics().cancelled < 1:
+                await trio.sleep(0.02)
+        assert (await client.post(f"/v1/batches/{batch['id']}/cancel")).json()["status"] == "cancelled"
+
+
+async def test_partial_output_lists_the_lines_done_so_far(nursery: trio.Nursery, tmp_path: Path) -> None:
+    router, client, _ = await jobs_router(nursery, tmp_path / "jobs.db", per_tenant=1)
+    async with client:
+        batch = await start_batch(client, jsonl([line(f"r-{i}") for i in range(30)]))
+        seen: list[int] = []
+        with trio.fail_after(10):
+            while (b := (await client.get(f"/v1/batches/{batch['id']}")).json())["status"] != "completed":
+                if b["status"] == "in_progress":
+                    out = await content(client, b["output_file_id"])
+                    assert [o["custom_id"] for o in out] == [f"r-{i}" for i in range(len(out))]
+                    seen.append(len(out))
+                await trio.sleep(0.01)
+        assert any(0 < n < 30 for n in seen), seen  # read while part of it was done
+        assert len(await content(client, b["output_file_id"])) == 30
+        assert router.data is not None and router.data.batches.statistics().validated == 1
+    _ = ALICE, FAST
