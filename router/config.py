@@ -296,6 +296,12 @@ class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # A running job's runner renews its lease every lease/3 s; one silent this
     # long died (processes share the file), and its jobs are requeued.
     lease: Positive = 30.0
+    # store = "postgres": the same tables in PostgreSQL at ``url`` (router/store_pg.py),
+    # shared by router replicas on several hosts; needs pip install 'headrace[postgres]'.
+    store: Literal["sqlite", "postgres"] = "sqlite"
+    url: str | None = None  # postgresql://user@host:5432/db (a password is better in PGPASSWORD or ~/.pgpass)
+    pool_size: PositiveInt = 4  # connections to PostgreSQL per router process
+    store_timeout: Positive = 10.0  # seconds: connect, statement and lock timeouts (postgres)
 
 
 class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -494,9 +500,21 @@ def _check(config: RouterConfig) -> None:
         raise ConfigError("server.certfile and server.keyfile go together")
     _check_models(config.models, names)
     _check_policies(config)
+    _check_job_store(config.jobs)
     for i, key in enumerate(config.auth.api_keys):
         if key.tenant not in config.tenants and config.tenants:
             raise ConfigError(f"auth.api_keys[{i}].tenant: no tenant {key.tenant!r} in [tenants]")
+
+
+def _check_job_store(jobs: JobsConfig) -> None:
+    if jobs.store == "postgres" and not jobs.url:
+        raise ConfigError('jobs: store = "postgres" needs jobs.url (postgresql://user@host:5432/db)')
+    if jobs.url and jobs.store != "postgres":
+        raise ConfigError('jobs.url is for store = "postgres"; the SQLite store takes jobs.path')
+    if jobs.url and not jobs.url.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"jobs.url must start with postgresql:// or postgres://, not {jobs.url.split('://')[0]!r}")
+    if jobs.store == "postgres" and jobs.path is not None:
+        raise ConfigError('jobs.path is the SQLite file; with store = "postgres" leave it out')
 
 
 def _check_policies(config: RouterConfig) -> None:

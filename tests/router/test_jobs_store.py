@@ -1,11 +1,16 @@
-"""The job store on real SQLite files: the status transition table
-(property-tested), migrations, durability settings, claiming by priority and
-per-tenant cap, crash requeue, idempotency expiry and lease takeover."""
+"""The job store, on a real SQLite file and on a real PostgreSQL server
+(each behaviour test runs on both, through the ``open_store`` fixture; the
+PostgreSQL run skips, saying why, where no server can start): the status
+transition table (property-tested), migrations, durability settings,
+claiming by priority and per-tenant cap, crash requeue, idempotency expiry
+and lease takeover."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -43,6 +48,30 @@ class WallClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+OpenStore = Callable[..., Any]  # (**options) -> a JobStore, closed after the test
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenStore]:
+    """Opens the store under test (``clock``, ``idempotency_ttl``, ``lease``
+    as the constructors take them); each call opens the same database again."""
+    opened: list[Any] = []
+    if request.param == "sqlite":
+        def open_(**options: Any) -> Any:
+            opened.append(SQLiteStore(tmp_path / "jobs.db", **options))
+            return opened[-1]
+    else:
+        url = request.getfixturevalue("pg_url")
+        from router.store_pg import PostgresStore
+
+        def open_(**options: Any) -> Any:
+            opened.append(PostgresStore(url, **options))
+            return opened[-1]
+    yield open_
+    for store in opened:
+        store.close()
 
 
 def job(tenant: str = "t", priority: str = "batch") -> Job:
@@ -90,9 +119,9 @@ async def test_a_new_file_is_migrated_once_in_wal_mode_with_full_sync(tmp_path: 
         assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-async def test_claim_takes_higher_priority_first_then_oldest_and_respects_the_per_tenant_cap(tmp_path: Path) -> None:
+async def test_claim_takes_higher_priority_first_then_oldest_and_respects_the_per_tenant_cap(open_store: OpenStore) -> None:
     clock = WallClock()
-    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    store = open_store(clock=clock)
     a1, a2, a3 = [await store.create(job("a")) for _ in range(3)]
     b1 = await store.create(job("b"))
     urgent = await store.create(job("c", priority="interactive"))
@@ -105,9 +134,9 @@ async def test_claim_takes_higher_priority_first_then_oldest_and_respects_the_pe
     store.close()
 
 
-async def test_a_requeued_job_waits_for_not_before(tmp_path: Path) -> None:
+async def test_a_requeued_job_waits_for_not_before(open_store: OpenStore) -> None:
     clock = WallClock()
-    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    store = open_store(clock=clock)
     first = await store.create(job())
     await store.claim(slots=2, per_tenant=2)
     await store.apply(first.id, JobEvent.REQUEUE, not_before=1005.0)
@@ -117,12 +146,12 @@ async def test_a_requeued_job_waits_for_not_before(tmp_path: Path) -> None:
     store.close()
 
 
-async def test_only_jobs_whose_runner_stopped_renewing_its_lease_are_requeued(tmp_path: Path) -> None:
+async def test_only_jobs_whose_runner_stopped_renewing_its_lease_are_requeued(open_store: OpenStore) -> None:
     """Two runners (router processes) on one file: a's heartbeats keep its
     job; b went silent, so after the lease its job is back in the queue, and
     b, if it wakes up, finds it is no longer its own and cannot finish it."""
     clock = WallClock()
-    store = SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    store = open_store(clock=clock)
     alive, dead = await store.create(job("x")), await store.create(job("y"))
     await store.claim(slots=1, per_tenant=1, owner="a")
     await store.claim(slots=1, per_tenant=1, owner="b")
@@ -157,8 +186,8 @@ async def test_a_file_at_schema_version_1_is_migrated_keeping_its_jobs(tmp_path:
     store.close()
 
 
-async def test_apply_refuses_a_transition_the_table_forbids_and_leaves_the_row(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "jobs.db")
+async def test_apply_refuses_a_transition_the_table_forbids_and_leaves_the_row(open_store: OpenStore) -> None:
+    store = open_store()
     created = await store.create(job())
     with pytest.raises(InvalidTransition):
         await store.apply(created.id, JobEvent.COMPLETE)  # queued jobs do not complete
@@ -174,10 +203,10 @@ async def test_apply_refuses_a_transition_the_table_forbids_and_leaves_the_row(t
 
 
 async def test_an_idempotency_key_is_busy_then_replayed_expires_after_the_ttl_and_a_dead_reservation_is_taken_over(
-    tmp_path: Path,
+    open_store: OpenStore,
 ) -> None:
     clock = WallClock()
-    store = SQLiteStore(tmp_path / "jobs.db", clock=clock, idempotency_ttl=100, lease=10)
+    store = open_store(clock=clock, idempotency_ttl=100, lease=10)
     assert await store.reserve("t", "k", "d1") == IdemReserved()
     assert await store.reserve("t", "k", "d1") == IdemBusy()
     assert await store.reserve("t", "k", "d2") == IdemMismatch()
@@ -192,8 +221,8 @@ async def test_an_idempotency_key_is_busy_then_replayed_expires_after_the_ttl_an
     store.close()
 
 
-async def test_a_store_that_cannot_be_used_is_a_503_store_unavailable_not_a_raw_sqlite_error(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "jobs.db")
+async def test_a_store_that_cannot_be_used_is_a_503_store_unavailable_not_a_raw_driver_error(open_store: OpenStore) -> None:
+    store = open_store()
     store.close()
     with pytest.raises(StoreUnavailable) as raised:
         await store.get("t", "job_x")
