@@ -96,6 +96,9 @@ class GenerateRequest(Sampling, kw_only=True, omit_defaults=True):
     # ``min_tokens`` are what remains (already reduced by ``resumed_tokens``).
     # Wire spelling: ``"resumed_tokens": k`` next to a token-id ``prompt``.
     resumed_tokens: int = 0
+    # The W3C ``traceparent`` a backend is sent (the router gives each
+    # attempt a span of its own); None: no trace.
+    traceparent: str | None = None
     # OpenAI fields we do not interpret; passed through to HTTP backends.
     extra: dict[str, Any] = {}
 

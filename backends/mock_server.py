@@ -73,6 +73,7 @@ go through the frontend with their body replayed::
 from __future__ import annotations
 
 import argparse
+import logging
 import secrets
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -87,7 +88,7 @@ from backends.errors import HeadraceError, NotFound
 from backends.mock import Fault, MockBackend, MockConfig, MockRun, fault_applies, parse_fault
 from backends.mock_http import Answer, serve_lean
 from frontend.call import Call, prepare_call
-from frontend.context import RequestContext, new_request_id
+from frontend.context import RequestContext, apply_trace, new_request_id, trace_logger
 from frontend.kv_stream import kv_events_response
 from frontend.server import (
     DEFAULT_MAX_BODY,
@@ -301,7 +302,7 @@ def build_app(
         routes[("GET", "/v1/kv_events")] = partial(_kv_events, backend)
     if not backend.config.token_ids:
         routes[("POST", "/v1/generate")] = _no_native
-    server: ASGIApp = OpenAIServer(backend, extra_routes=routes)
+    server: ASGIApp = OpenAIServer(backend, extra_routes=routes, finished=_trace_line)
     if not backend.config.token_ids:
         server = _WithoutTokenIds(server)
     fast_path = FastPath(backend, server) if fast else None
@@ -310,6 +311,17 @@ def build_app(
 
 
 _KV_EPOCH = secrets.token_hex(8)  # this process's run of KV event numbers
+# A DEBUG line per request with its trace (the fast path's too): a benchmark tool logs nothing per request by default.
+_requests_log = logging.getLogger("headrace.mock.requests")
+_trace_line = trace_logger(_requests_log, logging.DEBUG)
+
+
+def _log_fast(scope: dict[str, Any]) -> None:
+    """The fast path's request line (it bypasses the frontend's hook)."""
+    if _requests_log.isEnabledFor(logging.DEBUG):
+        context = RequestContext(request_id=new_request_id())
+        apply_trace(context, {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])})
+        _trace_line(context, scope["path"], 200)
 
 
 async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
@@ -405,6 +417,7 @@ class FastPath:
             await self.fallback(scope, _replay(messages, receive), send)
             return
         renderer, run = call
+        _log_fast(scope)
         config = self.backend.config
         with run:
             if config.ttft_s == 0 and config.tpot_s == 0 and config.prefill_s_per_token == 0:
@@ -431,6 +444,7 @@ class FastPath:
         if call is None:
             return None
         renderer, run = call
+        _log_fast(scope)
         with run:
             self.backend.prefill_now(run)
             data = renderer.burst(run)

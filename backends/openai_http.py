@@ -42,7 +42,8 @@ processed and is sent again at once on a new connection. Cancelling the
 consumer closes the HTTP stream at once: RST_STREAM(CANCEL) over HTTP/2, the
 connection over HTTP/1.1. Health probes have an HTTP/2 connection of their
 own, so they never queue behind the streams. Each request carries the
-client request's id as ``x-request-id``.
+client request's id as ``x-request-id``, and the request's
+``traceparent`` when it has one (the router's span for the attempt).
 """
 
 from __future__ import annotations
@@ -763,7 +764,7 @@ class OpenAIHTTPBackend:
         tighter than the backend's own (:class:`BackendStalled` after it)."""
         path, payload = self._payload(request)
         stall = self.stall_timeout if stall_timeout is None else min(self.stall_timeout, stall_timeout)
-        return self._tally.track(self._stream(path, payload, request.request_id, stall))
+        return self._tally.track(self._stream(path, payload, request.request_id, stall, request.traceparent))
 
     # ------------------------------------------------------------ internals
 
@@ -799,7 +800,8 @@ class OpenAIHTTPBackend:
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
     async def _stream(
-        self, path: str, payload: dict[str, Any], request_id: str = "", stall: float | None = None
+        self, path: str, payload: dict[str, Any], request_id: str = "", stall: float | None = None,
+        traceparent: str | None = None,
     ) -> AsyncGenerator[Event, None]:
         """POST and relay the SSE stream as events. Every failure leaves as
         one of our errors; the tokens so far tell a broken stream (after the
@@ -814,6 +816,8 @@ class OpenAIHTTPBackend:
                 with trio.move_on_after(self.first_token_timeout) as opening:
                     transport = await self._use()
                     headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
+                    if traceparent:  # the router's span for this attempt (W3C trace context)
+                        headers = [*headers, ("traceparent", traceparent)]
                     reply = await stack.enter_async_context(transport.open(path, body, headers))
                 if opening.cancelled_caught:
                     raise BackendTimeout(f"no response within {self.first_token_timeout}s")

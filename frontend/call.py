@@ -81,7 +81,9 @@ def prepare_call(
     wire, extra = decode_request(body, kind)
     model = check_model(backend, wire.model)
     rid = new_id(kind)
-    subs = to_generate_requests(wire, extra, request_id=context.request_id, tenant=context.tenant)
+    subs = to_generate_requests(
+        wire, extra, request_id=context.request_id, tenant=context.tenant, traceparent=context.traceparent
+    )
     return Call(kind, rid, model, wire, subs, backend, coalesce=coalesce)
 
 

@@ -18,12 +18,13 @@ from it refuses the request with that error's status.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import msgspec
 
@@ -40,8 +41,13 @@ __all__ = [
     "PriorityClass",
     "RequestContext",
     "apply_request_headers",
+    "apply_trace",
+    "format_traceparent",
     "new_request_id",
+    "new_span_id",
+    "parse_traceparent",
     "request_id_from",
+    "trace_logger",
 ]
 
 # Priority classes, highest first; the admission issue gives them meaning.
@@ -50,6 +56,10 @@ PriorityClass = Literal["interactive", "default", "batch"]
 # scheduler orders by it (a body's ``"priority": "batch"`` reaches it as -1).
 ENGINE_PRIORITY: dict[str, int] = {"interactive": 1, "default": 0, "batch": -1}
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; a later
+# version may append fields after a dash, which this version ignores.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
 
 class Principal(msgspec.Struct, frozen=True):
@@ -69,7 +79,24 @@ class RequestContext(msgspec.Struct, kw_only=True):
     priority: PriorityClass = "default"
     arrival: float = 0.0
     deadline: float | None = None
+    # W3C trace context (:func:`apply_trace`): the trace (32 hex digits, the
+    # caller's or a new one), this server's span for the request (16 hex),
+    # the caller's span when it sent a valid ``traceparent``, and whether the
+    # trace is sampled (the caller's flag; the router may decide for a new one).
     trace_id: str | None = None
+    span_id: str = ""
+    parent_span_id: str | None = None
+    sampled: bool = False
+    read_at: float = 0.0  # when the body was read (trio's clock): the end of ingress
+    record: Any = None  # the router's per-request record (router/logs.py), while it serves one
+
+    @property
+    def traceparent(self) -> str | None:
+        """The ``traceparent`` a call made on this request's behalf sends
+        (this server's span as its parent); None without a trace."""
+        if self.trace_id is None:
+            return None
+        return format_traceparent(self.trace_id, self.span_id, self.sampled)
 
 
 def new_request_id() -> str:
@@ -81,6 +108,47 @@ def new_request_id() -> str:
 
 
 _RNG = random.Random(secrets.randbits(128))
+
+
+def new_span_id() -> str:
+    """A fresh non-zero 64-bit span id, 16 hex digits."""
+    return f"{_RNG.getrandbits(64) or 1:016x}"
+
+
+def new_trace_id() -> str:
+    return f"{_RNG.getrandbits(128) or 1:032x}"
+
+
+def parse_traceparent(value: str | None) -> tuple[str, str, bool] | None:
+    """``(trace_id, parent_span_id, sampled)`` of a valid W3C ``traceparent``
+    header, else None (a malformed one starts a new trace; it is never an
+    error). Version ff, all-zero ids, upper-case hex, and a version-00 header
+    with anything after its flags are invalid, as the spec says."""
+    if not value:
+        return None
+    m = _TRACEPARENT.fullmatch(value.strip())
+    if m is None:
+        return None
+    version, trace_id, parent, flags, rest = m.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or parent == _ZERO_SPAN:
+        return None
+    return trace_id, parent, bool(int(flags, 16) & 1)
+
+
+def format_traceparent(trace_id: str, span_id: str, sampled: bool) -> str:
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
+
+
+def apply_trace(context: RequestContext, headers: dict[str, str]) -> None:
+    """The caller's trace from its ``traceparent`` (valid: continued, with
+    its span as parent and its sampled flag), else a new trace; either way a
+    new span id for this server's part of the request."""
+    parsed = parse_traceparent(headers.get("traceparent"))
+    if parsed is None:
+        context.trace_id = new_trace_id()
+    else:
+        context.trace_id, context.parent_span_id, context.sampled = parsed
+    context.span_id = new_span_id()
 
 
 def request_id_from(headers: dict[str, str]) -> str:
@@ -107,6 +175,22 @@ def apply_request_headers(context: RequestContext, headers: dict[str, str]) -> N
         if not deadline.strip().isdigit() or int(deadline) <= 0:
             raise BadRequest("X-Deadline-Ms must be a positive integer (milliseconds)", param="x-deadline-ms")
         context.deadline = context.arrival + int(deadline) / 1000
+
+
+def trace_logger(logger: logging.Logger, level: int = logging.INFO) -> Callable[[RequestContext, str, int], None]:
+    """An ``OpenAIServer`` ``finished`` hook for the engine's and the mock's
+    servers: one line per request (at ``level``) naming its trace and the
+    caller's span (the router's attempt), so a backend's log joins the
+    router's trace."""
+
+    def finished(context: RequestContext, route: str, status: int) -> None:
+        if logger.isEnabledFor(level):
+            fields = {"request_id": context.request_id, "route": route, "status": status, "trace_id": context.trace_id,
+                      "parent_span_id": context.parent_span_id, "span_id": context.span_id}  # fmt: skip
+            logger.log(level, "request %s %s status=%d trace_id=%s parent_span_id=%s", context.request_id, route, status,
+                       context.trace_id, context.parent_span_id, extra={"fields": fields})  # fmt: skip
+
+    return finished
 
 
 class Gate(Protocol):

@@ -139,6 +139,10 @@ TTFT = declare("headrace_time_to_first_token_seconds", "histogram", "From the di
 ITL = declare("headrace_inter_token_latency_seconds", "histogram", "Between consecutive token events", _B, buckets=TOKEN_BUCKETS)
 RESUME_GAP = declare("headrace_resume_gap_seconds", "histogram", "From a stream breaking mid-answer to its next token from the backend it migrated to", _B, buckets=TOKEN_BUCKETS)
 QUEUE_TIME = declare("headrace_queue_time_seconds", "histogram", "From the dispatcher's start to the backend being chosen", _B, buckets=TOKEN_BUCKETS)
+# The latency breakdown (router/logs.py): each request's time by phase, which add up to its duration.
+PHASES = ("ingress", "queue", "connect", "prefill", "decode", "egress")
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, *REQUEST_BUCKETS)  # router-side phases are often under a millisecond
+REQUEST_PHASE = declare("headrace_request_phase_seconds", "histogram", "Each request's time by phase (ingress, queue, connect, prefill, decode, egress) and the backend that answered (none: refused before one)", ("phase", "backend"), buckets=PHASE_BUCKETS)
 
 BACKEND_IN_FLIGHT = declare("headrace_backend_in_flight", "gauge", "Requests in flight per backend", _B)
 BACKEND_UP = declare("headrace_backend_up", "gauge", "1 when the backend takes requests (up, or suspect after a failure)", _B)

@@ -49,6 +49,7 @@ from frontend.context import (
     Principal,
     RequestContext,
     apply_request_headers,
+    apply_trace,
     request_id_from,
 )
 from frontend.routes import RouteTable
@@ -199,6 +200,8 @@ class OpenAIServer:
     token); off, every event is its own write, which fault injectors that
     count tokens per write rely on. ``openai_routes=False``: only
     ``extra_routes`` (an admin or ops app that must never serve generations).
+    ``finished(context, route, status)``: called once per request after
+    ``observe``, with its context (trace, the router's record): request logs.
     """
 
     def __init__(
@@ -213,8 +216,10 @@ class OpenAIServer:
         coalesce: bool = False,
         body_idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT,
         openai_routes: bool = True,
+        finished: Callable[[RequestContext, str, int], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.finished = finished
         self.body_idle_timeout = body_idle_timeout
         self.authenticate = authenticate
         self.max_body_bytes = max_body_bytes
@@ -246,6 +251,7 @@ class OpenAIServer:
             tenant="anonymous" if self.authenticate is not None else "default",
             arrival=trio.current_time(),
         )
+        apply_trace(context, headers)
         exchange = _Exchange()
         route = "other"
         try:
@@ -261,6 +267,7 @@ class OpenAIServer:
                     apply_request_headers(context, headers)
                     streams = found is not None and isinstance(found.handler, StreamingBody)
                     body = b"" if streams else await self._read_body(headers, receive)
+                    context.read_at = trio.current_time()
                     if not streams:  # only now watch for disconnect: the body has been consumed
                         nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
                     # No route: 404 or 405, told only to an authenticated client.
@@ -282,6 +289,8 @@ class OpenAIServer:
             if self.observe is not None:
                 status = exchange.status if exchange.complete else 499
                 self.observe(route, status, context.tenant, trio.current_time() - context.arrival)
+            if self.finished is not None:
+                self.finished(context, route, exchange.status if exchange.complete else 499)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:

@@ -263,7 +263,7 @@ def _prompts(prompt: Prompt) -> list[str | list[int]]:
 
 
 def to_generate_requests(
-    wire: WireRequest, extra: dict[str, Any], *, request_id: str, tenant: str = "default"
+    wire: WireRequest, extra: dict[str, Any], *, request_id: str, tenant: str = "default", traceparent: str | None = None
 ) -> list[GenerateRequest]:
     """One GenerateRequest per choice (prompts x n), in choice-index order.
     With a seed, choice i of a prompt uses ``seed + i`` so choices differ but
@@ -289,6 +289,7 @@ def to_generate_requests(
                     request_id=f"{request_id}-{index}" if len(inputs) * wire.n > 1 else request_id,
                     seed=seed,
                     tenant=tenant,
+                    traceparent=traceparent,
                     extra=extra,
                     **source,
                     **common,

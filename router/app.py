@@ -66,11 +66,13 @@ from policies.registry import create, create_policy
 from policies.shared_limits import SharedRateLimitPolicy
 from router.actors import BackendActor, Supervisor
 from router.admission import LocalLimiter, Queue, RateLimits, Tenants
-from router.config import MigrationConfig, ModelRoute, RouterConfig
+from router.breakdown import Breakdown
+from router.config import ConfigError, MigrationConfig, ModelRoute, RouterConfig, TracingConfig
 from router.data import open_data
 from router.dispatch import Dispatcher
 from router.health import HealthState
 from router.jobs import JobRunner
+from router.logs import Journal, RequestLog
 from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
 from router.migration import Settings as MigrationSettings
 from router.pipeline import Pipeline
@@ -79,6 +81,7 @@ from router.ratelimit_redis import RedisLimiter
 from router.routes import RouteTable
 from router.services import Service
 from router.store import SQLiteStore
+from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +189,7 @@ class Router:
         *,
         policy: RoutingPolicy | None = None,
         clock: Callable[[], float] = trio.current_time,
+        tracer: Tracer | None = None,
     ) -> None:
         """``policy`` serves the models no ``[[models]]`` route names (default:
         ``[routing]``'s); each route's group gets its own instance. ``clock``
@@ -215,6 +219,11 @@ class Router:
         ]
         self._models = {name: route for route in config.models for name in (route.name, *route.aliases)}
         self.metrics = RouterMetrics()
+        self.tracer = tracer if tracer is not None else tracer_for(config.tracing)  # tests pass their own
+        self.journal = Journal(tracer=self.tracer, log_prompts=config.logging.log_prompts)
+        self.breakdown = Breakdown()
+        lines = config.logging.requests if config.logging.requests is not None else config.logging.format == "json"
+        self.request_log = RequestLog(breakdown=self.breakdown, observe_phase=self.metrics.phase_time, tracer=self.tracer, lines=lines)
         self.keys = PrefixKeys()
         b, retry = config.breaker, config.retry
         breakers: BreakerPolicy | None = create("breaker", b.policy, b.options) if b.enabled else None
@@ -234,6 +243,7 @@ class Router:
             backoff_base=retry.backoff_base,
             backoff_cap=retry.backoff_cap,
             migration=migration,
+            journal=self.journal,
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
@@ -256,7 +266,7 @@ class Router:
                 unavailable=lambda key: self.dispatcher.ejection_wait(key or [a.name for a in self.actors]),
             )
             stages.append(self.queue)
-        self.pipeline = Pipeline(stages)
+        self.pipeline = Pipeline(stages, journal=self.journal)
         self.metrics.add_collector(
             StatisticsCollector(
                 self.dispatcher.backend_statistics,
@@ -289,6 +299,7 @@ class Router:
             ("GET", "/admin/models"): self._list_models,
             ("POST", "/admin/models"): self._admin_models,
             ("GET", "/admin/routing"): self._list_routing,
+            ("GET", "/admin/breakdown"): self._breakdown,
         }
         sha = config.auth.admin_sha256
         self.admin_key = bytes.fromhex(sha) if sha is not None else None
@@ -301,6 +312,7 @@ class Router:
             observe=self.metrics.observe,
             gate=self.pipeline,
             coalesce=True,
+            finished=self.request_log.finish,
         )
         if self.data is not None:  # Idempotency-Key on the OpenAI POSTs too
             for path in ("/v1/completions", "/v1/chat/completions", "/v1/generate"):
@@ -343,6 +355,8 @@ class Router:
                 await self.dispatcher.aclose()
             if self.job_store is not None:
                 self.job_store.close()
+            if self.tracer is not None:
+                await trio.to_thread.run_sync(self.tracer.shutdown)
 
     async def _learn_keys(self) -> None:
         """Learn each served model's tokenizer from its backends (once per
@@ -483,6 +497,11 @@ class Router:
             raise BadRequest(f"unknown action {action.action!r}; use drain or undrain", param="action")
         return json_response(msgspec.to_builtins(actor.statistics()))
 
+    async def _breakdown(self, request: HTTPRequest) -> Response:
+        """The latency breakdown per backend (router/breakdown.py): what ``headrace top`` shows."""
+        in_flight = {a.name: a.in_flight for a in self.actors}
+        return json_response(self.breakdown.snapshot(trio.current_time(), in_flight))
+
     async def _list_routing(self, request: HTTPRequest) -> Response:
         """Each routing policy instance, its backend group, and its
         statistics when it keeps any (kv_aware: hits, predictions checked
@@ -513,6 +532,18 @@ class Router:
         weights = {v.model: v.weight for v in change.versions}
         data = self.dispatcher.routes.set_weights(change.model, weights)
         return json_response({"object": "list", "data": [msgspec.to_builtins(v) for v in data]})
+
+
+def tracer_for(t: TracingConfig) -> Tracer | None:
+    """The span exporter ``[tracing]`` asks for; None (the default) when no
+    OTLP endpoint is set, and then nothing of OpenTelemetry is imported."""
+    if t.otlp_endpoint is None:
+        return None
+    try:
+        return Tracer(endpoint=t.otlp_endpoint, sample_ratio=t.sample_ratio, respect_parent=t.respect_parent,
+                      service_name=t.service_name, headers=t.headers)  # fmt: skip
+    except ImportError as exc:
+        raise ConfigError(f"[tracing] otlp_endpoint needs OpenTelemetry: pip install 'headrace[otel]' ({exc})") from None
 
 
 def migration_settings(m: MigrationConfig) -> MigrationSettings:

@@ -99,6 +99,7 @@ __all__ = [
     "ConfigError",
     "HealthConfig",
     "JobsConfig",
+    "LoggingConfig",
     "MigrationConfig",
     "ModelRoute",
     "ModelVersion",
@@ -109,6 +110,7 @@ __all__ = [
     "RoutingConfig",
     "ServerConfig",
     "TenantConfig",
+    "TracingConfig",
     "apply_settings",
     "decode_config",
     "load_config",
@@ -373,6 +375,26 @@ class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     text_continuation: bool = False
 
 
+class TracingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[tracing]``: W3C traceparent is always accepted and propagated;
+    spans are exported over OTLP/HTTP only with ``otlp_endpoint`` (router/tracing.py)."""
+
+    otlp_endpoint: str | None = None  # e.g. "http://collector:4318/v1/traces"; None: no export
+    sample_ratio: Annotated[float, Meta(ge=0, le=1)] = 1.0  # of new traces
+    respect_parent: bool = True  # a caller's sampled flag decides for its trace
+    service_name: str = "headrace-router"
+    headers: dict[str, str] = {}  # sent to the collector (its auth)
+
+
+class LoggingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[logging]``: ``format = "json"`` makes every log line a JSON object
+    and turns on one line per request (router/logs.py)."""
+
+    format: Literal["text", "json"] = "text"
+    requests: bool | None = None  # one line per request; None: with format = "json"
+    log_prompts: bool = False  # prompt and output text in request lines (off: never logged)
+
+
 class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -388,6 +410,8 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     migration: MigrationConfig = MigrationConfig()
     backends: tuple[BackendSpec, ...] = ()
     models: tuple[ModelRoute, ...] = ()
+    tracing: TracingConfig = TracingConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     def backend_names(self) -> list[str]:
         return [spec.name or f"{spec.kind}-{i}" for i, spec in enumerate(self.backends)]

@@ -76,6 +76,7 @@ from backends.errors import (
     UpstreamError,
     UpstreamRateLimited,
 )
+from frontend.context import new_span_id
 from policies.base import RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
@@ -88,6 +89,7 @@ from policies.breaker import (
 from router.actors import ActorStatistics, BackendActor, closing_stream
 from router.config import ConfigError
 from router.health import HealthEvent, HealthState
+from router.logs import Attempt, Journal, RequestRecord
 from router.migration import (
     MigrationStatistics,
     Progress,
@@ -104,6 +106,7 @@ from router.migration import (
 from router.migration import Settings as MigrationSettings
 from router.prefix_keys import PrefixKeys
 from router.routes import RouteTable, Target, VersionStatistics
+from router.tracing import child_traceparent
 
 __all__ = [
     "Cooldowns",
@@ -316,6 +319,7 @@ class Dispatcher:
         backoff_cap: float = 0.25,
         draw: Callable[[], float] = random.random,
         migration: MigrationSettings | None = None,
+        journal: Journal | None = None,
     ) -> None:
         """``breakers`` (default: none) filter the candidates and hear every
         attempt's outcome; ``retry_budget`` (default: unlimited) bounds the
@@ -348,6 +352,7 @@ class Dispatcher:
         self.recorder: Recorder = recorder or NullRecorder()
         self.clock = clock
         self.name = name
+        self.journal = journal  # the requests' records (router/logs.py): attempts, timings, spans
         self._counts = dict.fromkeys(
             ("streams", "retries", "unavailable", "failed", "fallbacks", "rate_limited", "retries_refused"), 0
         )
@@ -424,14 +429,24 @@ class Dispatcher:
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         self._counts["streams"] += 1
         self._active += 1  # the retry budget's base
+        rec = self.journal.get(request) if self.journal is not None else None
         try:
-            async with closing_stream(self._stream(request)) as events:
-                async for event in events:
-                    yield event
+            async with closing_stream(self._stream(request, rec)) as events:
+                if rec is not None and rec.output is not None:  # log_prompts: the output's text too
+                    async for event in events:
+                        rec.output.append(event.text)
+                        yield event
+                else:
+                    async for event in events:
+                        yield event
+        except HeadraceError as exc:
+            if rec is not None:
+                rec.failed(exc)
+            raise
         finally:
             self._active -= 1
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _stream(self, request: GenerateRequest, rec: RequestRecord | None = None) -> AsyncIterator[Event]:
         arrived = self.clock()
         plan = self.routes.plan(request)
         outcome = _Outcome()
@@ -466,8 +481,9 @@ class Dispatcher:
                     cached: int | None = None
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
+                    attempt = rec.attempt(name, self.clock()) if rec is not None else None
                     try:
-                        upstream, first_wait, after_first = self._open(actor, sub, route, settings)
+                        upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
                         async with closing_stream(upstream) as events:
                             while True:
                                 event = await _next(events, after_first if progress.events else first_wait, name, progress)
@@ -476,6 +492,8 @@ class Dispatcher:
                                 now = self.clock()
                                 if progress.events == 0:
                                     recorder.time_to_first_token(name, now - arrived)
+                                    if attempt is not None and rec is not None:
+                                        rec.first_event(attempt, now)
                                     event = self._first_event(event, target, request, step)
                                     if feedback.first_token is not None:
                                         feedback.first_token(name, route, now)
@@ -484,6 +502,8 @@ class Dispatcher:
                                     self.stall.add(name, now - last_at)
                                 if event.usage is not None:
                                     cached = event.usage.cached_tokens
+                                    if rec is not None:
+                                        rec.usage(event.usage)
                                 last_at = now
                                 progress.add(event)
                                 yield event
@@ -511,6 +531,8 @@ class Dispatcher:
                         self._judge(name, verdict)
                         if feedback.complete is not None:
                             feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+                        if attempt is not None and rec is not None:
+                            rec.attempt_done(attempt, self.clock(), last_at if progress.events else None, None if finished else "failed")
                 finally:
                     if retry and self.retry_budget is not None:
                         self.retry_budget.release()
@@ -520,7 +542,7 @@ class Dispatcher:
                 break
         if broken is not None:
             try:
-                async with closing_stream(self._migrate(broken, progress)) as continued:
+                async with closing_stream(self._migrate(broken, progress, rec)) as continued:
                     async for event in continued:
                         yield event
             except UpstreamError:
@@ -533,7 +555,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------ migration
 
-    async def _migrate(self, b: _Broken, progress: Progress) -> AsyncIterator[Event]:
+    async def _migrate(self, b: _Broken, progress: Progress, rec: RequestRecord | None = None) -> AsyncIterator[Event]:
         """Continue a stream that broke after its first event on another
         backend of its route (never one that failed it), until it finishes,
         or raise :class:`MigrationFailed`."""
@@ -574,6 +596,11 @@ class Dispatcher:
             # max_migrations), where a retry storm is new load on a sick fleet.
             migrations += 1
             actor: BackendActor | None = None
+            if rec is not None:
+                rec.migrations += 1
+            span = rec.span("migration", b.at) if rec is not None else None
+            if span is not None:
+                span.attributes.update({"headrace.reason": reason, "headrace.mode": mode, "headrace.from": b.backend})
             try:
                 route = route_request(sub, self.keys)
                 name = target.policy.pick([a.view() for a in candidates], route, self.clock())
@@ -587,10 +614,15 @@ class Dispatcher:
                 # This break counts as resumed the moment its continuation relays
                 # something, whatever becomes of the continuation later.
                 resumed = partial(self._migrated, reason, mode)
-                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed):
+                attempt = rec.attempt(actor.name, self.clock(), span.span_id if span is not None else None) if rec is not None else None
+                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed, attempt, rec):
                     yield event
+                if span is not None:
+                    span.finish(self.clock(), None, **{"headrace.to": actor.name})
                 return
             except MigrationFailed as exc:
+                if span is not None:
+                    span.finish(self.clock(), exc.code)
                 if exc.code != "replay_diverged":
                     raise  # counted where it was raised
                 if by_text is None:
@@ -602,6 +634,8 @@ class Dispatcher:
                 error = exc
             except ClientError as exc:  # the new backend refused the continuation: try another
                 error = UpstreamError(f"backend refused the resumed request: {exc.message}")
+            if span is not None:
+                span.finish(self.clock(), reason_of(error))
             if actor is not None:
                 failed[actor.name] = trio.current_time()
             b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
@@ -617,6 +651,8 @@ class Dispatcher:
         relay: Callable[[Event], Event | None],
         broke_at: float,
         resumed: Callable[[], None],
+        attempt: Attempt | None = None,
+        rec: RequestRecord | None = None,
     ) -> AsyncIterator[Event]:
         """One continuation attempt, its events as the client gets them;
         ``resumed()`` when the first of them leaves."""
@@ -629,7 +665,7 @@ class Dispatcher:
         last_at = self.clock()
         gap_from: float | None = broke_at  # until the first new event reaches the client
         try:
-            upstream, first_wait, after_first = self._open(actor, sub, route, settings)
+            upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
             async with closing_stream(upstream) as events:
                 while True:
                     event = await _next(events, first_wait if first else after_first, name, progress)
@@ -649,6 +685,8 @@ class Dispatcher:
                     out = relay(event)
                     if out is None:
                         continue
+                    if rec is not None and out.usage is not None:
+                        rec.usage(out.usage)
                     if gap_from is not None:
                         self.recorder.resume_gap(name, now - gap_from)
                         gap_from = None
@@ -670,13 +708,21 @@ class Dispatcher:
             self._judge(name, verdict)
             if feedback.complete is not None:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+            if attempt is not None and rec is not None:
+                rec.attempt_done(attempt, self.clock(), last_at, None if finished else "failed")
 
     def _open(
-        self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings
+        self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings,
+        attempt: Attempt | None = None, rec: RequestRecord | None = None,
     ) -> tuple[AsyncIterator[Event], float, float]:
         """One attempt's stream, and how long to wait for its first event and
         for each later one. The backend times its own silences (given the
-        watchdog's timeout), or the dispatcher times each wait itself."""
+        watchdog's timeout), or the dispatcher times each wait itself. The
+        attempt's ``traceparent`` names its own span (router/tracing.py)."""
+        if sub.traceparent is not None:
+            span_id = attempt.span_id if attempt is not None else new_span_id()
+            sampled = rec.context.sampled if rec is not None else None
+            sub = msgspec.structs.replace(sub, traceparent=child_traceparent(sub.traceparent, span_id, sampled))
         first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
         stall = self.stall.timeout(actor.name, settings)
         watched = actor.watches_stalls

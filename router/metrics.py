@@ -265,6 +265,7 @@ class RouterMetrics:
         self._ttft: dict[str, Histogram] = {}
         self._itl: dict[str, Histogram] = {}
         self._resume: dict[str, Histogram] = {}
+        self._init_phases()
 
     def set_worker(self, index: int) -> None:
         """Count this process's requests as worker ``index``'s."""
@@ -297,6 +298,19 @@ class RouterMetrics:
 
     def resume_gap(self, backend: str, seconds: float) -> None:
         _child(self._resume, self.resume, backend).observe(seconds)
+
+    # ------------------------------------------------------------ latency breakdown (issue 18; router/logs.py)
+
+    def _init_phases(self) -> None:
+        self.phase = cast(Histogram, N.REQUEST_PHASE.instrument(self.registry))
+        self._phase: dict[tuple[str, str], Histogram] = {}
+
+    def phase_time(self, phase: str, backend: str, seconds: float) -> None:
+        """One phase of one request (RequestLog's ``observe_phase``)."""
+        child = self._phase.get((phase, backend))
+        if child is None:
+            child = self._phase[phase, backend] = self.phase.labels(phase, backend)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

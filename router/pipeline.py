@@ -31,6 +31,7 @@ import trio
 from backends.errors import HeadraceError
 from frontend.call import Call
 from frontend.context import Gate, RequestContext
+from router.logs import Journal, RequestRecord
 
 __all__ = ["Pipeline", "PipelineStatistics"]
 
@@ -49,11 +50,18 @@ class PipelineStatistics(msgspec.Struct, frozen=True, kw_only=True):
 REJECTION_SAMPLES = 1024
 
 
-class Pipeline:
-    """The stages in order; a :class:`~frontend.context.Gate` itself."""
+# The span each stage's admission is traced as (router/tracing.py).
+STAGE_SPANS = {"RateLimits": "admission", "Queue": "queue"}
 
-    def __init__(self, stages: Sequence[Gate] = ()) -> None:
+
+class Pipeline:
+    """The stages in order; a :class:`~frontend.context.Gate` itself.
+    With a ``journal`` (router/logs.py), each request gets its record
+    here, open until the answer's last byte, and a span per stage."""
+
+    def __init__(self, stages: Sequence[Gate] = (), *, journal: Journal | None = None) -> None:
         self.stages = list(stages)
+        self.journal = journal
         self._admitted = 0
         self._in_flight = 0
         self._rejected: dict[str, int] = {}
@@ -61,22 +69,52 @@ class Pipeline:
 
     @asynccontextmanager
     async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:
+        journal = self.journal
+        record = journal.open(context) if journal is not None else None
+        try:
+            async with AsyncExitStack() as stack:
+                try:
+                    if record is None:
+                        for stage in self.stages:
+                            await stack.enter_async_context(stage.admit(context, call))
+                    else:
+                        await self._enter_recorded(stack, context, call, record)
+                except HeadraceError as exc:
+                    reason = exc.code or exc.type
+                    self._rejected[reason] = self._rejected.get(reason, 0) + 1
+                    if reason != "queue_timeout":
+                        self._rejections.append(trio.current_time() - context.arrival)
+                    if record is not None:
+                        record.failed(exc)
+                    raise
+                self._admitted += 1
+                self._in_flight += 1
+                try:
+                    yield
+                finally:
+                    self._in_flight -= 1
+        finally:
+            if record is not None and journal is not None:
+                journal.close(record, trio.current_time())
+
+    async def _enter_recorded(self, stack: AsyncExitStack, context: RequestContext, call: Call, record: RequestRecord) -> None:
+        """The stages, with the request's record: what it asked for, a span
+        per stage when its trace is recorded."""
+        record.model, record.stream = call.model, bool(call.wire.stream)
+        if self.journal is not None and self.journal.log_prompts and call.subs:
+            record.capture(call.subs[0])
+        for stage in self.stages:
+            name = STAGE_SPANS.get(type(stage).__name__)
+            span = record.span(name, trio.current_time()) if name is not None else None
             try:
-                for stage in self.stages:
-                    await stack.enter_async_context(stage.admit(context, call))
+                await stack.enter_async_context(stage.admit(context, call))
             except HeadraceError as exc:
-                reason = exc.code or exc.type
-                self._rejected[reason] = self._rejected.get(reason, 0) + 1
-                if reason != "queue_timeout":
-                    self._rejections.append(trio.current_time() - context.arrival)
+                if span is not None:
+                    span.finish(trio.current_time(), exc.code or exc.type)
                 raise
-            self._admitted += 1
-            self._in_flight += 1
-            try:
-                yield
-            finally:
-                self._in_flight -= 1
+            if span is not None:
+                span.finish(trio.current_time())
+        record.admitted_at = trio.current_time()
 
     def statistics(self) -> PipelineStatistics:
         ordered = sorted(self._rejections)

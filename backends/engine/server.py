@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import os
 import secrets
 import sys
@@ -46,6 +47,7 @@ from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from frontend import metric_names as N
+from frontend.context import trace_logger
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
@@ -87,6 +89,7 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
             ("GET", "/metrics"): routes.metrics,
         },
         coalesce=True,
+        finished=trace_logger(logging.getLogger("headrace.engine.requests")),  # a line per request, with its trace
     )
 
 

@@ -2,8 +2,9 @@
 to ``headrace serve`` carrying credentials, cookies, proxy and tracing
 headers reaches a capturing upstream (over HTTP/2 and HTTP/1.1) with only
 what the router's adapter writes itself (content type, accept, length, the
-backend's own key) and the request id, which is the client's only when it
-is a sane token."""
+backend's own key), the request id, which is the client's only when it
+is a sane token, and a ``traceparent`` of the router's own (the client's
+trace, the router's attempt span: issue 18)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ HOSTILE = {
 # What the router's HTTP adapter may send upstream (h2client or httpx write
 # the framing and transport headers themselves).
 ALLOWED = {"content-type", "accept", "content-length", "x-request-id", "authorization",
-           "host", "accept-encoding", "connection", "user-agent"}  # fmt: skip
+           "host", "accept-encoding", "connection", "user-agent", "traceparent"}  # fmt: skip
 
 
 class Capturing:
@@ -83,5 +84,7 @@ async def test_backends_get_only_the_allowed_headers_never_the_clients(
         for value in HOSTILE.values():
             assert value not in headers.values()
     assert [h["x-request-id"] for h in upstream.seen[:4]] == ["client-req-42"] * 4
+    # The client's trace goes on, under a span of the router's (never the client's header as sent).
+    assert {h["traceparent"][3:35] for h in upstream.seen[:4]} == {HOSTILE["traceparent"][3:35]}
     fresh = upstream.seen[4]["x-request-id"]
     assert fresh and "not a token" not in fresh  # an unsafe id is replaced, not forwarded
