@@ -80,7 +80,7 @@ from router.prefix_keys import PrefixKeys, TokenizerLoadError, load_encoder
 from router.ratelimit_redis import RedisLimiter
 from router.routes import RouteTable
 from router.services import Service
-from router.store import SQLiteStore
+from router.store import JobStore
 from router.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class Router:
             )
         )
         # [jobs] path set: the jobs API and its runner, a supervised service beside the actors.
-        self.job_store: SQLiteStore | None = None
+        self.job_store: JobStore | None = None
         self.jobs: JobRunner | None = None
         services: list[Service] = list(self.actors)
         if self.shared_limits is not None:

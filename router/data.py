@@ -24,13 +24,13 @@ import msgspec
 from backends.base import Backend
 from frontend.context import Gate
 from frontend.server import Handler
-from router.batch_store import SQLiteBatchStore
 from router.batches import BatchesAPI, BatchRunner
 from router.config import JobsConfig
 from router.files import FilesAPI
 from router.idempotency import Idempotency
 from router.jobs import JobRunner, JobsAPI
-from router.store import SQLiteStore
+from router.store import JobStore
+from router.stores import open_stores
 
 __all__ = ["DataServices", "default_data_dir", "open_data", "resolve_data_dir", "with_data_dir"]
 
@@ -52,7 +52,7 @@ def with_data_dir(config: JobsConfig, flag: str | None, env: Mapping[str, str] =
 def resolve_data_dir(config: JobsConfig) -> tuple[Path, Path] | None:
     """``(data dir, database file)`` when jobs are on (``enabled``,
     ``data_dir`` or ``path`` set), else None; creates the directories."""
-    if not (config.enabled or config.data_dir or config.path):
+    if not (config.enabled or config.data_dir or config.path or config.store == "postgres"):
         return None
     if config.data_dir is not None:
         data_dir = Path(config.data_dir).expanduser()
@@ -68,7 +68,7 @@ def resolve_data_dir(config: JobsConfig) -> tuple[Path, Path] | None:
 
 class DataServices(msgspec.Struct, kw_only=True):
     data_dir: Path
-    store: SQLiteStore
+    store: JobStore
     jobs: JobRunner
     batches: BatchRunner
     idempotency: Idempotency
@@ -81,9 +81,8 @@ def open_data(config: JobsConfig, backend: Backend, gate: Gate, *, ready: Callab
     if located is None:
         return None
     data_dir, db = located
-    store = SQLiteStore(db, idempotency_ttl=config.idempotency_ttl)
+    store, batch_store = open_stores(config, db)  # [jobs] store: SQLite (db) or PostgreSQL (router/stores.py)
     jobs = JobRunner(store, backend, config, gate=gate, ready=ready)
-    batch_store = SQLiteBatchStore(store)
     batches = BatchRunner(batch_store, backend, data_dir / "files", config, max_line_bytes=max_line_bytes, jobs=jobs)
     idem = Idempotency(store)
     batch_routes = {k: idem.wrap(h) if k[0] == "POST" else h for k, h in BatchesAPI(batch_store, batches, config).routes().items()}
