@@ -48,6 +48,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
 from frontend import hardening
+from frontend.h2_scheduler import RoundRobinStreams
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
@@ -78,8 +79,9 @@ def _patch_hypercorn() -> None:
     4. Closing a connection sent EOF outside the send lock, so a send that
        started meanwhile raised ``BusyResourceError`` (see :func:`_close_under_send_lock`).
 
-    And one for cost, :func:`_end_stream_with_the_last_data`, and one for
-    shutdown, :func:`_release_buffers_when_the_connection_closes`.
+    And two for cost, :func:`_end_stream_with_the_last_data` and
+    :func:`_schedule_streams_round_robin`, and one for shutdown,
+    :func:`_release_buffers_when_the_connection_closes`.
     """
     protocol = hypercorn_h2.H2Protocol
     if getattr(protocol, "_headrace_patched", False):
@@ -113,6 +115,22 @@ def _patch_hypercorn() -> None:
     TCPServer.run = _run  # type: ignore[method-assign]
     _reset_h2_stream_on_app_error()
     _close_under_send_lock()
+    _schedule_streams_round_robin()
+
+
+def _schedule_streams_round_robin() -> None:
+    """hypercorn 0.18's ``H2Protocol.priority`` is a ``priority.PriorityTree``,
+    which costs O(k log k) per DATA frame with k idle streams on the
+    connection; :class:`frontend.h2_scheduler.RoundRobinStreams` takes its
+    place (O(1), every stream with data one frame in turn)."""
+    protocol = hypercorn_h2.H2Protocol
+    init = protocol.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.priority = RoundRobinStreams()
+
+    protocol.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _close_under_send_lock() -> None:

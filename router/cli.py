@@ -49,9 +49,15 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def configure_logging(level: str | int = "INFO") -> None:
-    """Log to stderr at ``level``, with chatty libraries held at WARNING."""
+def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
+    """Log to stderr at ``level``, with chatty libraries held at WARNING;
+    ``fmt="json"``: every line one JSON object (router/logs.py)."""
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    if fmt == "json":
+        from router.logs import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     quiet_libraries()
 
 

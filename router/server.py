@@ -86,6 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="extra arguments for the local engine replicas started when no backend is configured, e.g. '--dtype bfloat16'",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per log line, and a line per request ([logging] format)")
     p.add_argument(
         "--set", dest="settings", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set routing.max_attempts=5 --set 'backends.0.options.http=\"1.1\"' (repeatable; applied last)",
@@ -114,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         config = with_overrides(config, policy=args.policy)
     # --data-dir, else HEADRACE_DATA_DIR, over [jobs] data_dir: either turns jobs, files and batches on.
     config = msgspec.structs.replace(config, jobs=with_data_dir(config.jobs, args.data_dir))
+    if args.log_format:
+        config = msgspec.structs.replace(config, logging=msgspec.structs.replace(config.logging, format=args.log_format))
     return apply_settings(config, args.settings)
 
 
@@ -363,6 +366,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, PolicyError) as exc:
         print(f"headrace serve: {exc}", file=sys.stderr)
         return 2
+    if config.logging.format == "json":
+        configure_logging(args.log_level, "json")  # [logging] format, known once the config is read
     engine_args = shlex.split(args.engine_args)
     if args.worker_config:
         trio.run(partial(_serve_until_signal, config, policy, [], worker=args.worker_index))
