@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend import serving  # noqa: F401  (installs the patch)
+from frontend import serving  # installs the patch
 from frontend.h2_scheduler import RoundRobinStreams
 
 OPS = st.lists(
