@@ -68,18 +68,18 @@ def headers(**extra: str) -> dict[str, str]:
 
 async def test_a_success_is_one_line_with_its_tenant_tokens_timings_and_trace(nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    router, url = await start(nursery)
+    _, url = await start(nursery)
     async with httpx.AsyncClient(base_url=url, timeout=20) as client:
         r = await client.post("/v1/completions", json=BODY, headers=headers(**{"x-request-id": "req-1"}))
         assert r.status_code == 200 and "[DONE]" in r.text
     (line,) = await lines_after(caplog, 1)
     assert line["msg"] == "request" and line["level"] == "INFO" and line["logger"] == "headrace.requests"
     assert line["ts"].endswith("Z")
-    assert {k: line[k] for k in ("request_id", "trace_id", "route", "status", "tenant", "model", "backend", "stream",
-                                 "error_code", "migrations", "attempts")} == {  # fmt: skip
+    want = {
         "request_id": "req-1", "trace_id": TRACE, "route": "/v1/completions", "status": 200, "tenant": "team-a",
         "model": "mock", "backend": "good", "stream": True, "error_code": None, "migrations": 0, "attempts": 1,
     }  # fmt: skip
+    assert {k: line[k] for k in want} == want
     assert line["key_id"] and len(line["key_id"]) == 12
     assert line["completion_tokens"] == 5 and line["prompt_tokens"] > 0
     assert set(line["phases_ms"]) == PHASES
@@ -126,13 +126,13 @@ async def test_a_migrated_stream_says_how_many_times_it_moved(nursery: trio.Nurs
 
 async def test_a_client_that_leaves_is_logged_as_499(nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    router, url = await start(nursery, tpot_s=0.02, max_tokens=500)
-    async with httpx.AsyncClient(base_url=url, timeout=20) as client:
-        async with client.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 500}, headers=headers()) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_bytes():
-                if b"data:" in chunk:
-                    break
+    _, url = await start(nursery, tpot_s=0.02, max_tokens=500)
+    async with (httpx.AsyncClient(base_url=url, timeout=20) as client,
+                client.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 500}, headers=headers()) as r):  # fmt: skip
+        assert r.status_code == 200
+        async for chunk in r.aiter_bytes():
+            if b"data:" in chunk:
+                break
     (line,) = await lines_after(caplog, 1)
     assert line["status"] == 499 and line["error_code"] == "client_disconnected" and line["backend"] == "good"
 
