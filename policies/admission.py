@@ -30,6 +30,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+# the one M/M/c implementation, shared with the planner and the router's desired replicas
+from policies.erlang import expected_wait
+
 __all__ = [
     "AdmissionPolicy",
     "AdmissionView",
@@ -69,14 +72,6 @@ class AdmissionPolicy(Protocol):
     """Decide what to do with one arriving request."""
 
     def decide(self, view: AdmissionView, now: float) -> Verdict: ...
-
-
-def expected_wait(ahead: int, servers: int, rate: float) -> float:
-    """Mean wait, in M/M/c with every server busy, of an arrival with
-    ``ahead`` requests before it: ``(ahead + 1) / (servers * rate)``."""
-    if servers <= 0 or rate <= 0:
-        return float("inf")
-    return (ahead + 1) / (servers * rate)
 
 
 class BoundedQueue:

@@ -73,7 +73,14 @@ from router.dispatch import Dispatcher
 from router.health import HealthState
 from router.jobs import JobRunner
 from router.logs import Journal, RequestLog
-from router.metrics import CONTENT_TYPE, RouterMetrics, StatisticsCollector
+from router.metrics import (
+    CONTENT_TYPE,
+    LabelBounds,
+    RouterMetrics,
+    StatisticsCollector,
+    fleet_of,
+    replica_estimator,
+)
 from router.migration import Settings as MigrationSettings
 from router.pipeline import Pipeline
 from router.prefix_keys import PrefixKeys, TokenizerLoadError, load_encoder
@@ -266,6 +273,11 @@ class Router:
                 unavailable=lambda key: self.dispatcher.ejection_wait(key or [a.name for a in self.actors]),
             )
             stages.append(self.queue)
+        # First: arrivals for headrace_desired_replicas; last: per-call SLIs, timed from admission (router/metrics.py)
+        served = lambda: [*self._models, *(m for a in self.actors if a.info is not None for m in a.info.models)]  # noqa: E731
+        bounds = LabelBounds([*config.tenants, *(k.tenant for k in self.api_keys)], served)
+        stages.insert(0, self.metrics.capacity(bounds, replica_estimator(config.capacity), fleet_of(self.actors, self.group_of)))
+        stages.append(self.metrics.call_timer(bounds))
         self.pipeline = Pipeline(stages, journal=self.journal)
         self.metrics.add_collector(
             StatisticsCollector(

@@ -95,6 +95,7 @@ __all__ = [
     "AuthConfig",
     "BackendSpec",
     "BreakerConfig",
+    "CapacityConfig",
     "ClassTable",
     "ConfigError",
     "HealthConfig",
@@ -278,6 +279,18 @@ class RetryConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     backoff_cap: NonNegative = 0.25  # ... at most this
 
 
+class CapacityConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[capacity]``: the targets behind ``headrace_desired_replicas{model}``
+    (policies/capacity.py: M/M/c on the live arrival rate and service time)."""
+
+    p99_ms: Positive = 30000.0  # target p99 of a request's latency (arrival to last byte), ms
+    models: dict[str, Positive] = {}  # per model: its own p99 target, ms
+    window: Positive = 60.0  # seconds: time constant of the smoothed arrival rate
+    min_replicas: Annotated[int, Meta(ge=0)] = 1
+    max_replicas: PositiveInt = 1000
+    max_utilisation: Annotated[float, Meta(gt=0, le=1)] = 0.9  # when no count meets the target
+
+
 class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[jobs]``: async jobs (router/jobs.py), files and batches
     (router/files.py, router/batches.py), durable in one SQLite file under
@@ -406,6 +419,7 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     ratelimit: RateLimitConfig = RateLimitConfig()
     breaker: BreakerConfig = BreakerConfig()
     retry: RetryConfig = RetryConfig()
+    capacity: CapacityConfig = CapacityConfig()
     jobs: JobsConfig = JobsConfig()
     migration: MigrationConfig = MigrationConfig()
     backends: tuple[BackendSpec, ...] = ()

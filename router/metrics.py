@@ -34,7 +34,8 @@ restarts), which shows how the kernel spreads connections.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import cast
 
 import trio
@@ -44,25 +45,26 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from frontend import metric_names as N
-from router.actors import ActorStatistics
+from frontend.call import Call
+from frontend.context import RequestContext
+from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
+from frontend.sli import ROUTE_OF_KIND, CallTimer
+from policies.capacity import ReplicaEstimator
+from router.actors import ActorStatistics, BackendActor
 from router.admission import QueueStatistics
+from router.config import CapacityConfig
 from router.dispatch import DispatchStatistics
 from router.pipeline import PipelineStatistics
 
-__all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Mirror", "RouterMetrics", "StatisticsCollector"]
+__all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Arrivals", "CapacityCollector", "LabelBounds", "Mirror", "RouterMetrics", "StatisticsCollector", "fleet_of", "replica_estimator"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 MIRROR_INTERVAL = 1.0  # seconds between two mirrors of a worker's live state (multiprocess mode)
 # How a mirrored gauge aggregates across workers; any other gauge: "liveall" (one series per worker).
 GAUGE_MODES = {
-    "headrace_backend_in_flight": "livesum",
-    "headrace_pipeline_in_flight": "livesum",
-    "headrace_queue_depth": "livesum",
-    "headrace_queue_busy": "livesum",
-    "headrace_queue_group_busy": "livesum",
-    "headrace_queue_group_depth": "livesum",
-    "headrace_retry_budget_active": "livesum",
+    f.name: "livesum"
+    for f in (N.BACKEND_IN_FLIGHT, N.PIPELINE_IN_FLIGHT, N.QUEUE_DEPTH, N.QUEUE_BUSY, N.QUEUE_GROUP_BUSY, N.QUEUE_GROUP_DEPTH, N.RETRY_ACTIVE)
 }
 # headrace_backend_breaker_state's values, worst last.
 BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -230,6 +232,91 @@ class Mirror:
         return self._gauges[family.name]
 
 
+class LabelBounds:
+    """Bounded ``tenant`` and ``model`` label values: a configured tenant (or
+    an API key's, or the built-in ``default`` / ``anonymous``) and a
+    configured or served model keep their names; any other is ``other``, so
+    a client cannot grow the series count by sending made-up names."""
+
+    def __init__(self, tenants: Iterable[str], models: Callable[[], Iterable[str]]) -> None:
+        self.tenants = frozenset(tenants) | {"default", "anonymous"}
+        self._models = models
+        self._known: frozenset[str] = frozenset()
+
+    def tenant(self, name: str) -> str:
+        return name if name in self.tenants else N.OTHER
+
+    def models(self) -> set[str]:
+        """The configured and served models (each a ``model`` label value)."""
+        self._known = frozenset(self._models())
+        return set(self._known)
+
+    def model(self, name: str) -> str:
+        if name not in self._known:
+            self._known = frozenset(self._models())  # a backend may have come up with new models
+        return name if name in self._known else N.OTHER
+
+    def of_call(self, context: RequestContext, call: Call) -> tuple[str, str, str, str]:
+        """(route, model, tenant, priority) of a call: the SLI histograms' labels."""
+        return (ROUTE_OF_KIND.get(call.kind, N.OTHER), self.model(call.model), self.tenant(context.tenant), context.priority)
+
+
+class Arrivals:
+    """A pipeline stage that counts each call's arrival for its model."""
+
+    def __init__(self, estimator: ReplicaEstimator, bounds: LabelBounds) -> None:
+        self.estimator, self.bounds = estimator, bounds
+
+    @asynccontextmanager
+    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+        model = self.bounds.model(call.model)
+        if model != N.OTHER:
+            self.estimator.arrive(model, context.arrival)
+        yield
+
+
+class CapacityCollector(Collector):
+    """``headrace_desired_replicas{model}`` and its inputs, estimated on each
+    scrape (``now`` is trio's clock, like the arrivals'). ``fleet(model)``:
+    the backends serving it that take requests now, and their mean slots."""
+
+    def __init__(self, estimator: ReplicaEstimator, bounds: LabelBounds, fleet: Callable[[str], tuple[int, int]]) -> None:
+        self.estimator, self.bounds, self.fleet = estimator, bounds, fleet
+
+    def collect(self) -> Iterable[Metric]:
+        now = trio.current_time()
+        desired, arrivals, service, replicas = (
+            N.DESIRED_REPLICAS.collected(), N.ARRIVAL_RATE.collected(), N.REPLICA_SERVICE_RATE.collected(), N.MODEL_REPLICAS.collected()
+        )
+        for model in sorted(self.bounds.models() | set(self.estimator.models())):
+            n, slots = self.fleet(model)
+            e = self.estimator.estimate(model, now, replicas=n, slots=slots)
+            desired.add_metric([model], e.desired)
+            arrivals.add_metric([model], e.arrival_rate)
+            replicas.add_metric([model], n)
+            if e.service_rate is not None:  # unmeasured: no sample rather than a zero
+                service.add_metric([model], e.service_rate)
+        yield from (desired, arrivals, service, replicas)
+
+
+def replica_estimator(c: CapacityConfig) -> ReplicaEstimator:
+    """``[capacity]``'s estimator (targets in seconds)."""
+    return ReplicaEstimator(c.p99_ms / 1000, targets={m: ms / 1000 for m, ms in c.models.items()}, window=c.window,
+                            min_replicas=c.min_replicas, max_replicas=c.max_replicas, max_utilisation=c.max_utilisation)  # fmt: skip
+
+
+def fleet_of(actors: Sequence[BackendActor], group_of: Callable[[str], tuple[str, ...]]) -> Callable[[str], tuple[int, int]]:
+    """``fleet(model)`` over the router's actors: how many of the model's group
+    take requests now, and their mean concurrency limit (at least 1)."""
+
+    def fleet(model: str) -> tuple[int, int]:
+        group = set(group_of(model))
+        up = [a for a in actors if (not group or a.name in group) and a.eligible(None)]
+        return len(up), max(1, round(sum(a.limit for a in up) / len(up))) if up else 1
+
+    return fleet
+
+
 def _child(cache: dict[str, Histogram], family: Histogram, label: str) -> Histogram:
     child = cache.get(label)
     if child is None:
@@ -259,6 +346,8 @@ class RouterMetrics:
         self.queue = cast(Histogram, N.QUEUE_TIME.instrument(r))
         self.worker_requests = cast(Counter, N.WORKER_REQUESTS.instrument(r))
         self._this_worker = self.worker_requests.labels("0")
+        self.bounds: LabelBounds | None = None  # set by call_timer
+        self.estimator: ReplicaEstimator | None = None  # set by capacity
         self._requests: dict[tuple[str, int, str], Counter] = {}
         self._latency: dict[str, Histogram] = {}
         self._queue: dict[str, Histogram] = {}
@@ -266,6 +355,24 @@ class RouterMetrics:
         self._itl: dict[str, Histogram] = {}
         self._resume: dict[str, Histogram] = {}
         self._init_phases()
+
+    def call_timer(self, bounds: LabelBounds) -> CallTimer:
+        """The pipeline's last stage: per-call SLIs by route, model, tenant and priority."""
+        self.bounds = bounds
+        r = self.registry
+        h = {f.name: cast(Histogram, f.instrument(r)) for f in (N.REQUEST_TTFT, N.REQUEST_ITL, N.E2E_LATENCY, N.REQUEST_QUEUE, N.REQUEST_INFERENCE)}
+        estimator = self.estimator
+        done = (lambda labels, seconds: estimator.served(labels[1], seconds) if labels[1] != N.OTHER else None) if estimator else None
+        return CallTimer(bounds.of_call, ttft=h[N.REQUEST_TTFT.name], itl=h[N.REQUEST_ITL.name], e2e=h[N.E2E_LATENCY.name],
+                         queue=h[N.REQUEST_QUEUE.name], inference=h[N.REQUEST_INFERENCE.name], done=done)  # fmt: skip
+
+    def capacity(self, bounds: LabelBounds, estimator: ReplicaEstimator, fleet: Callable[[str], tuple[int, int]]) -> Arrivals:
+        """The pipeline's first stage (every arrival, refused or not, is demand)
+        and ``headrace_desired_replicas``; call before :meth:`call_timer`,
+        which feeds the estimator the service times."""
+        self.estimator = estimator
+        self.add_collector(CapacityCollector(estimator, bounds, fleet))
+        return Arrivals(estimator, bounds)
 
     def set_worker(self, index: int) -> None:
         """Count this process's requests as worker ``index``'s."""
@@ -277,6 +384,8 @@ class RouterMetrics:
 
     # observe(route, status, tenant, seconds): OpenAIServer's hook
     def observe(self, route: str, status: int, tenant: str, seconds: float) -> None:
+        if self.bounds is not None:
+            tenant = self.bounds.tenant(tenant)
         key = (route, status, tenant)
         child = self._requests.get(key)
         if child is None:

@@ -12,7 +12,8 @@ this module adds the engine's own::
     POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
     GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
     GET  /metrics        Prometheus: tokens/s, running/waiting, KV usage, prefix hits,
-                         batch-size histogram, preemptions
+                         batch-size histogram, preemptions, per-call TTFT / ITL / latency,
+                         GPUs (gpu_metrics.py); names from frontend/metric_names.py
     GET  /health         (shared frontend) 200 while the engine loop runs
 
 The engine loop and the HTTP server share one nursery: the server is only up while
@@ -28,17 +29,18 @@ import logging
 import os
 import secrets
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
 from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.engine import LLMEngine
+from backends.engine.gpu_metrics import GPUCollector
 from backends.engine.host import MainThreadHost
 from backends.engine.loader import default_model_path
 from backends.engine.runner import resolve_device
@@ -47,10 +49,12 @@ from backends.engine.tokenizer import Tokenizer
 from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from frontend import metric_names as N
-from frontend.context import trace_logger
+from frontend.call import Call
+from frontend.context import RequestContext, trace_logger
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
+from frontend.sli import ROUTE_OF_KIND, CallTimer
 
 __all__ = ["build_app", "main", "run_server"]
 
@@ -89,6 +93,7 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
             ("GET", "/metrics"): routes.metrics,
         },
         coalesce=True,
+        gate=routes.timer,
         finished=trace_logger(logging.getLogger("headrace.engine.requests")),  # a line per request, with its trace
     )
 
@@ -103,6 +108,8 @@ class _Routes:
         self.kv_epoch = secrets.token_hex(8)  # this process's run of KV event numbers
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(backend))
+        self.timer = _call_timer(backend, self.registry)
+        self.registry.register(GPUCollector())  # headrace_gpu_*: one collector_up 0 without NVIDIA devices
 
     async def models(self, request: HTTPRequest) -> Response:
         info = self.backend.info()
@@ -203,6 +210,18 @@ class _EngineCollector:
             yield N.ENGINE_SPEC_ACCEPTANCE.collected(spec.acceptance_rate)
             yield N.ENGINE_SPEC_PER_VERIFY.collected(spec.mean_emitted_per_verify)
             yield N.ENGINE_SPEC_CUTOFFS.collected(spec.num_batch_cutoffs)
+
+
+def _call_timer(backend: EngineBackend, registry: CollectorRegistry) -> CallTimer:
+    """Per-call TTFT, inter-token latency and latency by route and model (no
+    queue time: the engine's queue is inside it, so it shows in the TTFT)."""
+    models = frozenset(backend.info().models)
+
+    def labels(context: RequestContext, call: Call) -> tuple[str, str]:
+        return ROUTE_OF_KIND.get(call.kind, N.OTHER), call.model if call.model in models else N.OTHER
+
+    h = [cast(Histogram, f.instrument(registry)) for f in (N.ENGINE_TTFT, N.ENGINE_ITL, N.ENGINE_E2E)]
+    return CallTimer(labels, ttft=h[0], itl=h[1], e2e=h[2])
 
 
 async def run_server(

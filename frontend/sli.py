@@ -1,0 +1,133 @@
+"""Per-call SLIs (queue time, time to first token, inter-token latency,
+inference time, end-to-end latency) as a gate: the router's last pipeline
+stage, and the engine server's only one.
+
+::
+
+    arrival ──(rate limits, admission queue)──> admit ──> first event ... last event ──> gate exits
+    │<──────────── queue ──────────────────────>│<────────────── inference ──────────────────>│
+    │<──────────────────── ttft (per choice) ──────────────>│ itl: between token events        │
+    │<──────────────────────────────────── e2e ──────────────────────────────────────────────>│
+
+Each histogram is labelled by what ``labels(context, call)`` returns (the
+router: route, model, tenant, priority; the engine: route, model), which
+must be a bounded set: the caller maps unknown tenants and models to
+:data:`~frontend.metric_names.OTHER`. A histogram left out (None) is not
+observed: the engine has no queue before its gate, so it exports no queue
+time rather than zeros. Label children are cached per label tuple, not
+looked up per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health
+from frontend.context import RequestContext
+
+if TYPE_CHECKING:
+    from prometheus_client import Histogram
+
+    from frontend.call import Call
+
+__all__ = ["ROUTE_OF_KIND", "CallTimer"]
+
+ROUTE_OF_KIND = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/v1/generate"}
+
+Labels = Callable[[RequestContext, "Call"], tuple[str, ...]]
+
+
+class _Children:
+    """One histogram's children by label tuple."""
+
+    __slots__ = ("cache", "family")
+
+    def __init__(self, family: Histogram) -> None:
+        self.family = family
+        self.cache: dict[tuple[str, ...], Histogram] = {}
+
+    def observe(self, labels: tuple[str, ...], seconds: float) -> None:
+        child = self.cache.get(labels)
+        if child is None:
+            child = self.cache[labels] = self.family.labels(*labels)
+        child.observe(seconds)
+
+
+class CallTimer:
+    """A :class:`~frontend.context.Gate` that times each call it admits."""
+
+    def __init__(
+        self,
+        labels: Labels,
+        *,
+        ttft: Histogram,
+        itl: Histogram,
+        e2e: Histogram,
+        queue: Histogram | None = None,
+        inference: Histogram | None = None,
+        done: Callable[[tuple[str, ...], float], None] | None = None,
+    ) -> None:
+        self.labels, self.done = labels, done
+        self.ttft, self.itl, self.e2e = _Children(ttft), _Children(itl), _Children(e2e)
+        self.queue = _Children(queue) if queue is not None else None
+        self.inference = _Children(inference) if inference is not None else None
+
+    @asynccontextmanager
+    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+        admitted = trio.current_time()
+        labels = self.labels(context, call)
+        if self.queue is not None:
+            self.queue.observe(labels, admitted - context.arrival)
+        call.backend = _Timed(call.backend, self, labels, context.arrival)
+        try:
+            yield
+        finally:
+            done = trio.current_time()
+            self.e2e.observe(labels, done - context.arrival)
+            if self.inference is not None:
+                self.inference.observe(labels, done - admitted)
+            if self.done is not None:  # the slot's hold time: the service time of a capacity model
+                self.done(labels, done - admitted)
+
+
+class _Timed:
+    """The call's backend, with each choice's first event and token gaps timed
+    (a wrapper around one call's streams: CONVENTIONS #3)."""
+
+    def __init__(self, inner: Backend, timer: CallTimer, labels: tuple[str, ...], arrival: float) -> None:
+        self.inner, self.timer, self.labels, self.arrival = inner, timer, labels, arrival
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        last: float | None = None
+        events = self.inner.stream(request)
+        try:
+            async for event in events:
+                now = trio.current_time()
+                if last is None:
+                    self.timer.ttft.observe(self.labels, now - self.arrival)
+                    last = now
+                elif event.token_ids or event.text:
+                    self.timer.itl.observe(self.labels, now - last)
+                    last = now
+                yield event
+        finally:  # close the inner stream however this one ends, so the backend hears of it
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+
+    def info(self) -> BackendInfo:
+        return self.inner.info()
+
+    async def health(self) -> Health:
+        return await self.inner.health()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __getattr__(self, name: str) -> Any:  # anything else a wrapped backend offers
+        return getattr(self.inner, name)

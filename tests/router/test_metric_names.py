@@ -1,0 +1,154 @@
+"""One registry of metric names (frontend/metric_names.py): every family the
+router exports is declared there with its labels, no exporter spells a name
+itself, and a live router over loopback HTTP exports exactly the declared
+families, labels and per-call SLIs (bounded tenant and model labels)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from backends.mock import MockBackend, MockConfig
+from frontend import metric_names as N
+from frontend.serving import ServeOptions, serve
+from router.app import NamedBackend, Router
+from router.config import decode_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",)}
+
+
+def check_exposition(text: str, exporter: N.Exporter) -> dict[str, list[Sample]]:
+    """Every family in ``text`` is declared for ``exporter``, of its declared
+    type, and each sample carries exactly the declared labels (``le`` on
+    buckets); returns the samples by family."""
+    found: dict[str, list[Sample]] = {}
+    for family in text_string_to_metric_families(text):
+        base = family.name.removesuffix("_created")
+        if base != family.name and base in N.FAMILIES and N.FAMILIES[base].type != "gauge":
+            # the text parser gives an instrument's _created series a family of its own
+            assert all(set(s.labels) == set(N.FAMILIES[base].labels) for s in family.samples), family.name
+            continue
+        declared = N.FAMILIES.get(family.name)
+        assert declared is not None, f"{family.name} is exported but not declared in frontend/metric_names.py"
+        assert exporter in declared.exporters, f"{family.name} is not declared for the {exporter}"
+        assert family.type == declared.type, family.name
+        assert family.documentation == declared.help, family.name
+        for sample in family.samples:
+            suffix = sample.name[len(family.name):]
+            assert suffix in SUFFIXES[declared.type], sample.name
+            expected = set(declared.labels) | ({"le"} if suffix == "_bucket" else set())
+            assert set(sample.labels) == expected, (sample.name, sample.labels, declared.labels)
+        found[family.name] = family.samples
+    return found
+
+
+def test_the_registry_is_well_formed() -> None:
+    assert N.FAMILIES, "no families declared"
+    for name, f in N.FAMILIES.items():
+        assert name == f.name and re.fullmatch(r"headrace_[a-z0-9_]+", name), name
+        assert not name.endswith(("_total", "_created", "_bucket", "_count", "_sum")), name
+        assert f.help and f.exporters, name
+        assert all(re.fullmatch(r"[a-z_]+", label) for label in f.labels), name
+        assert (f.type == "histogram") == bool(f.buckets), name
+        assert list(f.buckets) == sorted(f.buckets), name
+
+
+def test_a_name_declared_twice_is_refused() -> None:
+    try:
+        N.declare("headrace_requests", "counter", "again")
+    except ValueError as exc:
+        assert "declared twice" in str(exc)
+    else:
+        raise AssertionError("declared twice without an error")
+
+
+def _string_constants(path: Path) -> Iterable[str]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+
+
+def test_no_exporter_spells_a_metric_name_itself() -> None:
+    """Names live in frontend/metric_names.py only: no string in router/,
+    backends/ or the rest of frontend/ starts with a declared family's name."""
+    names = tuple(N.FAMILIES)
+    offenders = []
+    for folder in ("router", "backends", "frontend"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "metric_names.py":
+                continue
+            offenders += [f"{path.relative_to(ROOT)}: {s!r}" for s in _string_constants(path) if s.startswith(names)]
+    assert offenders == []
+
+
+async def _scrape(config: dict[str, object], calls: list[dict[str, object]]) -> str:
+    backends = [MockBackend(MockConfig(name=f"mock-{i}", models=("mock",))) for i in range(2)]
+    router = Router(decode_config(config), [NamedBackend(b.info().name, b) for b in backends])
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(router.run)
+        url = await nursery.start(functools.partial(serve, router, ServeOptions("127.0.0.1", 0), shutdown=shutdown))
+        async with httpx.AsyncClient(base_url=url) as client:
+            for call in calls:
+                headers = {str(k): str(v) for k, v in dict(call.pop("headers", {})).items()}  # type: ignore[call-overload]
+                r = await client.post("/v1/completions", json=call, headers=headers)
+                assert r.status_code in (200, 404), r.text
+            text = (await client.get("/metrics")).text
+        shutdown.set()
+        nursery.cancel_scope.cancel()
+    return text
+
+
+CONFIG: dict[str, object] = {
+    "tenants": {"team-a": {}},
+    "auth": {"keys": {"key-a": "team-a", "key-b": "team-b"}},
+    "retry": {"budget_ratio": 0.2},
+}
+
+
+async def test_a_live_router_exports_exactly_the_declared_families_and_labels() -> None:
+    calls: list[dict[str, object]] = [
+        {"model": "mock", "prompt": "hi", "max_tokens": 3, "stream": True, "headers": {"authorization": "Bearer key-a", "x-priority": "interactive"}},
+        {"model": "mock", "prompt": "hi", "max_tokens": 2, "headers": {"authorization": "Bearer key-b"}},
+    ]
+    found = check_exposition(await _scrape(CONFIG, calls), "router")
+    always = {f.name for f in N.exported_by("router", conditional=False)}
+    assert always <= set(found), f"declared but not exported: {sorted(always - set(found))}"
+    # this config turns on admission and the retry budget; nothing has finished a slot yet
+    # when the scrape is not taken... so service_rate may or may not be there: the rest must
+    conditional = {f.name for f in N.exported_by("router") if f.when and f.name != N.QUEUE_SERVICE_RATE.name}
+    assert conditional <= set(found), sorted(conditional - set(found))
+
+    def counts(family: N.Family) -> dict[tuple[str, ...], float]:
+        return {tuple(s.labels[k] for k in family.labels): s.value for s in found[family.name] if s.name.endswith("_count")}
+
+    ttft = counts(N.REQUEST_TTFT)
+    # team-b has a key but no [tenants] entry: still configured (keys are config), so named
+    assert ttft == {("/v1/completions", "mock", "team-a", "interactive"): 1.0, ("/v1/completions", "mock", "team-b", "default"): 1.0}
+    assert counts(N.REQUEST_QUEUE).keys() == ttft.keys() == counts(N.E2E_LATENCY).keys() == counts(N.REQUEST_INFERENCE).keys()
+    # two more token events after the first in the stream of three tokens
+    assert counts(N.REQUEST_ITL)[("/v1/completions", "mock", "team-a", "interactive")] >= 2.0
+
+
+async def test_made_up_models_and_tenants_are_labelled_other() -> None:
+    """A client cannot grow the series count: a model no route or backend
+    serves and a tenant nobody configured come out as ``other``."""
+    from router.metrics import LabelBounds
+
+    bounds = LabelBounds(["team-a"], lambda: ["mock"])
+    assert [bounds.tenant(t) for t in ("team-a", "default", "anonymous", "x" * 40)] == ["team-a", "default", "anonymous", "other"]
+    assert [bounds.model(m) for m in ("mock", "gpt-9")] == ["mock", "other"]
+    calls: list[dict[str, object]] = [{"model": f"gpt-{i}", "prompt": "hi", "headers": {"authorization": "Bearer key-a"}} for i in range(3)]
+    found = check_exposition(await _scrape(CONFIG, calls), "router")
+    values = {v for samples in found.values() for s in samples for v in s.labels.values()}
+    assert not {v for v in values if v.startswith("gpt-")}, "a made-up model became a label value"
+    assert {s.labels["model"] for s in found[N.DESIRED_REPLICAS.name]} == {"mock"}
