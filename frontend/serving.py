@@ -451,9 +451,14 @@ async def serve(
 
 async def reload_on_sighup(*options: ServeOptions) -> None:
     """On each SIGHUP, re-read every listener's TLS certificate (a rotated
-    certificate takes effect without a restart or a dropped connection)."""
+    certificate takes effect without a restart or a dropped connection).
+    Installed with or without TLS: SIGHUP's default action would end the
+    process, and a reload signal sent by habit (logrotate, a config
+    manager) must never take a server down."""
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
+            if not any(o.tls is not None for o in options):
+                log.info("SIGHUP: no TLS listener, nothing to reload")
             for o in options:
                 o.reload_certificates()
 

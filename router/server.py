@@ -11,7 +11,8 @@ to the supervisor is passed on to each worker. SIGTERM or SIGINT
 starts a graceful drain: the listeners close at once, streams in flight run
 on for up to ``--drain-timeout`` seconds, then everything is cancelled and
 the backend clients are closed. With TLS, SIGHUP re-reads the certificate
-files: new connections get the new certificate, open ones keep theirs. A bad
+files: new connections get the new certificate, open ones keep theirs;
+without TLS it is logged and ignored (never the default action, exit). A bad
 config exits with status 2 and one clear line.
 
 ``--workers N`` (``[server] workers``; default one per core) runs N router
@@ -251,8 +252,7 @@ async def _serve_until_signal(
             router.metrics.set_worker(worker)
         options = options_for(config, reuse_port=worker is not None)
         admin = admin_options_for(config, reuse_port=worker is not None)
-        if options.certfile is not None or admin.certfile is not None:
-            nursery.start_soon(reload_on_sighup, options, admin)
+        nursery.start_soon(reload_on_sighup, options, admin)  # also without TLS: SIGHUP must not kill
         async with trio.open_nursery() as inner:
             url = await inner.start(partial(run_router, router, options, shutdown=shutdown, admin=admin))
             print(f"headrace listening on {url}", flush=True)
@@ -274,8 +274,7 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
             config = with_overrides(config, admin_port=held.getsockname()[1])
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wait_for_signal, shutdown)
-                if s.certfile is not None:
-                    nursery.start_soon(_forward_sighup_to_workers)
+                nursery.start_soon(_forward_sighup_to_workers)
                 start_backends = partial(start_replicas, engine_args=engine_args)
                 url = await nursery.start(
                     partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)

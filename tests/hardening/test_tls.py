@@ -168,3 +168,23 @@ async def test_sighup_to_the_worker_supervisor_reaches_every_worker(nursery: tri
             if not fresh:
                 await trio.sleep(0.05)
     assert router.process.returncode is None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sighup_without_tls_leaves_the_router_serving(nursery: trio.Nursery, tmp_path: Path, workers: int) -> None:
+    """SIGHUP's default action ends a process; without TLS there is nothing
+    to reload, and the router (and each worker) serves on."""
+    urls, _ = await start_mocks(nursery, n=1)
+    router = await start_router(nursery, tmp_path, urls, workers=workers)
+    assert router.url.startswith("http://127.0.0.1:")
+    for _ in range(2):
+        router.process.send_signal(signal.SIGHUP)
+        await trio.sleep(0.3)
+    with trio.fail_after(10):
+        for _ in range(8):  # fresh connections: over both workers too
+            stream = await trio.open_tcp_stream("127.0.0.1", router.port)
+            await stream.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            head = await stream.receive_some(64)
+            await stream.aclose()
+            assert head.startswith(b"HTTP/1.1 200 "), head
+    assert router.process.returncode is None
