@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("sim.cli", "routing policies against modelled backends, in virtual time"),
     "conformance": ("conformance.cli", "check a backend or router against the API contract"),
     "policies": ("router.cli:policies_main", "list the installed policies by kind, with their packages"),
+    "top": ("router.top", "live latency breakdown per backend, from a router's admin listener"),
 }
 
 
