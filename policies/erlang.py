@@ -13,6 +13,8 @@ utilisation ``rho = a/c < 1``::
     P(W > t) = C(c, a) · e^{-(cμ - λ) t}  the waiting time
     T = W + S,  S ~ Exp(μ)                the response time, whose tail is
     P(T > t) = (1 - C) e^{-μt} + C · P(Exp(θ) + Exp(μ) > t),   θ = cμ - λ
+    fixed service (an approximation: the M/M/c wait plus exactly 1/μ):
+    T_q = 1/μ + W_q,  W_q = ln(C / (1 - q)) / θ  (0 when C <= 1 - q)
 
 Erlang B by ``B(0) = 1, B(k) = a B(k-1) / (k + a B(k-1))`` and
 ``C = B / (1 - rho (1 - B))`` avoids the factorials (stable for any ``c``).
@@ -30,6 +32,7 @@ __all__ = [
     "response_quantile",
     "response_tail",
     "servers_needed",
+    "wait_quantile",
     "wait_tail",
 ]
 
@@ -87,13 +90,29 @@ def response_tail(t: float, servers: int, arrival: float, service: float) -> flo
     return (1 - c) * math.exp(-mu * t) + c * both
 
 
-def response_quantile(q: float, servers: int, arrival: float, service: float) -> float:
+def wait_quantile(q: float, servers: int, arrival: float, service: float) -> float:
+    """The ``q`` quantile of the waiting time: 0 when fewer than ``1 - q``
+    arrivals wait, else ``ln(C / (1 - q)) / (cμ - λ)``; inf when unstable."""
+    if not 0 < q < 1:
+        raise ValueError(f"q must be in (0, 1), not {q}")
+    spare = servers * service - arrival
+    if spare <= 0:
+        return math.inf
+    c = erlang_c(servers, arrival / service)
+    return math.log(c / (1 - q)) / spare if c > 1 - q else 0.0
+
+
+def response_quantile(q: float, servers: int, arrival: float, service: float, *, fixed: bool = False) -> float:
     """The ``q`` quantile of the response time (e.g. 0.99: the p99), by
-    bisection on :func:`response_tail`; inf when the queue is unstable."""
+    bisection on :func:`response_tail`; inf when the queue is unstable.
+    ``fixed``: the service time is taken as exactly ``1/μ`` (the M/M/c wait
+    plus a constant: T's quantile is ``1/μ`` + the wait's)."""
     if not 0 < q < 1:
         raise ValueError(f"q must be in (0, 1), not {q}")
     if servers * service <= arrival:
         return math.inf
+    if fixed:
+        return 1.0 / service + wait_quantile(q, servers, arrival, service)
     target = 1 - q
     hi = 1.0 / service
     while response_tail(hi, servers, arrival, service) > target:
@@ -111,7 +130,8 @@ def response_quantile(q: float, servers: int, arrival: float, service: float) ->
 
 
 def servers_needed(
-    target: float, arrival: float, service: float, *, q: float = 0.99, per_replica: int = 1, limit: int = 100_000
+    target: float, arrival: float, service: float, *, q: float = 0.99, per_replica: int = 1, limit: int = 100_000,
+    fixed: bool = False,
 ) -> int | None:
     """The fewest replicas of ``per_replica`` servers each whose response-time
     ``q`` quantile is at most ``target`` seconds at ``arrival`` requests per
@@ -122,10 +142,11 @@ def servers_needed(
         return 0
     if per_replica <= 0 or service <= 0:
         return None
-    if -math.log(1 - q) / service > target:  # even with no waiting at all
+    if (1.0 if fixed else -math.log(1 - q)) / service > target:  # even with no waiting at all
         return None
+
     def ok(n: int) -> bool:
-        return response_quantile(q, n * per_replica, arrival, service) <= target
+        return response_quantile(q, n * per_replica, arrival, service, fixed=fixed) <= target
 
     lo = max(1, math.floor(arrival / (service * per_replica)) + 1)  # the first stable count
     if ok(lo):

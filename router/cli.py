@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("backends.engine.server", "the built-in torch engine as a server"),
     "bench": ("bench.cli", "open-loop load generator and benchmarks"),
     "simulate": ("sim.cli", "routing policies against modelled backends, in virtual time"),
+    "plan": ("sim.plan", "replicas needed for a target p99 (M/M/c, Erlang C; --measure a live backend)"),
     "conformance": ("conformance.cli", "check a backend or router against the API contract"),
     "policies": ("router.cli:policies_main", "list the installed policies by kind, with their packages"),
     "top": ("router.top", "live latency breakdown per backend, from a router's admin listener"),
