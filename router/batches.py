@@ -71,7 +71,7 @@ BATCH_ENDPOINTS: dict[str, Kind] = {
 }
 WINDOWS = {"24h": 24 * 3600.0}
 PAGE = 256  # items per store read or write
-READ = 64 * 1024
+READ = 256 * 1024
 MAX_LIMIT = 100
 MAX_ERRORS = 20  # line errors kept on a batch that failed validation
 
@@ -385,13 +385,13 @@ class BatchRunner:
         self._counts["finished"] += 1
 
     async def _write(self, batch: Batch, file_id: str, purpose: str, reason: str | None) -> tuple[int, int]:
-        part = self.dir / f".{file_id}.{secrets.token_hex(4)}.part"
+        part = self.dir / f".{file_id}.{secrets.token_hex(4)}.writing"
         size = lines = 0
         try:
             async with await trio.open_file(part, "wb") as out:
-                async for line in self.lines(batch.id, purpose, reason):
-                    await out.write(line)
-                    size, lines = size + len(line), lines + 1
+                async for block in self.blocks(batch.id, purpose, reason):
+                    await out.write(block)
+                    size, lines = size + len(block), lines + block.count(b"\n")
                 await out.flush()
                 await trio.to_thread.run_sync(os.fsync, out.wrapped.fileno())
             await trio.Path(part).rename(self.dir / f"{file_id}.jsonl")
@@ -410,16 +410,24 @@ class BatchRunner:
                     yield line
             after = cast(int, page[-1].line)
 
+    async def blocks(self, batch_id: str, purpose: str, reason: str | None) -> AsyncIterator[bytes]:
+        """:meth:`lines` joined into blocks of about ``READ`` bytes."""
+        held: list[bytes] = []
+        size = 0
+        async for line in self.lines(batch_id, purpose, reason):
+            held.append(line)
+            size += len(line)
+            if size >= READ:
+                yield b"".join(held)
+                held, size = [], 0
+        if held:
+            yield b"".join(held)
+
     async def partial(self, record: FileRecord, emit: Emit) -> None:
         """A pending output or error file's content: the lines done so far."""
         assert record.batch_id is not None
-        chunk = b""
-        async for line in self.lines(record.batch_id, record.purpose, None):
-            chunk += line
-            if len(chunk) >= READ:
-                await emit(chunk)
-                chunk = b""
-        await emit(chunk, True)
+        async for block in self.blocks(record.batch_id, record.purpose, None):
+            await emit(block)
 
     def statistics(self) -> BatchRunnerStatistics:
         return BatchRunnerStatistics(**self._counts)

@@ -41,6 +41,7 @@ from router.idempotency import Idempotency
 __all__ = ["FilesAPI", "file_view"]
 
 READ_CHUNK = 64 * 1024
+WRITE_CHUNK = 256 * 1024
 MAX_FIELD = 1024  # bytes of a form field that is not the file (purpose)
 PURPOSES = ("batch",)
 
@@ -169,25 +170,32 @@ class FilesAPI:
         form, digest = _Upload(boundary), hashlib.sha256(request.path.encode() + b"\0")
         size = lines = 0
         last = b"\n"
+        held: list[bytes] = []  # up to WRITE_CHUNK bytes, written in one thread hop
         async with await trio.open_file(part, "wb") as out:
             while not form.ended:
                 chunk = await request.reader.read()
                 if not chunk:
                     break
-                digest.update(chunk)
                 for data in form.write(chunk):
+                    digest.update(data)
                     size += len(data)
                     if size > self.config.max_file_bytes:
                         raise PayloadTooLarge(f"the file is over {self.config.max_file_bytes} bytes", param="file")
                     lines += data.count(b"\n")
                     last = data[-1:] or last
-                    await out.write(data)
+                    held.append(data)
+                if sum(map(len, held)) >= WRITE_CHUNK:
+                    await out.write(b"".join(held))
+                    held = []
             if not form.ended:
                 raise BadRequest("the multipart body ended before its closing boundary")
+            await out.write(b"".join(held))
             await out.flush()
             await trio.to_thread.run_sync(os.fsync, out.wrapped.fileno())
         while await request.reader.read():  # an epilogue after the closing boundary
             pass
+        # The digest is of what was sent, not of its framing (a client picks a new boundary each time).
+        digest.update(b"\0" + repr(sorted(form.fields.items())).encode() + b"\0" + (form.filename or "").encode())
         return size, lines + (last != b"\n"), digest.hexdigest(), form
 
     async def _file(self, request: HTTPRequest) -> FileRecord:

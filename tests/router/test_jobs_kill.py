@@ -4,6 +4,7 @@ works off jobs; every acknowledged job completes, and the SQLite file passes
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -92,3 +93,70 @@ url = "{mock}"
     raw.close()
     assert statuses == {"completed": KILLS * 6}
     assert any(rerun), "no job was cut short by a kill"  # one may have finished between the look and the kill
+
+
+BATCH_KILLS = 20
+BATCH_LINES = 300
+
+
+@pytest.mark.slow
+async def test_a_router_sigkilled_20_times_mid_batch_finishes_it_with_every_item_exactly_once(mock: str, tmp_path: Path) -> None:
+    """A batch of 300 items; the router is killed with SIGKILL 20 times while
+    it validates and runs them (each restart resumes: items cut short are
+    requeued when their lease lapses). Then: the batch completes, each
+    custom_id is in the output file exactly once, every item row is
+    completed once, and the file passes ``PRAGMA integrity_check``."""
+    config = tmp_path / "router.toml"
+    config.write_text(f"""
+[health]
+interval = 30
+[jobs]
+data_dir = "{tmp_path / 'data'}"
+per_tenant = 4
+lease = 0.5
+poll_interval = 0.05
+[[backends]]
+name = "m"
+url = "{mock}"
+""")
+    rows = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 6}} for i in range(BATCH_LINES)]  # fmt: skip
+    content = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    proc, url = await start_router(config)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        up = await client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", content)})
+        assert up.status_code == 200, up.text
+        body = {"input_file_id": up.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        created = await client.post("/v1/batches", json=body)
+        assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+    progress = []
+    for kill in range(BATCH_KILLS):
+        await trio.sleep(0.15 + 0.05 * (kill % 5))  # mid-validation first, then mid-items
+        proc.kill()  # SIGKILL: no shutdown code runs
+        await proc.wait()
+        proc, url = await start_router(config)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            progress.append((await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"])
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            with trio.fail_after(60):
+                while (batch := (await client.get(f"/v1/batches/{batch_id}")).json())["status"] != "completed":
+                    assert batch["status"] in ("validating", "in_progress", "finalizing"), batch
+                    await trio.sleep(0.05)
+            out = (await client.get(f"/v1/files/{batch['output_file_id']}/content")).content.splitlines()
+            errors = (await client.get(f"/v1/files/{batch['error_file_id']}/content")).content
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert progress[-1] < BATCH_LINES, progress  # the kills landed while items were running
+    assert batch["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES, "failed": 0}
+    ids = [json.loads(x)["custom_id"] for x in out]
+    assert ids == [f"c-{i}" for i in range(BATCH_LINES)] and errors == b""  # each once, in input order
+    with sqlite3.connect(tmp_path / "data" / "headrace.db") as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        statuses = dict(raw.execute("SELECT status, count(*) FROM jobs WHERE batch_id = ? GROUP BY status", (batch_id,)).fetchall())
+        rerun = raw.execute("SELECT count(*) FROM jobs WHERE batch_id = ? AND attempts >= 2", (batch_id,)).fetchone()[0]
+    raw.close()
+    assert statuses == {"completed": BATCH_LINES}
+    assert rerun > 0, "no item was cut short by a kill"
