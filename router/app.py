@@ -61,6 +61,7 @@ from frontend.server import (
 )
 from policies.base import KVEventSink, KVEventView, RoutingPolicy
 from policies.breaker import BreakerPolicy, RetryBudget
+from policies.placement import Placement
 from policies.ratelimit import Limits
 from policies.registry import create, create_policy
 from policies.shared_limits import SharedRateLimitPolicy
@@ -251,6 +252,7 @@ class Router:
             backoff_cap=retry.backoff_cap,
             migration=migration,
             journal=self.journal,
+            placement=placement_of(config),
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})
@@ -564,3 +566,12 @@ def migration_settings(m: MigrationConfig) -> MigrationSettings:
     if fields["stall_timeout"] == "auto":
         fields["stall_timeout"] = None
     return MigrationSettings(**fields)
+
+
+def placement_of(config: RouterConfig) -> Placement | None:
+    """Cost-aware placement over the backends tagged ``preemptible`` or ``pool = "batch"``; None when none is."""
+    names = config.backend_names()
+    tagged = [names[i] for i, spec in enumerate(config.backends) if spec.preemptible or spec.pool == "batch"]
+    if not tagged:
+        return None
+    return Placement(tagged, interactive_avoids=config.routing.interactive_avoids_preemptible)

@@ -173,6 +173,9 @@ class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True
     # when it gives none), at most max_cooldown seconds.
     cooldown: Positive = 1.0
     max_cooldown: Positive = 60.0
+    # Interactive and default traffic leaves backends tagged preemptible or
+    # pool = "batch" alone while an untagged one is a candidate.
+    interactive_avoids_preemptible: bool = False
 
 
 class HealthConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -330,6 +333,10 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # ({http = "1.1", api_key_env = "KEY", stall_timeout = 30, ...}), a
     # mock's backends.mock.MockConfig ({tpot_s = 0.05}).
     options: dict[str, Any] = {}
+    # Cost-aware placement (policies/placement.py): cheap, interruptible capacity
+    # (spot instances, a batch pool) that batch work prefers.
+    preemptible: bool = False
+    pool: str | None = None  # "batch": the batch pool, like preemptible
 
 
 class ModelVersion(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -86,6 +86,7 @@ from policies.breaker import (
     RetryBudgetStatistics,
     full_jitter,
 )
+from policies.placement import Placement
 from router.actors import ActorStatistics, BackendActor, closing_stream
 from router.config import ConfigError
 from router.health import HealthEvent, HealthState
@@ -320,6 +321,7 @@ class Dispatcher:
         draw: Callable[[], float] = random.random,
         migration: MigrationSettings | None = None,
         journal: Journal | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """``breakers`` (default: none) filter the candidates and hear every
         attempt's outcome; ``retry_budget`` (default: unlimited) bounds the
@@ -353,6 +355,7 @@ class Dispatcher:
         self.clock = clock
         self.name = name
         self.journal = journal  # the requests' records (router/logs.py): attempts, timings, spans
+        self.placement = placement
         self._counts = dict.fromkeys(
             ("streams", "retries", "unavailable", "failed", "fallbacks", "rate_limited", "retries_refused"), 0
         )
@@ -781,6 +784,8 @@ class Dispatcher:
 
     def _pick(self, target: Target, route: RouteRequest, tried: set[str], outcome: _Outcome) -> BackendActor | None:
         candidates = self._candidates(target, tried, outcome)
+        if self.placement is not None:  # batch work to the tagged (cheap) backends (policies/placement.py)
+            candidates = list(self.placement.filter(candidates, route.priority))
         if not candidates:
             return None
         name = target.policy.pick([a.view() for a in candidates], route, self.clock())
