@@ -144,6 +144,7 @@ class BackendActor:
         self.probe_timeout = probe_timeout
         self.draining = False
         self.in_flight = 0
+        self._idle: trio.Event | None = None  # set when in_flight drops to 0, while wait_idle waits
         self.info: BackendInfo | None = None
         self._wake = trio.Event()
         # Probe and failure counts are not kept here: statistics() derives
@@ -278,6 +279,13 @@ class BackendActor:
     def undrain(self) -> None:
         self.draining = False
 
+    async def wait_idle(self) -> None:
+        """Until no stream of this backend is in flight (a drained backend's removal waits here)."""
+        while self.in_flight:
+            self._idle = trio.Event()
+            await self._idle.wait()
+        self._idle = None
+
     # ------------------------------------------------------------ requests
 
     @property
@@ -375,6 +383,8 @@ class BackendActor:
         finally:
             self.in_flight -= 1
             self.pending_prefill_tokens -= pending
+            if self.in_flight == 0 and self._idle is not None:
+                self._idle.set()
 
     def stalled(self) -> None:
         """The dispatcher's watchdog gave up on a stream of this backend (it

@@ -87,6 +87,7 @@ class Supervisor:
         self.backoff = backoff
         self.backoff_max = backoff_max
         self._records = {s.name: _Record() for s in self.services}
+        self._nursery: trio.Nursery | None = None  # while running: where add() starts more
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every service concurrently; report started once each has
@@ -101,11 +102,31 @@ class Supervisor:
                 all_started.set()
 
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for service in self.services:
                 nursery.start_soon(self._supervise, service, one_started)
             if self.services:
                 await all_started.wait()
             task_status.started()
+
+    async def add(self, service: Service) -> None:
+        """Supervise one more service while running (a backend an operator
+        added); returns once it has started (or crashed trying). It stops
+        like any other, when its ``run`` returns."""
+        if self._nursery is None:
+            raise RuntimeError("the supervisor is not running")
+        if service.name in self._records and any(s.name == service.name for s in self.services):
+            raise ValueError(f"a service named {service.name!r} is already supervised")
+        self.services.append(service)
+        self._records[service.name] = _Record()
+        started = trio.Event()
+        self._nursery.start_soon(self._supervise, service, started.set)
+        await started.wait()
+
+    def forget(self, service: Service) -> None:
+        """Drop a service that stopped for good (a removed backend) from the list and the statistics."""
+        self.services = [s for s in self.services if s is not service]
+        self._records.pop(service.name, None)
 
     async def _supervise(self, service: Service, started: Callable[[], None]) -> None:
         record = self._records[service.name]
