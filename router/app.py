@@ -42,14 +42,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import msgspec
 import trio
 
 from backends.base import Backend
-from backends.errors import BadRequest, NotFound, Unauthorized
+from backends.errors import NotFound, Unauthorized
 from frontend.context import Principal
 from frontend.server import (
     Authenticate,
@@ -66,6 +66,7 @@ from policies.ratelimit import Limits
 from policies.registry import create, create_policy
 from policies.shared_limits import SharedRateLimitPolicy
 from router.actors import BackendActor, Supervisor
+from router.admin import AdminAPI
 from router.admission import LocalLimiter, Queue, RateLimits, Tenants
 from router.breakdown import Breakdown
 from router.config import ConfigError, MigrationConfig, ModelRoute, RouterConfig, TracingConfig
@@ -134,23 +135,6 @@ def known_keys(config: RouterConfig) -> list[KnownKey]:
     return keys
 
 
-class AdminAction(msgspec.Struct, forbid_unknown_fields=True):
-    backend: str
-    action: str
-
-
-class AdminWeight(msgspec.Struct, forbid_unknown_fields=True):
-    model: str
-    weight: float
-
-
-class AdminWeights(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /admin/models``: new weights for some versions of a split."""
-
-    model: str
-    versions: list[AdminWeight]
-
-
 def kv_sink_for(backend: str, policies: Sequence[tuple[RoutingPolicy, tuple[str, ...] | None]]) -> KVEventSink | None:
     """What ``backend``'s KV events feed: every policy instance whose group
     holds it and that indexes KV events (one, or a :class:`KVFanOut`)."""
@@ -210,21 +194,7 @@ class Router:
         routes = RouteTable(config.models, default, self._route_policy, migration)
         a = config.admission
         limits = {name: spec.max_concurrency for name, spec in zip(config.backend_names(), config.backends, strict=True)}
-        self.actors = [
-            BackendActor(
-                b.name,
-                b.backend,
-                weight=b.weight,
-                probe_interval=h.interval,
-                probe_timeout=h.timeout,
-                unhealthy_threshold=h.unhealthy_threshold,
-                kv_sink=kv_sink_for(b.name, routes.policies()),
-                max_concurrency=limits.get(b.name) or a.backend_concurrency,
-                learn_concurrency=a.learn_concurrency,
-                concurrency_backoff=a.concurrency_backoff,
-            )
-            for b in backends
-        ]
+        self.actors = [self.new_actor(b, limits.get(b.name), routes) for b in backends]
         self._models = {name: route for route in config.models for name in (route.name, *route.aliases)}
         self.metrics = RouterMetrics()
         self.tracer = tracer if tracer is not None else tracer_for(config.tracing)  # tests pass their own
@@ -307,14 +277,8 @@ class Router:
             job_routes = self.data.routes
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
-        admin_routes: dict[tuple[str, str], Handler] = {
-            ("GET", "/admin/backends"): self._list_backends,
-            ("POST", "/admin/backends"): self._admin,
-            ("GET", "/admin/models"): self._list_models,
-            ("POST", "/admin/models"): self._admin_models,
-            ("GET", "/admin/routing"): self._list_routing,
-            ("GET", "/admin/breakdown"): self._breakdown,
-        }
+        self.admin_handlers = AdminAPI(self)  # router/admin.py
+        admin_routes: dict[tuple[str, str], Handler] = self.admin_handlers.routes()
         sha = config.auth.admin_sha256
         self.admin_key = bytes.fromhex(sha) if sha is not None else None
         self.api = OpenAIServer(
@@ -347,6 +311,7 @@ class Router:
         by_key: Authenticate | None = self._authenticate_admin if self.admin_key is not None else None
         self.admin_api = admin_app(by_key)
         self._admin_inline = self.admin_api if by_key is not None or not config.auth.enabled else admin_app(self._authenticate)
+        self._nursery: trio.Nursery | None = None  # Router.run's, for spawn()
         self.admin_url: str | None = None  # set by router.server.run_router once the admin listener is bound
 
     # ------------------------------------------------------------ lifecycle
@@ -362,6 +327,7 @@ class Router:
                     nursery.cancel_scope.cancel()  # every actor stopped for good: so does the rest
 
                 await nursery.start(supervise)
+                self._nursery = nursery
                 nursery.start_soon(self._learn_keys)
                 task_status.started()
         finally:
@@ -410,6 +376,43 @@ class Router:
         """The admin listener's app: the probes, /metrics and /admin/*; no API."""
         app = self.ops if scope.get("path") in OPS_PATHS else self.admin_api
         await app(scope, receive, send)
+
+    def new_actor(self, b: NamedBackend, max_concurrency: int | None = None, routes: RouteTable | None = None) -> BackendActor:
+        """The actor that owns backend ``b`` (at startup, or added at runtime)."""
+        h, a = self.config.health, self.config.admission
+        policies = (routes if routes is not None else self.dispatcher.routes).policies()
+        return BackendActor(
+            b.name,
+            b.backend,
+            weight=b.weight,
+            probe_interval=h.interval,
+            probe_timeout=h.timeout,
+            unhealthy_threshold=h.unhealthy_threshold,
+            kv_sink=kv_sink_for(b.name, policies),
+            max_concurrency=max_concurrency or a.backend_concurrency,
+            learn_concurrency=a.learn_concurrency,
+            concurrency_backoff=a.concurrency_backoff,
+        )
+
+    async def add_actor(self, actor: BackendActor) -> None:
+        """A backend joins at runtime: routed to once its first probe is in."""
+        self.actors.append(actor)
+        self.dispatcher.add(actor)
+        await self.supervisor.add(actor)
+
+    async def remove_actor(self, actor: BackendActor) -> None:
+        """A backend leaves (the admin API drains it first): out of routing, its actor and client closed."""
+        self.dispatcher.remove(actor.name)
+        self.actors.remove(actor)
+        with trio.CancelScope(shield=True):
+            await actor.aclose()
+        self.supervisor.forget(actor)
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` beside the actors until the router stops."""
+        if self._nursery is None:
+            raise RuntimeError("the router is not running")
+        self._nursery.start_soon(fn, *args)
 
     def actor(self, name: str) -> BackendActor:
         for actor in self.actors:
@@ -489,64 +492,6 @@ class Router:
 
     async def _metrics(self, request: HTTPRequest) -> Response:
         return Response(200, self.metrics.render(), content_type=CONTENT_TYPE)
-
-    async def _list_backends(self, request: HTTPRequest) -> Response:
-        """Each backend's statistics, with its breaker's (``breaker``: null without breakers)."""
-        breakers = {b.name: msgspec.to_builtins(b) for b in self.dispatcher.statistics().breakers}
-        data = [{**msgspec.to_builtins(s), "breaker": breakers.get(s.name)} for s in self.dispatcher.backend_statistics()]
-        return json_response({"object": "list", "data": data})
-
-    async def _admin(self, request: HTTPRequest) -> Response:
-        """``{"backend": name, "action": "drain" | "undrain"}``."""
-        try:
-            action = msgspec.json.decode(request.body, type=AdminAction)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"expected {{\"backend\": name, \"action\": \"drain\"|\"undrain\"}}: {exc}") from None
-        actor = self.actor(action.backend)
-        if action.action == "drain":
-            actor.drain()
-        elif action.action == "undrain":
-            actor.undrain()
-        else:
-            raise BadRequest(f"unknown action {action.action!r}; use drain or undrain", param="action")
-        return json_response(msgspec.to_builtins(actor.statistics()))
-
-    async def _breakdown(self, request: HTTPRequest) -> Response:
-        """The latency breakdown per backend (router/breakdown.py): what ``headrace top`` shows."""
-        in_flight = {a.name: a.in_flight for a in self.actors}
-        return json_response(self.breakdown.snapshot(trio.current_time(), in_flight))
-
-    async def _list_routing(self, request: HTTPRequest) -> Response:
-        """Each routing policy instance, its backend group, and its
-        statistics when it keeps any (kv_aware: hits, predictions checked
-        against what backends reported, its index); and the prefix keys'."""
-        data = []
-        for policy, group in self.dispatcher.routes.policies():
-            stats = getattr(policy, "statistics", None)
-            data.append({
-                "policy": getattr(policy, "name", type(policy).__name__),
-                "backends": list(group) if group is not None else None,
-                "statistics": msgspec.to_builtins(stats()) if stats is not None else None,
-            })
-        return json_response({"object": "list", "data": data, "keys": msgspec.to_builtins(self.keys.statistics())})
-
-    async def _list_models(self, request: HTTPRequest) -> Response:
-        """Every split's versions: weight and counters."""
-        data = [msgspec.to_builtins(v) for v in self.dispatcher.routes.statistics()]
-        return json_response({"object": "list", "data": data})
-
-    async def _admin_models(self, request: HTTPRequest) -> Response:
-        """``{"model": split, "versions": [{"model": version, "weight": w}]}``:
-        new weights for the requests planned from now on; streams in flight
-        keep their version."""
-        try:
-            change = msgspec.json.decode(request.body, type=AdminWeights)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"expected {{\"model\": name, \"versions\": [{{\"model\": name, \"weight\": w}}]}}: {exc}") from None
-        weights = {v.model: v.weight for v in change.versions}
-        data = self.dispatcher.routes.set_weights(change.model, weights)
-        return json_response({"object": "list", "data": [msgspec.to_builtins(v) for v in data]})
-
 
 def tracer_for(t: TracingConfig) -> Tracer | None:
     """The span exporter ``[tracing]`` asks for; None (the default) when no

@@ -394,6 +394,19 @@ class Dispatcher:
         self.sync()
         return any(a.eligible(None) for a in self.actors.values())
 
+    # ------------------------------------------------------------ backends at runtime (router/admin.py)
+
+    def add(self, actor: BackendActor) -> None:
+        self.actors[actor.name] = actor
+        if self.breakers is not None and hasattr(self.breakers, "add"):
+            self.breakers.add([actor.name])
+
+    def remove(self, name: str) -> None:
+        """Out of routing; out of its breaker's fleet rule."""
+        self.actors.pop(name, None)
+        if self._set_serving is not None:
+            self._set_serving(name, False, self.clock())
+
     # ------------------------------------------------------------ one state per backend
 
     def sync(self) -> None:
@@ -577,7 +590,7 @@ class Dispatcher:
                 raise error
             if migrations >= settings.max_migrations:
                 raise self._migration_failed(reason, f"the stream broke {migrations + 1} times (limit {settings.max_migrations} migrations)", "migration_limit")
-            excluded = {b.backend} | {n for n, at in failed.items() if self.actors[n].ok_at <= at}
+            excluded = {b.backend} | {n for n, at in failed.items() if n not in self.actors or self.actors[n].ok_at <= at}
             candidates = self._candidates(target, excluded, _Outcome())
             by_ids = [a for a in candidates if a.info is not None and a.info.token_ids]
             by_text = text_request(b.sub, progress) if settings.text_continuation else None
@@ -820,7 +833,9 @@ class Dispatcher:
         if self.breakers is None:
             return
         now = self.clock()
-        actor = self.actors[backend]
+        actor = self.actors.get(backend)
+        if actor is None:
+            return  # removed at runtime meanwhile
         if verdict is not None and actor.state.probed_up:
             self.breakers.record(backend, verdict, now)
         elif self._release is not None:
