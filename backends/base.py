@@ -129,6 +129,9 @@ class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # The engine's batch accounting: this request's share of the steps it was
+    # computed in (backends/engine/accounting.py); 0 where the backend does not say.
+    gpu_seconds: float = 0.0
 
     @property
     def total_tokens(self) -> int:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
@@ -140,10 +141,12 @@ def _usage(obj: object) -> Usage | None:
         return None
     details = obj.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    gpu = obj.get("gpu_seconds")  # headrace's engine: this request's share of its steps
     return Usage(
         prompt_tokens=int(obj.get("prompt_tokens") or 0),
         completion_tokens=int(obj.get("completion_tokens") or 0),
         cached_tokens=int(cached or 0),
+        gpu_seconds=float(gpu) if isinstance(gpu, int | float) and gpu >= 0 else 0.0,
     )
 
 
@@ -500,6 +503,7 @@ async def _resend_if_refused(send: Callable[[], Awaitable[T]]) -> T:
 
 _Transport = _H1 | _H2
 _POST_HEADERS = [("content-type", "application/json"), ("accept", "text/event-stream")]
+_HEADER_SAFE = re.compile(r"[!-~]{1,128}")  # a tenant name sent as a header value: visible ASCII, bounded
 _ERRORS = (*_TRANSPORT_ERRORS, H2Error)
 
 
@@ -542,6 +546,7 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     health_timeout: _Seconds = 5.0
     verify: bool | str = True  # False, or a CA bundle path
     max_connections: Annotated[int, msgspec.Meta(gt=0)] = 100
+    send_tenant: bool = False  # x-headrace-tenant on each request (on for kind = "engine": its GPU accounting)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`OpenAIHTTPBackend`."""
@@ -583,6 +588,7 @@ class OpenAIHTTPBackend:
         verify: ssl.SSLContext | str | bool = True,
         max_connections: int = 100,
         name: str | None = None,
+        send_tenant: bool = False,
     ) -> None:
         url = httpx.URL(base_url.rstrip("/").removesuffix("/v1"))
         if url.scheme not in ("http", "https") or not url.host:
@@ -599,6 +605,7 @@ class OpenAIHTTPBackend:
         )
         self.health_timeout = health_timeout
         self.http = http
+        self.send_tenant = send_tenant  # the request's tenant in x-headrace-tenant (headrace's engine accounts by it)
         headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         tls = url.scheme == "https"
         self._headers, self._verify, self._connect_timeout = headers, verify, connect_timeout
@@ -764,7 +771,8 @@ class OpenAIHTTPBackend:
         tighter than the backend's own (:class:`BackendStalled` after it)."""
         path, payload = self._payload(request)
         stall = self.stall_timeout if stall_timeout is None else min(self.stall_timeout, stall_timeout)
-        return self._tally.track(self._stream(path, payload, request.request_id, stall, request.traceparent))
+        tenant = request.tenant if self.send_tenant and _HEADER_SAFE.fullmatch(request.tenant) else None
+        return self._tally.track(self._stream(path, payload, request.request_id, stall, request.traceparent, tenant))
 
     # ------------------------------------------------------------ internals
 
@@ -801,7 +809,7 @@ class OpenAIHTTPBackend:
 
     async def _stream(
         self, path: str, payload: dict[str, Any], request_id: str = "", stall: float | None = None,
-        traceparent: str | None = None,
+        traceparent: str | None = None, tenant: str | None = None,
     ) -> AsyncGenerator[Event, None]:
         """POST and relay the SSE stream as events. Every failure leaves as
         one of our errors; the tokens so far tell a broken stream (after the
@@ -818,6 +826,8 @@ class OpenAIHTTPBackend:
                     headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
                     if traceparent:  # the router's span for this attempt (W3C trace context)
                         headers = [*headers, ("traceparent", traceparent)]
+                    if tenant:
+                        headers = [*headers, ("x-headrace-tenant", tenant)]
                     reply = await stack.enter_async_context(transport.open(path, body, headers))
                 if opening.cancelled_caught:
                     raise BackendTimeout(f"no response within {self.first_token_timeout}s")

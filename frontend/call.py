@@ -353,6 +353,7 @@ def _total_usage(choices: list[_Choice]) -> Usage:
     prompt = max((c.usage.prompt_tokens for c in choices), default=0)
     cached = max((c.usage.cached_tokens for c in choices), default=0)
     completion = sum(c.usage.completion_tokens for c in choices)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    gpu = sum(c.usage.gpu_seconds for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached, gpu_seconds=gpu)
 
 

@@ -248,3 +248,17 @@ GPU_MEMORY_USED = declare("headrace_gpu_memory_used_bytes", "gauge", "Device mem
 GPU_MEMORY_TOTAL = declare("headrace_gpu_memory_total_bytes", "gauge", "Device memory in all", _D, exporters=ENGINE, when=_GPU)
 GPU_POWER = declare("headrace_gpu_power_watts", "gauge", "Power drawn by the device", _D, exporters=ENGINE, when=_GPU)
 GPU_TEMPERATURE = declare("headrace_gpu_temperature_celsius", "gauge", "Device (GPU die) temperature", _D, exporters=ENGINE, when=_GPU)
+
+# ------------------------------------------------------------ cost accounting (backends/engine/accounting.py, router/usage.py)
+
+# The engine's tenant is the router's (x-headrace-tenant); it keeps at most 256 apart (then: other).
+_TM = ("tenant", "model")
+ENGINE_GPU_SECONDS = declare(_E + "gpu_seconds", "counter", "Engine step time attributed to a tenant: each step's wall time split across its sequences by their share of the tokens computed in it", _TM, exporters=ENGINE)
+ENGINE_BUSY_SECONDS = declare(_E + "busy_seconds", "counter", "Wall time of the engine's steps (what the tenants' GPU-seconds add up to)", exporters=ENGINE)
+ENGINE_TENANT_COMPUTED = declare(_E + "tenant_computed_tokens", "counter", "Tokens computed for a tenant: prefill not served from the prefix cache, and decode", _TM, exporters=ENGINE)
+ENGINE_TENANT_GENERATED = declare(_E + "tenant_generated_tokens", "counter", "Tokens generated for a tenant", _TM, exporters=ENGINE)
+USAGE_REQUESTS = declare("headrace_usage_requests", "counter", "Generation calls that finished with usage, by tenant and model", _TM)
+USAGE_PROMPT = declare("headrace_usage_prompt_tokens", "counter", "Prompt tokens of finished calls, by tenant and model", _TM)
+USAGE_GENERATED = declare("headrace_usage_generated_tokens", "counter", "Generated tokens of finished calls, by tenant and model", _TM)
+USAGE_GPU = declare("headrace_usage_gpu_seconds", "counter", "GPU-seconds the backends reported for finished calls (headrace's engine does), by tenant and model", _TM)
+USAGE_FLUSH_ERRORS = declare("headrace_usage_flush_errors", "counter", "Usage batches the job store could not take (kept and sent with the next)")

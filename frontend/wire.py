@@ -344,12 +344,15 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def usage_payload(usage: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.gpu_seconds:  # an extension: the engine's GPU time for this request (its batch accounting)
+        out["gpu_seconds"] = usage.gpu_seconds
+    return out
 
 
 def logprobs_payload(kind: Kind, entries: list[Logprob], offset: int = 0) -> dict[str, Any]:

@@ -91,6 +91,7 @@ from router.routes import RouteTable
 from router.services import Service
 from router.store import JobStore
 from router.tracing import Tracer
+from router.usage import UsageLedger, open_usage_store
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,8 @@ class Router:
         bounds = LabelBounds([*config.tenants, *(k.tenant for k in self.api_keys)], served)
         stages.insert(0, self.metrics.capacity(bounds, replica_estimator(config.capacity), fleet_of(self.actors, self.group_of)))
         stages.append(self.metrics.call_timer(bounds))
+        self.usage = UsageLedger(self.metrics)  # tokens and GPU-seconds per tenant and model (router/usage.py)
+        stages.append(self.usage)
         self.pipeline = Pipeline(stages, journal=self.journal)
         self.metrics.add_collector(
             StatisticsCollector(
@@ -275,10 +278,14 @@ class Router:
             self.job_store, self.jobs = self.data.store, self.data.jobs
             services += [self.data.jobs, self.data.batches]
             job_routes = self.data.routes
+        self.usage.attach(open_usage_store(self.job_store))
+        if self.usage.store is not None:
+            services.append(self.usage)
         self.supervisor = Supervisor(services, backoff=h.restart_backoff, backoff_max=h.restart_backoff_max)
         limit = config.server.max_body_bytes
         self.admin_handlers = AdminAPI(self)  # router/admin.py
         admin_routes: dict[tuple[str, str], Handler] = self.admin_handlers.routes()
+        admin_routes["GET", "/admin/usage"] = self.usage.admin
         sha = config.auth.admin_sha256
         self.admin_key = bytes.fromhex(sha) if sha is not None else None
         self.api = OpenAIServer(

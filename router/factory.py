@@ -46,7 +46,8 @@ def build_backend(spec: BackendSpec, name: str) -> Backend:
         return mock
     from backends.openai_http import HTTPOptions, OpenAIHTTPBackend
 
-    options: dict[str, object] = {"token_ids": True} if spec.kind == "engine" else {}
+    # headrace's engine: token ids, and the tenant for its GPU-time accounting
+    options: dict[str, object] = {"token_ids": True, "send_tenant": True} if spec.kind == "engine" else {}
     if spec.model is not None:
         options["model"] = spec.model
     options.update(spec.options)

@@ -160,6 +160,20 @@ MIGRATIONS: Sequence[str] = (
     CREATE INDEX batches_tenant ON batches (tenant, seq);
     CREATE INDEX batches_status ON batches (status);
     """,
+    # 2: cost accounting (router/usage.py): per tenant, model and minute, added to by every router.
+    """
+    CREATE TABLE usage (
+        tenant text NOT NULL,
+        model text NOT NULL,
+        start double precision NOT NULL,
+        requests bigint NOT NULL DEFAULT 0,
+        prompt_tokens bigint NOT NULL DEFAULT 0,
+        generated_tokens bigint NOT NULL DEFAULT 0,
+        gpu_seconds double precision NOT NULL DEFAULT 0,
+        PRIMARY KEY (tenant, start, model)
+    );
+    CREATE INDEX usage_start ON usage (start);
+    """,
 )
 
 _WRITABLE = frozenset(_COLUMNS) - {"id", "tenant", "kind", "body"}

@@ -201,6 +201,7 @@ class _Request:
     outputs: trio.MemorySendChannel[StepOutput | HeadraceError]
     resumed: int = 0  # the last tokens of ``prompt`` that are earlier output
     seq: Sequence | None = None
+    tenant: str = "default"  # whose GPU time its steps are (the engine's accounting)
 
 
 @dataclass
@@ -324,7 +325,7 @@ class EngineBackend:
         params = self._params(request, len(prompt), k)
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}"
         send, recv = trio.open_memory_channel[StepOutput | HeadraceError](params.max_tokens + 2)
-        self._submit(rid, _Request(prompt, params, request.priority, send, resumed=k))
+        self._submit(rid, _Request(prompt, params, request.priority, send, resumed=k, tenant=request.tenant))
         try:
             async for event in self._events(rid, original, text, k, recv):
                 yield event
@@ -389,7 +390,7 @@ class EngineBackend:
 
     def _add(self, rid: str, req: _Request) -> Sequence:
         return self.engine.add_request(
-            rid, req.prompt, req.params, req.priority, resumed_tokens=req.resumed
+            rid, req.prompt, req.params, req.priority, resumed_tokens=req.resumed, tenant=req.tenant
         )
 
     async def _events(

@@ -31,6 +31,7 @@ Not thread-safe: one caller drives ``add_request`` / ``abort`` / ``step``.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
@@ -38,6 +39,7 @@ import msgspec
 import torch
 
 from backends.base import FinishReason, Logprob, Usage
+from backends.engine.accounting import StepMeter
 from backends.engine.block_manager import BlockManager
 from backends.engine.config import EngineConfig
 from backends.engine.sampling import sample
@@ -136,6 +138,8 @@ class LLMEngine:
         self._added = 0
         self._finished = 0
         self._generated = 0
+        # GPU-seconds per tenant: each step's time split by tokens computed (accounting.py)
+        self.meter = StepMeter()
 
     # -- requests -------------------------------------------------------------
 
@@ -147,6 +151,7 @@ class LLMEngine:
         priority: int = 0,
         *,
         resumed_tokens: int = 0,
+        tenant: str = "default",
     ) -> Sequence:
         """Queue a request; it joins the batch at the next step. Raises
         :class:`BadRequest` / :class:`ContextLengthExceeded` for bad input.
@@ -177,6 +182,7 @@ class LLMEngine:
             request_id, prompt, params, priority=priority, num_resumed=resumed_tokens
         )
         self.scheduler.add(seq)
+        self.meter.admit(request_id, tenant)
         self._added += 1
         return seq
 
@@ -206,7 +212,7 @@ class LLMEngine:
         seq = self._discard(request_id)
         if seq is None:
             return False
-        self._pending.append(self._output(seq, [], None))
+        self._pending.append(self._settle(self._output(seq, [], None)))
         return True
 
     def _discard(self, request_id: str) -> Sequence | None:
@@ -228,6 +234,7 @@ class LLMEngine:
         whatever it had half done to them (KV written, counters advanced,
         drafts appended), and the abort outputs due are kept for the next step."""
         outputs, self._pending = self._pending, []
+        started = time.perf_counter()  # the step's wall time, scheduling included (a plan with work only)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
@@ -235,9 +242,25 @@ class LLMEngine:
         try:
             self._run(plan, outputs)
         except Exception as exc:
+            self._charge(plan, started)
             self._pending = outputs[:due] + self._pending
             raise StepFailed(self._fail(plan), exc) from exc
+        self._charge(plan, started)
+        for out in outputs[due:]:
+            if out.finished:
+                self._settle(out)
         return outputs
+
+    def _charge(self, plan: SchedulerOutput, started: float) -> None:
+        """The step's wall time to its sequences, by the tokens each computed (a failed step's too)."""
+        self.meter.charge(time.perf_counter() - started, [(s.seq.seq_id, s.num_new_tokens) for s in plan.scheduled])
+
+    def _settle(self, out: StepOutput) -> StepOutput:
+        """A finished output carries its sequence's GPU-seconds in its usage."""
+        seconds = self.meter.release(out.request_id)
+        if out.usage is not None:
+            out.usage.gpu_seconds = seconds
+        return out
 
     def _fail(self, plan: SchedulerOutput) -> list[str]:
         """Drop every sequence ``plan`` scheduled (those that finished during the
@@ -245,6 +268,7 @@ class LLMEngine:
         ids = [s.seq.seq_id for s in plan.scheduled]
         for seq_id in ids:
             self._discard(seq_id)
+            self.meter.release(seq_id)
         return ids
 
     def _run(self, plan: SchedulerOutput, outputs: list[StepOutput]) -> None:
@@ -259,6 +283,7 @@ class LLMEngine:
 
     def _after_token(self, seq: Sequence, token: int, lp: Logprob | None) -> StepOutput:
         self._generated += 1
+        self.meter.generated(seq.seq_id)
         event = self._stop_event(seq, token)
         if event is not None:
             self.scheduler.finish(seq, event)

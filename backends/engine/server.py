@@ -50,7 +50,7 @@ from backends.engine.tp_worker import launch_tp
 from backends.errors import BadRequest, HeadraceError
 from frontend import metric_names as N
 from frontend.call import Call
-from frontend.context import RequestContext, trace_logger
+from frontend.context import Principal, RequestContext, trace_logger
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
@@ -94,6 +94,7 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
         },
         coalesce=True,
         gate=routes.timer,
+        authenticate=_tenant_of,  # not a credential: the router's name for whose GPU time this is
         finished=trace_logger(logging.getLogger("headrace.engine.requests")),  # a line per request, with its trace
     )
 
@@ -176,6 +177,13 @@ class _Routes:
         )
 
 
+def _tenant_of(headers: dict[str, str]) -> Principal:
+    """The tenant the router names in ``x-headrace-tenant`` (the engine's
+    accounting is by it); without one, or a malformed one, ``default``."""
+    tenant = headers.get("x-headrace-tenant", "")
+    return Principal(tenant=tenant if 0 < len(tenant) <= 128 and tenant.isprintable() and tenant.isascii() else "default")
+
+
 class _EngineCollector:
     """Reads the engine's statistics on each scrape; names from :mod:`frontend.metric_names`."""
 
@@ -202,6 +210,7 @@ class _EngineCollector:
         buckets.append(("+Inf", total))
         f = N.ENGINE_BATCH_SIZE
         yield HistogramMetricFamily(f.name, f.help, buckets=buckets, sum_value=e.mean_batch_size * e.num_steps)
+        yield from _accounting(self.backend)
         spec = getattr(e, "speculative", None)  # SpecEngineStatistics when speculating
         if spec is not None:
             yield N.ENGINE_SPEC_DRAFT.collected(spec.num_draft_tokens)
@@ -210,6 +219,18 @@ class _EngineCollector:
             yield N.ENGINE_SPEC_ACCEPTANCE.collected(spec.acceptance_rate)
             yield N.ENGINE_SPEC_PER_VERIFY.collected(spec.mean_emitted_per_verify)
             yield N.ENGINE_SPEC_CUTOFFS.collected(spec.num_batch_cutoffs)
+
+
+def _accounting(backend: EngineBackend) -> Any:
+    """GPU-seconds, tokens computed and generated per tenant (backends/engine/accounting.py)."""
+    m = backend.engine.meter.statistics()
+    yield N.ENGINE_BUSY_SECONDS.collected(m.busy_seconds)
+    families = [N.ENGINE_GPU_SECONDS.collected(), N.ENGINE_TENANT_COMPUTED.collected(), N.ENGINE_TENANT_GENERATED.collected()]
+    for tenant, usage in sorted(m.tenants.items()):
+        labels = [tenant, backend.model_name]
+        for family, value in zip(families, (usage.gpu_seconds, usage.computed_tokens, usage.generated_tokens), strict=True):
+            family.add_metric(labels, value)  # type: ignore[attr-defined]
+    yield from families
 
 
 def _call_timer(backend: EngineBackend, registry: CollectorRegistry) -> CallTimer:

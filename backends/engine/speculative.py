@@ -535,6 +535,7 @@ class SpeculativeEngine(LLMEngine):
         self, seq: Sequence, toks: list[int], lps: list[Logprob | None]
     ) -> StepOutput:
         self._generated += len(toks)
+        self.meter.generated(seq.seq_id, len(toks))
         event = self._stop_event(seq, toks[-1])
         if event is not None:
             self.scheduler.finish(seq, event)

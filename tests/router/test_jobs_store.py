@@ -1,5 +1,6 @@
 """The job store, on a real SQLite file and on a real PostgreSQL server
-(each behaviour test runs on both, through the ``open_store`` fixture; the
+(each behaviour test runs on both, through the ``open_store`` fixture of
+tests/router/conftest.py; the
 PostgreSQL run skips, saying why, where no server can start): the status
 transition table (property-tested), migrations, durability settings,
 claiming by priority and per-tenant cap, crash requeue, idempotency expiry
@@ -8,7 +9,7 @@ and lease takeover."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,28 +51,7 @@ class WallClock:
         return self.now
 
 
-OpenStore = Callable[..., Any]  # (**options) -> a JobStore, closed after the test
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenStore]:
-    """Opens the store under test (``clock``, ``idempotency_ttl``, ``lease``
-    as the constructors take them); each call opens the same database again."""
-    opened: list[Any] = []
-    if request.param == "sqlite":
-        def open_(**options: Any) -> Any:
-            opened.append(SQLiteStore(tmp_path / "jobs.db", **options))
-            return opened[-1]
-    else:
-        url = request.getfixturevalue("pg_url")
-        from router.store_pg import PostgresStore
-
-        def open_(**options: Any) -> Any:
-            opened.append(PostgresStore(url, **options))
-            return opened[-1]
-    yield open_
-    for store in opened:
-        store.close()
+OpenStore = Callable[..., Any]  # the open_store fixture (tests/router/conftest.py): (**options) -> a JobStore
 
 
 def job(tenant: str = "t", priority: str = "batch") -> Job:
