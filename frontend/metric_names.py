@@ -206,8 +206,8 @@ QUEUE_SERVICE_RATE = declare("headrace_queue_service_rate", "gauge", "Measured c
 # ------------------------------------------------------------ router: autoscaling signal (sim/plan.py's M/M/c model)
 
 _M = ("model",)
-DESIRED_REPLICAS = declare("headrace_desired_replicas", "gauge", "Replicas an M/M/c model says the model needs for its target p99 at the live arrival rate (router/capacity.py)", _M)
-ARRIVAL_RATE = declare("headrace_model_arrival_rate", "gauge", "Smoothed arrival rate of a model's requests, per second", _M)
+DESIRED_REPLICAS = declare("headrace_desired_replicas", "gauge", "Replicas an M/M/c model says the model needs for its target p99 at the fleet's live arrival rate ([capacity] traffic_share scales this process's); policies/capacity.py", _M)
+ARRIVAL_RATE = declare("headrace_model_arrival_rate", "gauge", "Smoothed arrival rate of a model's requests at this router, per second (arrivals refused too)", _M)
 REPLICA_SERVICE_RATE = declare("headrace_model_replica_service_rate", "gauge", "Measured completions per second one replica of the model gives at its concurrency", _M)
 MODEL_REPLICAS = declare("headrace_model_replicas", "gauge", "Backends serving the model that take requests now", _M)
 

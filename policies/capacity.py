@@ -15,6 +15,11 @@ router passes ``now`` and what it saw; the router exports the answer as
                  nothing measured yet: the replicas it has (no opinion)
                  then clamped to [min_replicas, max_replicas]
 
+Several router processes (pods, ``--workers``) each see a share of a
+model's traffic: with ``share`` set to that fraction (1 / processes under
+even spreading) each sizes the whole fleet from its own sample, λ / share,
+so their answers agree and can be averaged.
+
 A replica with ``slots`` concurrent streams is modelled as ``slots``
 servers, each serving at the measured per-stream rate; that holds while a
 replica's per-stream speed does not depend much on how many streams it runs
@@ -63,7 +68,7 @@ class ArrivalRate:
 
 class Estimate(msgspec.Struct, frozen=True, kw_only=True):
     desired: int
-    arrival_rate: float  # requests per second (smoothed)
+    arrival_rate: float  # requests per second this process saw (smoothed); the fleet's is this / share
     service_rate: float | None  # completions per second one replica gives (slots x per-stream rate), None: unmeasured
     p99: float | None  # the modelled p99 response time at ``desired`` replicas, seconds (None: unmeasured or unreachable)
     reachable: bool  # False: no replica count meets the target (the service time alone is past it)
@@ -83,7 +88,11 @@ class ReplicaEstimator:
         max_replicas: int = 1000,
         max_utilisation: float = 0.9,
         alpha: float = 0.05,
+        share: float = 1.0,
     ) -> None:
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], not {share}")
+        self.share = share  # the fraction of each model's traffic this process sees
         self.target, self.targets = target, dict(targets or {})
         self.window, self.quantile, self.alpha = window, quantile, alpha
         self.min_replicas, self.max_replicas, self.max_utilisation = min_replicas, max_replicas, max_utilisation
@@ -116,12 +125,13 @@ class ReplicaEstimator:
         if mu is None:
             return Estimate(desired=self._clamp(replicas), arrival_rate=lam, service_rate=None, p99=None, reachable=True)
         target = self.targets.get(model, self.target)
-        n = servers_needed(target, lam, mu, q=self.quantile, per_replica=slots, limit=self.max_replicas)
+        fleet = lam / self.share  # every router process sizes the whole fleet from its sample
+        n = servers_needed(target, fleet, mu, q=self.quantile, per_replica=slots, limit=self.max_replicas)
         reachable = n is not None or -math.log(1 - self.quantile) / mu <= target
         if n is None:  # unreachable, or past max_replicas: keep utilisation bounded
-            n = math.ceil(lam / (mu * slots * self.max_utilisation)) if lam > 0 else 0
+            n = math.ceil(fleet / (mu * slots * self.max_utilisation)) if fleet > 0 else 0
         desired = self._clamp(n)
-        p99 = response_quantile(self.quantile, desired * slots, lam, mu) if lam > 0 and reachable else None
+        p99 = response_quantile(self.quantile, desired * slots, fleet, mu) if fleet > 0 and reachable else None
         return Estimate(desired=desired, arrival_rate=lam, service_rate=mu * slots, p99=p99, reachable=reachable)
 
     def _clamp(self, n: int) -> int:

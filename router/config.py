@@ -292,6 +292,9 @@ class CapacityConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     min_replicas: Annotated[int, Meta(ge=0)] = 1
     max_replicas: PositiveInt = 1000
     max_utilisation: Annotated[float, Meta(gt=0, le=1)] = 0.9  # when no count meets the target
+    # The fraction of each model's traffic one router process sees: 1 / (router pods x workers)
+    # under even spreading, so each process sizes the whole fleet (average them, deploy/k8s/hpa.yaml).
+    traffic_share: Annotated[float, Meta(gt=0, le=1)] = 1.0
 
 
 class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -64,7 +64,8 @@ MIRROR_INTERVAL = 1.0  # seconds between two mirrors of a worker's live state (m
 # How a mirrored gauge aggregates across workers; any other gauge: "liveall" (one series per worker).
 GAUGE_MODES = {
     f.name: "livesum"
-    for f in (N.BACKEND_IN_FLIGHT, N.PIPELINE_IN_FLIGHT, N.QUEUE_DEPTH, N.QUEUE_BUSY, N.QUEUE_GROUP_BUSY, N.QUEUE_GROUP_DEPTH, N.RETRY_ACTIVE)
+    for f in (N.BACKEND_IN_FLIGHT, N.PIPELINE_IN_FLIGHT, N.QUEUE_DEPTH, N.QUEUE_BUSY, N.QUEUE_GROUP_BUSY, N.QUEUE_GROUP_DEPTH, N.RETRY_ACTIVE,
+              N.ARRIVAL_RATE)
 }
 # headrace_backend_breaker_state's values, worst last.
 BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -302,7 +303,8 @@ class CapacityCollector(Collector):
 def replica_estimator(c: CapacityConfig) -> ReplicaEstimator:
     """``[capacity]``'s estimator (targets in seconds)."""
     return ReplicaEstimator(c.p99_ms / 1000, targets={m: ms / 1000 for m, ms in c.models.items()}, window=c.window,
-                            min_replicas=c.min_replicas, max_replicas=c.max_replicas, max_utilisation=c.max_utilisation)  # fmt: skip
+                            min_replicas=c.min_replicas, max_replicas=c.max_replicas, max_utilisation=c.max_utilisation,
+                            share=c.traffic_share)  # fmt: skip
 
 
 def fleet_of(actors: Sequence[BackendActor], group_of: Callable[[str], tuple[str, ...]]) -> Callable[[str], tuple[int, int]]:

@@ -88,6 +88,8 @@ def test_the_router_deployment_probes_the_main_listener_on_its_probe_paths() -> 
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     assert pod["terminationGracePeriodSeconds"] > config.server.drain_timeout
+    # each router process sizes the whole fleet from its share of the traffic
+    assert config.capacity.traffic_share == pytest.approx(1 / (deployment["spec"]["replicas"] * (config.server.workers or 0)))
     assert deployment["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
 
 
@@ -137,6 +139,7 @@ def test_the_hpa_scales_the_engines_on_the_desired_replicas_metric() -> None:
     (rule,) = adapter["externalRules"]
     assert rule["name"]["as"] == N.DESIRED_REPLICAS.name
     assert metric_names_in(rule["seriesQuery"]) == metric_names_in(rule["metricsQuery"]) == {N.DESIRED_REPLICAS.name}
+    assert rule["metricsQuery"].startswith("avg by (model)")  # every process's answer is for the whole fleet
 
 
 def test_prometheus_scrapes_the_routers_admin_port_and_the_engines_port() -> None:

@@ -75,3 +75,20 @@ def test_the_answer_is_clamped_to_max_replicas() -> None:
         est.arrive("chat", i / 100)
         est.served("chat", 2.0)
     assert est.estimate("chat", 30.0, replicas=2, slots=8).desired == 4
+
+
+def test_a_process_with_a_share_of_the_traffic_sizes_the_whole_fleet() -> None:
+    """Two router processes each seeing half of 20 req/s give the answer one
+    process seeing all of it gives."""
+    whole, half = ReplicaEstimator(target=10.0), ReplicaEstimator(target=10.0, share=0.5)
+    for i in range(6000):
+        whole.arrive("chat", i / 20)
+        whole.served("chat", 2.0)
+        if i % 2 == 0:
+            half.arrive("chat", i / 20)
+            half.served("chat", 2.0)
+    a, b = whole.estimate("chat", 300.0, replicas=2, slots=8), half.estimate("chat", 300.0, replicas=2, slots=8)
+    assert b.arrival_rate == pytest.approx(a.arrival_rate / 2, rel=0.01)  # what this process saw
+    assert b.desired == a.desired and b.p99 == pytest.approx(a.p99, rel=0.02)
+    with pytest.raises(ValueError):
+        ReplicaEstimator(target=1.0, share=0.0)
