@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
@@ -90,7 +91,7 @@ from policies.placement import Placement
 from router.actors import ActorStatistics, BackendActor, closing_stream
 from router.config import ConfigError
 from router.health import HealthEvent, HealthState
-from router.logs import Attempt, Journal, RequestRecord
+from router.logs import Attempt, Journal, RequestRecord, failure_code
 from router.migration import (
     MigrationStatistics,
     Progress,
@@ -498,6 +499,7 @@ class Dispatcher:
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
                     attempt = rec.attempt(name, self.clock()) if rec is not None else None
+                    failure: BaseException | None = None  # what ended the attempt, for its span
                     try:
                         upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
                         async with closing_stream(upstream) as events:
@@ -528,6 +530,7 @@ class Dispatcher:
                         finished = verdict = True
                         return
                     except ContextLengthExceeded as exc:
+                        failure = exc
                         if progress.events or step + 1 == len(plan.targets):
                             raise  # the client's error: no larger model to move on to
                         log.info("model %s: %s; trying the next model", target.name, exc.message)
@@ -535,6 +538,7 @@ class Dispatcher:
                         self._counts["retries"] += 1
                         break
                     except UpstreamError as exc:
+                        failure = exc
                         verdict = None if isinstance(exc, UpstreamRateLimited) else False
                         if progress.events:
                             if isinstance(exc, StallTimeout):
@@ -548,7 +552,8 @@ class Dispatcher:
                         if feedback.complete is not None:
                             feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
                         if attempt is not None and rec is not None:
-                            rec.attempt_done(attempt, self.clock(), last_at if progress.events else None, None if finished else "failed")
+                            error = None if finished else failure_code(failure or sys.exc_info()[1])
+                            rec.attempt_done(attempt, self.clock(), last_at if progress.events else None, error)
                 finally:
                     if retry and self.retry_budget is not None:
                         self.retry_budget.release()
@@ -725,7 +730,7 @@ class Dispatcher:
             if feedback.complete is not None:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
             if attempt is not None and rec is not None:
-                rec.attempt_done(attempt, self.clock(), last_at, None if finished else "failed")
+                rec.attempt_done(attempt, self.clock(), last_at, None if finished else failure_code(sys.exc_info()[1]))
 
     def _open(
         self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings,

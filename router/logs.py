@@ -172,6 +172,16 @@ class Journal:
         return len(self._open)
 
 
+def failure_code(exc: BaseException | None) -> str:
+    """How an attempt ended without finishing, for its span's status: an
+    error's code, ``cancelled`` (the client left, or a deadline)."""
+    if isinstance(exc, HeadraceError):
+        return exc.code or exc.type
+    if exc is None or isinstance(exc, (trio.Cancelled, GeneratorExit)):
+        return "cancelled"
+    return type(exc).__name__
+
+
 def phases_of(r: RequestRecord) -> dict[str, float]:
     """The request's phases that it reached (module docstring), in seconds."""
     c, out = r.context, {}
@@ -205,6 +215,12 @@ class RequestLog:
         self.breakdown, self.observe_phase, self.tracer, self.lines = breakdown, observe_phase, tracer, lines
 
     def finish(self, context: RequestContext, route: str, status: int) -> None:
+        try:
+            self._finish(context, route, status)
+        except Exception:  # observability never fails a request
+            logging.getLogger(__name__).exception("recording request %s failed", context.request_id)
+
+    def _finish(self, context: RequestContext, route: str, status: int) -> None:
         now = trio.current_time()
         record: RequestRecord | None = context.record
         if record is not None and record.error_code is None and status == 499:

@@ -169,6 +169,7 @@ async def test_each_attempt_gets_its_own_span_and_the_mock_logs_the_trace(nurser
     attempts = [s for s in await finished_spans(exported) if s.name == "backend.attempt"]
     assert [s.attributes["headrace.backend"] for s in attempts if s.attributes] == ["bad", "good"]
     assert attempts[0].status.is_ok is False and attempts[1].status.is_ok
+    assert attempts[0].status.description == "backend_unavailable"  # the 503's code
     assert attempts[0].context.span_id != attempts[1].context.span_id
     lines = [rec for rec in caplog.records if rec.name == "headrace.mock.requests"]
     traced = [rec.fields for rec in lines if rec.fields["trace_id"] == TRACE]  # type: ignore[attr-defined]
