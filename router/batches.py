@@ -298,7 +298,11 @@ class BatchRunner:
 
     async def _advance(self, batch: Batch) -> None:
         if batch.status is BatchStatus.VALIDATING:
-            await self._validate(batch)
+            try:
+                await self._validate(batch)
+            except FileNotFoundError:  # its input was removed from the data directory
+                gone = [{"code": "input_file_missing", "message": "the input file is gone from the data directory", "line": None}]
+                await self._finish(batch, BatchEvent.FAIL, None, errors=msgspec.json.encode(gone))
         elif batch.status is BatchStatus.IN_PROGRESS:
             if self.store.clock() >= batch.expires_at:
                 await self.stop_items(batch)

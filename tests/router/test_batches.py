@@ -219,3 +219,15 @@ async def test_partial_output_lists_the_lines_done_so_far(nursery: trio.Nursery,
         assert any(0 < n < 30 for n in seen), seen  # read while part of it was done
         assert len(await content(client, b["output_file_id"])) == 30
         assert router.data is not None and router.data.batches.statistics().validated == 1
+
+
+async def test_a_batch_whose_input_file_is_gone_from_disk_fails_saying_so(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, client, _ = await jobs_router(nursery, tmp_path / "jobs.db")
+    async with client:
+        file_id = (await upload(client, jsonl([line("a")]))).json()["id"]
+        (tmp_path / "files" / f"{file_id}.jsonl").unlink()
+        assert (await client.get(f"/v1/files/{file_id}/content")).status_code == 404
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        batch = (await client.post("/v1/batches", json=body)).json()
+        failed = await wait_batch(client, batch["id"], "failed")
+        assert failed["errors"]["data"][0]["code"] == "input_file_missing"
