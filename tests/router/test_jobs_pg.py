@@ -1,11 +1,13 @@
-"""Two router processes (``headrace serve``) on one PostgreSQL database, as
-replicas on two hosts would be: jobs submitted to either are run by one or
-the other, each started exactly once in total (the jobs' ``attempts`` in
-the database and the mock backend's own count of requests), a tenant's
-``per_tenant = 1`` holds across both (its jobs' spans, on the database's
-clock, never overlap), and a job submitted to one is read and cancelled
-through the other. Real processes, a real server (skipped, saying why,
-where none can start)."""
+"""Jobs and batches on PostgreSQL through the real router: the HTTP API over
+the PostgreSQL stores (a batch with good and bad lines, its output and
+error files, idempotency, cancel, tenant isolation); and two router
+processes (``headrace serve``) on one database, as replicas on two hosts
+would be: jobs submitted to either are run by one or the other, each started
+exactly once in total (the jobs' ``attempts`` in the database and the mock
+backend's own count of requests), a tenant's ``per_tenant = 1`` holds
+across both (its jobs' spans, on the database's clock, never overlap), and
+a job submitted to one is read and cancelled through the other. A real
+server (skipped, saying why, where none can start)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,52 @@ import httpx
 import pytest
 import trio
 
-from router.app import key_digest
+from backends.openai_http import OpenAIHTTPBackend
+from router.app import NamedBackend, Router, key_digest
+from router.config import decode_config
+from tests.backends.conftest import serve_mock
+from tests.router.test_batches import content, jsonl, line, start_batch, upload, wait_batch
 from tests.router.test_faults import start_mock
+from tests.router.test_integration import serve_router
+from tests.router.test_jobs import FAST, chat, submit
+from tests.router.test_jobs import wait_for as wait_job
 
 ALICE = {"authorization": "Bearer key-alice"}
 BOB = {"authorization": "Bearer key-bob"}
+
+
+async def test_jobs_and_batches_run_on_postgresql_through_the_router(nursery: trio.Nursery, pg_url: str, tmp_path: Path) -> None:
+    served = await serve_mock(nursery, FAST)
+    config = decode_config({
+        "backends": [{"kind": "mock", "name": "m"}],
+        "health": {"interval": 30},
+        "auth": {"api_keys": [{"sha256": key_digest("key-alice"), "tenant": "alice"},
+                              {"sha256": key_digest("key-bob"), "tenant": "bob"}]},
+        "jobs": {"store": "postgres", "url": pg_url, "data_dir": str(tmp_path / "data"), "poll_interval": 0.05,
+                 "per_tenant": 4, "lease": 1.0},
+    })  # fmt: skip
+    router = Router(config, [NamedBackend("m", OpenAIHTTPBackend(served.url, name="m"))])
+    url = await serve_router(nursery, router)
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=ALICE) as client:
+        key = {"idempotency-key": "k-1"}
+        job_id = await submit(client, chat(), headers=key)
+        again = await client.post("/v1/jobs", json=chat(), headers=key)
+        assert again.json()["id"] == job_id and again.headers["idempotent-replayed"] == "true"
+        assert (await client.post("/v1/jobs", json=chat("other"), headers=key)).status_code == 422
+        done = await wait_job(client, job_id, "completed")
+        assert done["result"]["object"] == "chat.completion" and done["attempts"] == 1
+        assert (await client.get(f"/v1/jobs/{job_id}", headers=BOB)).status_code == 404
+        rows = [line("ok-0"), b"{not json", line("bad-body", messages="hi"), *(line(f"ok-{i}") for i in range(1, 6))]
+        batch = await start_batch(client, jsonl(rows))
+        finished = await wait_batch(client, batch["id"], "completed")
+        assert finished["request_counts"] == {"total": 8, "completed": 6, "failed": 2}, finished
+        assert [o["custom_id"] for o in await content(client, finished["output_file_id"])] == [f"ok-{i}" for i in range(6)]
+        assert [e["error"]["line"] for e in await content(client, finished["error_file_id"])] == [2, 3]
+        assert (await client.get(f"/v1/batches/{batch['id']}", headers=BOB)).status_code == 404
+        listed = (await client.get("/v1/batches")).json()
+        assert [b["id"] for b in listed["data"]] == [batch["id"]]
+        assert [j["id"] for j in (await client.get("/v1/jobs")).json()["data"]] == [job_id]  # batch items are not listed
+        assert (await upload(client, b"")).status_code == 400
 
 
 async def start_router(config: Path) -> tuple[trio.Process, str]:
