@@ -49,6 +49,7 @@ from frontend.serving import (
 from frontend.tls import server_context
 from policies.base import RoutingPolicy
 from policies.registry import PolicyError, create_policy
+from router.admin_fanout import PEERS_ENV, FanOut, publish_peer
 from router.app import OPS_PATHS, Router
 from router.config import (
     BackendSpec,
@@ -217,6 +218,7 @@ async def run_router(
     *,
     shutdown: trio.Event,
     admin: ServeOptions | None = None,
+    admin_app: FanOut | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the actors and serve HTTP until ``shutdown`` is set and the drain
@@ -229,7 +231,8 @@ async def run_router(
         nursery.start_soon(router.metrics.run_mirror)  # returns at once unless several workers share metrics
         async with trio.open_nursery() as http:
             if admin is not None:
-                router.admin_url = await http.start(partial(serve, router.admin, admin, shutdown=shutdown))
+                app = admin_app if admin_app is not None else router.admin
+                router.admin_url = await http.start(partial(serve, app, admin, shutdown=shutdown))
             url = await http.start(partial(serve, router.public if admin is not None else router, options, shutdown=shutdown))
             task_status.started(url)
         nursery.cancel_scope.cancel()
@@ -253,8 +256,14 @@ async def _serve_until_signal(
         options = options_for(config, reuse_port=worker is not None)
         admin = admin_options_for(config, reuse_port=worker is not None)
         nursery.start_soon(reload_on_sighup, options, admin)  # also without TLS: SIGHUP must not kill
+        peers = os.environ.get(PEERS_ENV)
+        fanout = FanOut(router.admin, Path(peers), worker) if worker is not None and peers else None
         async with trio.open_nursery() as inner:
-            url = await inner.start(partial(run_router, router, options, shutdown=shutdown, admin=admin))
+            url = await inner.start(partial(run_router, router, options, shutdown=shutdown, admin=admin, admin_app=fanout))
+            if fanout is not None:  # this worker's own admin port, for the others to pass changes on to
+                private = ServeOptions("127.0.0.1", 0, graceful_timeout=admin.graceful_timeout,
+                                       keep_alive_timeout=admin.keep_alive_timeout, limits=admin.limits)  # fmt: skip
+                publish_peer(fanout.peers, fanout.index, await inner.start(partial(serve, router.admin, private, shutdown=shutdown)))
             print(f"headrace listening on {url}", flush=True)
             if worker is None:  # the supervisor prints the workers' shared one
                 print(f"headrace admin on {router.admin_url}", flush=True)
@@ -276,9 +285,13 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
                 nursery.start_soon(wait_for_signal, shutdown)
                 nursery.start_soon(_forward_sighup_to_workers)
                 start_backends = partial(start_replicas, engine_args=engine_args)
-                url = await nursery.start(
-                    partial(serve_workers, config, workers, start_backends=start_backends, shutdown=shutdown, log_level=log_level)
-                )
+
+                async def run_workers(task_status: trio.TaskStatus[str]) -> None:
+                    await serve_workers(config, workers, start_backends=start_backends, shutdown=shutdown,
+                                        log_level=log_level, task_status=task_status)  # fmt: skip
+                    nursery.cancel_scope.cancel()  # the workers are done: so are the signal receivers
+
+                url = await nursery.start(run_workers)
                 print(f"headrace listening on {url}", flush=True)
                 host = f"[{s.admin_host}]" if ":" in s.admin_host else s.admin_host
                 scheme = "https" if admin_options_for(config).certfile is not None else "http"

@@ -7,8 +7,9 @@
       │                         here, and given to every worker as [[backends]]
       ├─ the port               bound with SO_REUSEPORT, not listening: --port 0
       │                         is resolved once, and the port stays ours
-      ├─ a temporary directory  the workers' config and PROMETHEUS_MULTIPROC_DIR
-      │                         (router/metrics.py); removed at exit
+      ├─ a temporary directory  the workers' config, PROMETHEUS_MULTIPROC_DIR
+      │                         (router/metrics.py) and the workers' private admin
+      │                         URLs (router/admin_fanout.py); removed at exit
       └─ worker i = headrace serve --worker-config <dir>/worker.json --worker-index i
                                 its own Router and actors, listening with
                                 SO_REUSEPORT on the port; the kernel spreads
@@ -43,6 +44,7 @@ import trio
 from prometheus_client import multiprocess
 
 from frontend.serving import reserve_port
+from router.admin_fanout import PEERS_ENV
 from router.config import RouterConfig, with_overrides
 from router.factory import default_backends
 from router.replicas import echo_until, relay, terminate
@@ -173,7 +175,8 @@ async def serve_workers(
             try:
                 config = with_overrides(config, port=reserved.getsockname()[1], workers=1)
                 path, metrics_dir = _write_worker_files(Path(tmp), config)
-                env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONUNBUFFERED": "1"}
+                env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONUNBUFFERED": "1",
+                       PEERS_ENV: str(Path(tmp) / "admin-peers")}  # router/admin_fanout.py  # fmt: skip
                 children = [
                     Worker(
                         i,

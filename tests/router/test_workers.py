@@ -288,3 +288,50 @@ def test_every_headrace_command_quiets_httpx(log_levels: None, capsys: pytest.Ca
         cli.main(["mock", "--help"])
     capsys.readouterr()
     assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+
+
+@pytest.mark.slow
+async def test_an_admin_change_reaches_every_worker(tmp_path: Path) -> None:
+    """The workers share the admin port, so the kernel gives an admin call to
+    one of them; a drain must still stop every worker sending to the
+    backend (router/admin_fanout.py), and each worker's answer says so."""
+    config = tmp_path / "router.toml"
+    config.write_text('[server]\ndrain_timeout = 2\n[health]\ninterval = 0.2\n[[backends]]\nkind = "mock"\n[[backends]]\nkind = "mock"\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--workers", "2",
+           "--log-level", "WARNING"]  # fmt: skip
+    proc = await trio.lowlevel.open_process(cmd, cwd=REPO, stdout=subprocess.PIPE, env=env)
+    serving = Serve(proc)
+    try:
+        with trio.fail_after(60):
+            url = (await serving.read_until("headrace listening on ")).rsplit(" ", 1)[1].strip()
+            admin = (await serving.read_until("headrace admin on ")).rsplit(" ", 1)[1].strip()
+            async with httpx.AsyncClient(base_url=admin, timeout=10) as client:
+                r = await client.post("/admin/backends", json={"backend": "mock-1", "action": "drain"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-headrace-workers"] == "2/2" and r.headers["x-headrace-worker"] in ("0", "1")
+            # each worker, reached over fresh connections, has mock-1 draining
+            seen: dict[str, bool] = {}
+            while len(seen) < 2:
+                async with httpx.AsyncClient(base_url=admin, timeout=10) as client:
+                    r = await client.get("/admin/backends")
+                mock1 = next(b for b in r.json()["data"] if b["name"] == "mock-1")
+                seen[r.headers["x-headrace-worker"]] = mock1["draining"]
+            assert seen == {"0": True, "1": True}
+            before = samples(await scrape(admin), "headrace_backend_requests_total").get('{backend="mock-1"}', 0.0)
+            await one_request_per_connection(url, 20)
+            await trio.sleep(1.2)  # the mirror
+            after = samples(await scrape(admin), "headrace_backend_requests_total")
+            assert after.get('{backend="mock-1"}', 0.0) == before and after['{backend="mock-0"}'] >= 20, after
+            # a bad change is answered by the worker that got it and passed on to none
+            async with httpx.AsyncClient(base_url=admin, timeout=10) as client:
+                r = await client.post("/admin/backends", json={"backend": "mock-1", "action": "explode"})
+            assert r.status_code == 400 and "x-headrace-workers" not in r.headers
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            await serving.drain_output()
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
