@@ -164,3 +164,67 @@ url = "{mock}"
         for proc in procs:
             proc.kill()
             await proc.wait()
+
+
+PG_KILLS = 5
+PG_LINES = 100
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_router_on_postgresql_sigkilled_mid_batch_finishes_it_with_every_item_exactly_once(
+    pg_url: str, mock: str, tmp_path: Path
+) -> None:
+    """As the SQLite kill test (test_jobs_kill.py), on PostgreSQL: a batch of
+    100 items, the router SIGKILLed 5 times while it validates and runs them;
+    the batch completes, each custom_id is in the output file once, and every
+    item row is completed once in the database."""
+    import psycopg
+
+    config = tmp_path / "router.toml"
+    config.write_text(f"""
+[health]
+interval = 30
+[jobs]
+store = "postgres"
+url = "{pg_url}"
+data_dir = "{tmp_path / 'data'}"
+per_tenant = 4
+lease = 0.5
+poll_interval = 0.05
+[[backends]]
+name = "m"
+url = "{mock}"
+""")
+    rows = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 6}} for i in range(PG_LINES)]  # fmt: skip
+    proc, url = await start_router(config)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        up = await upload(client, jsonl(rows))
+        assert up.status_code == 200, up.text
+        body = {"input_file_id": up.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        created = await client.post("/v1/batches", json=body)
+        assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+    progress: list[int] = []  # items completed, after each restart
+    try:
+        for kill in range(PG_KILLS):
+            await trio.sleep(0.15 + 0.1 * kill)  # mid-validation first, then mid-items
+            proc.kill()  # SIGKILL: no shutdown code runs
+            await proc.wait()
+            proc, url = await start_router(config)
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                progress.append((await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"])
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            done = await wait_batch(client, batch_id, "completed", within=60)
+            output = await content(client, done["output_file_id"])
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert done["request_counts"] == {"total": PG_LINES, "completed": PG_LINES, "failed": 0}
+    assert progress[-1] < PG_LINES, progress  # the kills landed while it ran
+    assert sorted(o["custom_id"] for o in output) == sorted(r["custom_id"] for r in rows)  # each once
+    with psycopg.connect(pg_url) as conn:
+        statuses = dict(conn.execute("SELECT status, count(*) FROM jobs WHERE batch_id = %s GROUP BY status", (batch_id,)).fetchall())
+        lines = conn.execute("SELECT count(DISTINCT line), count(*) FROM jobs WHERE batch_id = %s", (batch_id,)).fetchone()
+    assert statuses == {"completed": PG_LINES} and lines == (PG_LINES, PG_LINES)
