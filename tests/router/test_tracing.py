@@ -288,3 +288,25 @@ def test_no_opentelemetry_import_when_tracing_is_off() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().replace("'", '"')) == []
+
+
+async def test_sampling_new_traces_by_ratio_and_callers_by_their_flag(nursery: trio.Nursery) -> None:
+    """At ratio 0 a new trace records nothing (and the backend is told it is
+    not sampled) while a caller's sampled trace is recorded; with
+    respect_parent off, the caller's flag no longer decides."""
+    upstream = Capturing()
+    url = await nursery.start(serve, upstream, ServeOptions(graceful_timeout=0.1))
+    exporter = InMemorySpanExporter()
+    tracer = Tracer(processor=SimpleSpanProcessor(exporter), sample_ratio=0.0)
+    router = Router(decode_config({}), [NamedBackend("b", OpenAIHTTPBackend(url, name="b"))], tracer=tracer)
+    base = await serve_router(nursery, router)
+    assert (await post(base)).status_code == 200
+    assert (await post(base, {"traceparent": f"00-{TRACE}-{CALLER_SPAN}-01"})).status_code == 200
+    spans = await finished_spans(exporter)
+    assert {s.context.trace_id for s in spans} == {int(TRACE, 16)}  # only the caller's sampled trace
+    flags = [parse_traceparent(tp) for tp in upstream.seen]
+    assert [f[2] for f in flags if f is not None] == [False, True]
+    tracer.respect_parent = False
+    assert (await post(base, {"traceparent": f"00-{TRACE}-{CALLER_SPAN}-01"})).status_code == 200
+    last = parse_traceparent(upstream.seen[-1])
+    assert last is not None and last[0] == TRACE and not last[2]
