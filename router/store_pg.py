@@ -194,8 +194,10 @@ class PostgresStore:
         pool_size: int = 4,
         timeout: float = 10.0,
     ) -> None:
-        """Connects and migrates: blocking, done once at startup
-        (:class:`StoreUnavailable` if the server cannot be reached)."""
+        """Connects and migrates: blocking, done once at startup. A server
+        that cannot be reached then is tried again by each call (each a 503
+        :class:`StoreUnavailable` until it answers, then migrated), so the
+        router serves its other traffic while the database is away."""
         self.url = url
         self._fixed_clock = clock
         self._offset = 0.0  # the database's clock minus ours, as last measured
@@ -207,7 +209,14 @@ class PostgresStore:
         self._idle: list[psycopg.Connection[tuple[Any, ...]]] = []
         self._idle_lock = threading.Lock()
         self._closed = False
-        self._guard(self._call, self._migrate, ())
+        self._migrated = False
+        self._migrate_lock = threading.Lock()
+        try:
+            self._ensure_schema()
+        except psycopg.OperationalError as exc:  # the server is not up (yet): the router starts anyway
+            log.warning("job store (postgres): not reachable at startup, jobs answer 503 until it is: %s", exc)
+        except psycopg.Error as exc:  # reachable but refusing (permissions, a broken schema): say so at once
+            raise StoreUnavailable(f"the job store cannot be migrated: {type(exc).__name__}: {exc}") from exc
 
     # ------------------------------------------------------------ plumbing
 
@@ -243,8 +252,19 @@ class PostgresStore:
                 return
         conn.close()
 
+    def _ensure_schema(self) -> None:
+        with self._migrate_lock:
+            if not self._migrated:
+                self._transact(self._migrate, ())
+                self._migrated = True
+
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         """``fn(cursor, *args)`` in one transaction (in a worker thread)."""
+        if not self._migrated:
+            self._ensure_schema()
+        return self._transact(fn, args)
+
+    def _transact(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         while True:
             conn, reused = self._take()
             try:

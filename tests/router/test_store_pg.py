@@ -37,7 +37,7 @@ from router.store import (  # noqa: E402
     new_job_id,
 )
 from router.store_pg import MIGRATIONS, PostgresStore  # noqa: E402
-from tests.pgserver import free_port  # noqa: E402
+from tests.pgserver import PGServer, free_port  # noqa: E402
 from tests.router.test_jobs_store import WallClock  # noqa: E402
 
 
@@ -84,16 +84,34 @@ async def test_times_come_from_the_databases_clock(pg_url: str) -> None:
     store.close()
 
 
-async def test_a_connection_the_server_closed_is_replaced_and_an_unreachable_server_is_a_503(pg_url: str) -> None:
+async def test_a_connection_the_server_closed_is_replaced(pg_url: str) -> None:
     store = PostgresStore(pg_url, pool_size=2)
     created = await store.create(job())
     with psycopg.connect(pg_url, autocommit=True) as conn:  # an administrator (or a failover) drops our sessions
         conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'headrace'")
     assert await store.get("t", created.id) == created
     store.close()
+
+
+async def test_a_database_away_at_startup_is_a_503_per_call_until_it_is_there_then_migrated(pg_server: PGServer) -> None:
+    """The router starts (and serves its other traffic) while the job store is
+    away; each store call is a 503; once the database exists, the next call
+    migrates it and works."""
+    unreachable = PostgresStore(f"postgresql://headrace@127.0.0.1:{free_port()}/nowhere", timeout=2)
     with pytest.raises(StoreUnavailable) as raised:
-        PostgresStore(f"postgresql://headrace@127.0.0.1:{free_port()}/nowhere", timeout=2)
-    assert raised.value.status == 503
+        await unreachable.get("t", "job_x")
+    assert raised.value.status == 503 and raised.value.code == "store_unavailable"
+    unreachable.close()
+    name = "later_" + new_job_id()[4:16]
+    store = PostgresStore(pg_server.url(name), timeout=2)  # no such database yet
+    with pytest.raises(StoreUnavailable):
+        await store.create(job())
+    with psycopg.connect(pg_server.url(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"'.encode())
+    created = await store.create(job())
+    assert await store.get("t", created.id) == created and store.schema_version() == len(MIGRATIONS)
+    store.close()
+    pg_server.drop_database(name)
 
 
 async def test_claims_from_four_replicas_start_each_job_once_and_never_exceed_a_tenants_cap(pg_url: str) -> None:
