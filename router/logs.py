@@ -237,6 +237,7 @@ class RequestLog:
                 self._export(record, route, status, now)
         if self.lines and request_log.isEnabledFor(logging.INFO):
             request_log.info("request", extra={"fields": line_fields(context, record, route, status, now, phases)})
+        context.record = None  # no context <-> record cycle left for the garbage collector
 
     def _export(self, record: RequestRecord, route: str, status: int, now: float) -> None:
         c = record.context
