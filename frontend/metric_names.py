@@ -184,6 +184,8 @@ RETRY_GRANTED = declare("headrace_retry_budget_granted", "counter", "Retries the
 RETRY_REFUSED = declare("headrace_retry_budget_refused", "counter", "Retries the budget refused", when=_BUDGET)
 MIGRATIONS = declare("headrace_migrations", "counter", "Streams that broke after their first token, by why and how it ended (resumed by token ids, replayed and verified, failed)", ("reason", "outcome"))
 MIGRATION_DIVERGENCES = declare("headrace_migration_replay_divergences", "counter", "Replays whose text differed from what the client had")
+BACKEND_RETRIES = declare("headrace_backend_retries", "counter", "Attempts that failed on the backend before the first token and moved on (a retry elsewhere)", _B)
+BACKEND_MIGRATIONS = declare("headrace_backend_migrations", "counter", "Streams that broke on the backend after their first token (then migrated, or failed)", _B)
 MIGRATION_INEXACT = declare("headrace_migration_inexact", "counter", "Resumes on a backend that does not promise exact resume")
 
 # ------------------------------------------------------------ router: pipeline and admission queue

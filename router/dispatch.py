@@ -159,6 +159,8 @@ class DispatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
     breakers: tuple[BreakerStatistics, ...] = ()  # per backend, when the breakers report them
     retry_budget: RetryBudgetStatistics | None = None  # None: no budget
     migration: MigrationStatistics = MigrationStatistics()
+    retries_from: dict[str, int] = {}  # per backend: attempts that failed there before the first token and moved on
+    broken_on: dict[str, int] = {}  # per backend: streams that broke there after their first token (then migrated or failed)
 
 
 class Cooldowns:
@@ -339,6 +341,8 @@ class Dispatcher:
         self.migration = migration or MigrationSettings()
         self.stall = StallWatch(self.migration)
         self._migrations: dict[str, int] = {}  # "reason:outcome" -> count
+        self._retries_from: dict[str, int] = {}  # backend -> attempts that failed there and moved on
+        self._broken_on: dict[str, int] = {}  # backend -> streams that broke there mid-answer
         self._divergences = 0
         self._inexact = 0
         self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
@@ -590,6 +594,7 @@ class Dispatcher:
         while True:
             reason = reason_of(error)
             log.warning("stream on %s broke after %d events (%s: %s)", b.backend, progress.events, reason, error.message)
+            self._broken_on[b.backend] = self._broken_on.get(b.backend, 0) + 1
             if not settings.enabled:
                 self._migrated(reason, "failed")
                 raise error
@@ -871,6 +876,7 @@ class Dispatcher:
             log.warning("backend %s failed before the first token: %s", actor.name, exc.message)
         outcome.error = exc
         self._counts["retries"] += 1
+        self._retries_from[actor.name] = self._retries_from.get(actor.name, 0) + 1
 
     def _final_error(self, outcome: _Outcome, model: str | None) -> HeadraceError:
         if outcome.error is not None:
@@ -908,6 +914,8 @@ class Dispatcher:
             breakers=self._breaker_statistics(),
             retry_budget=self.retry_budget.statistics() if self.retry_budget is not None else None,
             migration=MigrationStatistics(migrations=dict(self._migrations), divergences=self._divergences, inexact=self._inexact),
+            retries_from=dict(self._retries_from),
+            broken_on=dict(self._broken_on),
         )
 
     def _breaker_statistics(self) -> tuple[BreakerStatistics, ...]:

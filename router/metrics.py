@@ -138,6 +138,12 @@ def _migrations(d: DispatchStatistics) -> Iterable[Metric]:
 
 def _breakers(d: DispatchStatistics) -> Iterable[Metric]:
     yield N.DISPATCH_COUNTERS["retries_refused"].collected(d.retries_refused)
+    retries, broken = N.BACKEND_RETRIES.collected(), N.BACKEND_MIGRATIONS.collected()
+    for name, count in sorted(d.retries_from.items()):
+        retries.add_metric([name], count)
+    for name, count in sorted(d.broken_on.items()):
+        broken.add_metric([name], count)
+    yield from (retries, broken)
     state, ejections, refused = N.BREAKER_STATE.collected(), N.EJECTIONS.collected(), N.REFUSED_EJECTIONS.collected()
     for b in d.breakers:
         state.add_metric([b.name], BREAKER_STATES.get(b.state, 2.0))

@@ -175,7 +175,7 @@ def test_the_dashboard_has_the_sli_panels_and_reads_only_declared_metrics() -> N
             used |= metric_names_in(variable["definition"])
     for wanted in ("time to first token", "inter-token", "queue time", "Rejections", "Migrations", "GPU utilisation", "KV cache", "Desired"):
         assert any(wanted in t for t in titles), wanted
-    for family in (N.REQUEST_TTFT, N.REQUEST_ITL, N.REQUEST_QUEUE, N.PIPELINE_REJECTED, N.MIGRATIONS, N.GPU_UTILIZATION,
+    for family in (N.REQUEST_TTFT, N.REQUEST_ITL, N.REQUEST_QUEUE, N.PIPELINE_REJECTED, N.MIGRATIONS, N.BACKEND_MIGRATIONS, N.BACKEND_RETRIES, N.GPU_UTILIZATION,
                    N.ENGINE_KV_USAGE, N.DESIRED_REPLICAS, N.BREAKER_STATE, N.EJECTIONS, N.QUEUE_DEPTH):  # fmt: skip
         assert family.name in used, family.name
 

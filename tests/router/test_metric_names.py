@@ -152,3 +152,32 @@ async def test_made_up_models_and_tenants_are_labelled_other() -> None:
     values = {v for samples in found.values() for s in samples for v in s.labels.values()}
     assert not {v for v in values if v.startswith("gpt-")}, "a made-up model became a label value"
     assert {s.labels["model"] for s in found[N.DESIRED_REPLICAS.name]} == {"mock"}
+
+
+async def test_retries_and_migrations_are_counted_per_backend() -> None:
+    """One backend that answers 503 before any token, one that cuts every
+    stream after two tokens, one that works: the first is where retries come
+    from, the second where streams broke (and were migrated)."""
+    from backends.mock import Fault
+
+    backends = [
+        MockBackend(MockConfig(name="bad", faults=(Fault(kind="status", status=503),))),
+        MockBackend(MockConfig(name="cut", faults=(Fault(kind="cut", after=2),))),
+        MockBackend(MockConfig(name="good")),
+    ]
+    router = Router(decode_config({"breaker": {"enabled": False}}), [NamedBackend(b.info().name, b) for b in backends])
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
+        await nursery.start(router.run)
+        for _ in range(6):
+            r = await client.post("/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        found = check_exposition((await client.get("/metrics")).text, "router")
+        nursery.cancel_scope.cancel()
+
+    def by_backend(family: N.Family) -> dict[str, float]:
+        return {s.labels["backend"]: s.value for s in found[family.name] if s.name.endswith("_total")}
+
+    assert set(by_backend(N.BACKEND_RETRIES)) == {"bad"} and by_backend(N.BACKEND_RETRIES)["bad"] >= 2
+    assert set(by_backend(N.BACKEND_MIGRATIONS)) == {"cut"} and by_backend(N.BACKEND_MIGRATIONS)["cut"] >= 2
+    resumed = sum(s.value for s in found[N.MIGRATIONS.name] if s.name.endswith("_total") and s.labels["outcome"] != "failed")
+    assert resumed == by_backend(N.BACKEND_MIGRATIONS)["cut"]
