@@ -166,7 +166,7 @@ url = "{mock}"
             await proc.wait()
 
 
-PG_KILLS = 5
+PG_KILLS = 3
 PG_LINES = 100
 
 
@@ -176,7 +176,7 @@ async def test_a_router_on_postgresql_sigkilled_mid_batch_finishes_it_with_every
     pg_url: str, mock: str, tmp_path: Path
 ) -> None:
     """As the SQLite kill test (test_jobs_kill.py), on PostgreSQL: a batch of
-    100 items, the router SIGKILLed 5 times while it validates and runs them;
+    100 items, the router SIGKILLed 3 times while it validates and runs them;
     the batch completes, each custom_id is in the output file once, and every
     item row is completed once in the database."""
     import psycopg
