@@ -89,7 +89,9 @@ class ReplicaEstimator:
         max_utilisation: float = 0.9,
         alpha: float = 0.05,
         share: float = 1.0,
+        fixed: bool = False,
     ) -> None:
+        self.fixed = fixed  # the service time as a constant in the response time (sim/plan.py --service fixed)
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], not {share}")
         self.share = share  # the fraction of each model's traffic this process sees
@@ -126,12 +128,12 @@ class ReplicaEstimator:
             return Estimate(desired=self._clamp(replicas), arrival_rate=lam, service_rate=None, p99=None, reachable=True)
         target = self.targets.get(model, self.target)
         fleet = lam / self.share  # every router process sizes the whole fleet from its sample
-        n = servers_needed(target, fleet, mu, q=self.quantile, per_replica=slots, limit=self.max_replicas)
-        reachable = n is not None or -math.log(1 - self.quantile) / mu <= target
+        n = servers_needed(target, fleet, mu, q=self.quantile, per_replica=slots, limit=self.max_replicas, fixed=self.fixed)
+        reachable = n is not None or (1.0 if self.fixed else -math.log(1 - self.quantile)) / mu <= target
         if n is None:  # unreachable, or past max_replicas: keep utilisation bounded
             n = math.ceil(fleet / (mu * slots * self.max_utilisation)) if fleet > 0 else 0
         desired = self._clamp(n)
-        p99 = response_quantile(self.quantile, desired * slots, fleet, mu) if fleet > 0 and reachable else None
+        p99 = response_quantile(self.quantile, desired * slots, fleet, mu, fixed=self.fixed) if fleet > 0 and reachable else None
         return Estimate(desired=desired, arrival_rate=lam, service_rate=mu * slots, p99=p99, reachable=reachable)
 
     def _clamp(self, n: int) -> int:

@@ -295,6 +295,9 @@ class CapacityConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # The fraction of each model's traffic one router process sees: 1 / (router pods x workers)
     # under even spreading, so each process sizes the whole fleet (average them, deploy/k8s/hpa.yaml).
     traffic_share: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    # The service time in the response time: "exponential" (M/M/c's own) or "fixed" (the M/M/c
+    # wait plus the mean hold time: closer for fixed prompt and output lengths); headrace plan --service.
+    service: Literal["exponential", "fixed"] = "exponential"
 
 
 class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -310,7 +310,7 @@ def replica_estimator(c: CapacityConfig) -> ReplicaEstimator:
     """``[capacity]``'s estimator (targets in seconds)."""
     return ReplicaEstimator(c.p99_ms / 1000, targets={m: ms / 1000 for m, ms in c.models.items()}, window=c.window,
                             min_replicas=c.min_replicas, max_replicas=c.max_replicas, max_utilisation=c.max_utilisation,
-                            share=c.traffic_share)  # fmt: skip
+                            share=c.traffic_share, fixed=c.service == "fixed")  # fmt: skip
 
 
 def fleet_of(actors: Sequence[BackendActor], group_of: Callable[[str], tuple[str, ...]]) -> Callable[[str], tuple[int, int]]:

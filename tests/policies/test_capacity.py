@@ -92,3 +92,17 @@ def test_a_process_with_a_share_of_the_traffic_sizes_the_whole_fleet() -> None:
     assert b.desired == a.desired and b.p99 == pytest.approx(a.p99, rel=0.02)
     with pytest.raises(ValueError):
         ReplicaEstimator(target=1.0, share=0.0)
+
+
+def test_a_fixed_service_time_meets_a_target_the_exponential_model_cannot() -> None:
+    """3 s target, 2 s requests: an exponential service's own p99 is 9.2 s
+    (unreachable); as a constant it is 2 s plus the wait."""
+    exp, fixed = ReplicaEstimator(target=3.0), ReplicaEstimator(target=3.0, fixed=True)
+    for est in (exp, fixed):
+        for i in range(6000):
+            est.arrive("chat", i / 20)
+            est.served("chat", 2.0)
+    e, f = exp.estimate("chat", 300.0, replicas=2, slots=8), fixed.estimate("chat", 300.0, replicas=2, slots=8)
+    assert not e.reachable and f.reachable
+    assert f.desired == servers_needed(3.0, f.arrival_rate, 0.5, per_replica=8, fixed=True)
+    assert f.p99 is not None and 2.0 <= f.p99 <= 3.0
