@@ -99,3 +99,13 @@ async def test_measure_finds_a_live_backends_service_time_and_rate() -> None:
     assert m.service_time >= 0.09
     assert m.throughput * m.service_time <= 4 * 1.001
     assert m.per_stream == pytest.approx(1 / m.service_time)
+
+
+def test_the_plan_table_reproduces_the_published_erlang_c_example() -> None:
+    """The call-centre example of tests/policies/test_erlang.py through the
+    planner: 360 calls per half hour (0.2/s) of 240 s each, one server per
+    agent; at 55 agents the published figures are 87.3% occupancy, 23.9%
+    probability of waiting and 8.2 s mean answer time."""
+    p = plan(rps=0.2, p99=3600.0, concurrency=1, service_time=240.0, extra_rows=10)
+    row = next(r for r in p.rows if r.servers == 55)
+    assert (round(100 * row.utilisation, 1), round(100 * row.p_wait, 1), round(row.mean_wait, 1)) == (87.3, 23.9, 8.2)
