@@ -6,6 +6,7 @@ bad input (a bad line fails only itself), tenant isolation (404), pagination."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,22 @@ async def test_a_batch_whose_input_file_is_gone_from_disk_fails_saying_so(nurser
         batch = (await client.post("/v1/batches", json=body)).json()
         failed = await wait_batch(client, batch["id"], "failed")
         assert failed["errors"]["data"][0]["code"] == "input_file_missing"
+
+
+async def test_a_batch_past_its_completion_window_expires_keeping_what_completed(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The window is 24 h; here the batch's ``expires_at`` is moved into the
+    past in the SQLite file while its items wait behind a slow one."""
+    _, client, served = await jobs_router(nursery, tmp_path / "jobs.db", SLOW, per_tenant=1)
+    async with client:
+        batch = await start_batch(client, jsonl([line(f"r-{i}") for i in range(3)]))
+        running = await wait_batch(client, batch["id"], "in_progress")
+        assert running["expires_at"] - running["created_at"] == 24 * 3600
+        with sqlite3.connect(tmp_path / "jobs.db") as raw:
+            raw.execute("UPDATE batches SET expires_at = 0 WHERE id = ?", (batch["id"],))
+        raw.close()
+        expired = await wait_batch(client, batch["id"], "expired")
+        assert expired["expired_at"] and expired["request_counts"]["completed"] == 0
+        errors = await content(client, expired["error_file_id"])
+        assert [e["custom_id"] for e in errors] == ["r-0", "r-1", "r-2"] and {e["error"]["code"] for e in errors} == {"batch_expired"}
+        assert (await client.post(f"/v1/batches/{batch['id']}/cancel")).status_code == 409
+    assert served.backend.statistics().completed == 0
