@@ -29,6 +29,7 @@ from router.batch_store_pg import PostgresBatchStore  # noqa: E402
 from router.store import (  # noqa: E402
     IdemBusy,
     IdemReserved,
+    InvalidTransition,
     Job,
     JobEvent,
     JobStatus,
@@ -145,6 +146,36 @@ async def test_claims_from_four_replicas_start_each_job_once_and_never_exceed_a_
     assert all(d is None or (d.status is JobStatus.COMPLETED and d.attempts == 1) for d in done)
     for store in stores:
         store.close()
+
+
+async def test_a_cancel_racing_the_runners_finish_from_another_replica_leaves_whichever_came_first(pg_url: str) -> None:
+    """20 times: the runner (one store) completes a job while a DELETE taken
+    by another replica (another store) cancels it; exactly one wins, the
+    other sees the winner's status, and the row says the winner's."""
+    runner, other = PostgresStore(pg_url, pool_size=2), PostgresStore(pg_url, pool_size=2)
+    for _ in range(20):
+        created = await runner.create(job())
+        await runner.claim(slots=1, per_tenant=1, owner="r")
+        outcome: dict[str, object] = {}
+
+        async def attempt(what: str, call: Any, out: dict[str, object] = outcome) -> None:
+            try:
+                out[what] = await call
+            except InvalidTransition as exc:
+                out[what] = exc.status
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attempt, "complete", runner.apply(created.id, JobEvent.COMPLETE, owner="r", result=b"{}"))
+            nursery.start_soon(attempt, "cancel", other.cancel("t", created.id))
+        final = await other.get("t", created.id)
+        assert final is not None
+        if final.status is JobStatus.COMPLETED:
+            assert outcome["cancel"] is JobStatus.COMPLETED and isinstance(outcome["complete"], Job)
+        else:
+            assert final.status is JobStatus.CANCELLED and outcome["complete"] is JobStatus.CANCELLED
+            assert outcome["cancel"] == (JobStatus.RUNNING, final)
+    runner.close()
+    other.close()
 
 
 async def test_racing_reservations_of_a_new_idempotency_key_reserve_it_once(pg_url: str) -> None:
