@@ -174,6 +174,10 @@ MIGRATIONS: Sequence[str] = (
     );
     CREATE INDEX usage_start ON usage (start);
     """,
+    # 3: expired idempotency keys are deleted (requeue_stale), found by age.
+    """
+    CREATE INDEX idempotency_created ON idempotency (created_at);
+    """,
 )
 
 _WRITABLE = frozenset(_COLUMNS) - {"id", "tenant", "kind", "body"}
@@ -454,11 +458,18 @@ class PostgresStore:
 
     async def requeue_stale(self, lease: float) -> int:
         """Every job ``running`` whose runner's heartbeat is ``lease``
-        seconds old (that runner died) back to ``queued``."""
+        seconds old (that runner died) back to ``queued``. Also deletes up
+        to 1000 idempotency keys past their TTL (they answer as new keys
+        anyway), so a long-lived database does not keep every key ever used."""
         return await self._run(self._requeue_stale, lease)
 
     def _requeue_stale(self, cur: Cursor, lease: float) -> int:
-        stale = self._now(cur) - lease
+        now = self._now(cur)
+        cur.execute(
+            "DELETE FROM idempotency WHERE ctid IN (SELECT ctid FROM idempotency WHERE created_at <= %s LIMIT 1000)",
+            (now - self.ttl,),
+        )
+        stale = now - lease
         rows = cur.execute(
             SELECT_JOBS + " WHERE status = 'running' AND (heartbeat IS NULL OR heartbeat <= %s) FOR UPDATE SKIP LOCKED", (stale,)
         ).fetchall()

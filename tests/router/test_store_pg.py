@@ -178,6 +178,20 @@ async def test_a_cancel_racing_the_runners_finish_from_another_replica_leaves_wh
     other.close()
 
 
+async def test_idempotency_keys_past_their_ttl_are_deleted_on_the_runners_lease_tick(pg_url: str) -> None:
+    clock = WallClock()
+    store = PostgresStore(pg_url, clock=clock, idempotency_ttl=100)
+    await store.reserve("t", "old", "d")
+    clock.now += 60
+    await store.reserve("t", "young", "d")
+    clock.now += 50  # old: 110 s, young: 50 s
+    await store.requeue_stale(30)
+    with psycopg.connect(pg_url) as conn:
+        assert conn.execute("SELECT key FROM idempotency").fetchall() == [("young",)]
+    assert await store.reserve("t", "young", "d") == IdemBusy()  # still remembered
+    store.close()
+
+
 async def test_racing_reservations_of_a_new_idempotency_key_reserve_it_once(pg_url: str) -> None:
     stores = [PostgresStore(pg_url, pool_size=2) for _ in range(4)]
     results: list[object] = []
