@@ -195,7 +195,8 @@ class BatchesAPI:
         if not isinstance(raw, dict):
             raise BadRequest("request body must be a JSON object")
         endpoint, window, file_id = raw.get("endpoint"), raw.get("completion_window"), raw.get("input_file_id")
-        metadata = raw.get("metadata") or {}
+        metadata = raw.get("metadata")
+        metadata = {} if metadata is None else metadata
         if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
             raise BadRequest(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}", param="endpoint")
         if not isinstance(window, str) or window not in WINDOWS:

@@ -251,3 +251,43 @@ async def test_a_batch_past_its_completion_window_expires_keeping_what_completed
         assert [e["custom_id"] for e in errors] == ["r-0", "r-1", "r-2"] and {e["error"]["code"] for e in errors} == {"batch_expired"}
         assert (await client.post(f"/v1/batches/{batch['id']}/cancel")).status_code == 409
     assert served.backend.statistics().completed == 0
+
+
+async def test_mangled_batch_and_upload_requests_are_4xx_in_the_openai_shape_never_5xx(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A seeded sweep of wrong types in each field of POST /v1/batches, and
+    of broken multipart bodies (cut short, no boundary, stray parts, binary)."""
+    import random
+
+    _, client, _ = await jobs_router(nursery, tmp_path / "jobs.db", max_file_bytes=4096)
+    rng = random.Random(16)
+    junk: list[Any] = [None, 1, -1.5, True, "", "x" * 300, [], [1], {}, {"a": 1}, "/v1/chat/completions", "24h", "\udc80"]
+    async with client:
+        good = (await upload(client, jsonl([line("a")]))).json()["id"]
+        base = {"input_file_id": good, "endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {}}
+        responses = []
+        for _ in range(40):
+            body = dict(base)
+            for field in rng.sample(sorted(base), rng.randint(1, 3)):
+                if rng.random() < 0.2:
+                    body.pop(field)
+                else:
+                    body[field] = rng.choice(junk)
+            raw = json.dumps(body, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
+            responses.append(await client.post("/v1/batches", content=raw))
+        multipart = (b"--B\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                     b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n\r\n{}\n\r\n--B--\r\n")  # fmt: skip
+        for _ in range(40):
+            cut = multipart[: rng.randint(0, len(multipart))]
+            mangled = bytearray(cut)
+            for _ in range(rng.randint(0, 3)):
+                if mangled:
+                    mangled[rng.randrange(len(mangled))] = rng.randrange(256)
+            ctype = rng.choice(["multipart/form-data; boundary=B", "multipart/form-data", "multipart/form-data; boundary=",
+                                "text/plain", "multipart/form-data; boundary=\"B\""])  # fmt: skip
+            responses.append(await client.post("/v1/files", content=bytes(mangled), headers={"content-type": ctype}))
+        for r in responses:  # some mutations leave a valid request (a field dropped that may be)
+            assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+            if r.status_code != 200:
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["message"], r.text
+        assert sum(r.status_code >= 400 for r in responses) > 60  # the sweep mostly hit refusals
