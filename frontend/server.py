@@ -59,6 +59,7 @@ __all__ = [
     "DEFAULT_BODY_IDLE_TIMEOUT",
     "DEFAULT_MAX_BODY",
     "Authenticate",
+    "BodyReader",
     "Emit",
     "HTTPRequest",
     "Handler",
