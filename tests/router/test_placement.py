@@ -1,7 +1,8 @@
 """Cost-aware placement: the sans-I/O rule, and through the real router over
 loopback: batch items go to the backend tagged preemptible, interactive
 traffic stays off it, and when it is preempted (its server stopped mid-batch)
-the items finish on the other backend, each once."""
+the items finish on the other backend, each once; and items sharing a
+prompt prefix grouped on one backend under prefix routing."""
 
 from __future__ import annotations
 
@@ -93,3 +94,29 @@ async def test_batch_items_run_on_the_preemptible_backend_and_finish_elsewhere_o
     assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
     assert [json.loads(x)["custom_id"] for x in output] == [f"r-{i}" for i in range(40)]  # each once
     assert steady.backend.statistics().completed - interactive >= 1  # the rest finished on the steady backend
+
+
+async def test_batch_items_sharing_a_prompt_prefix_land_on_one_backend_under_prefix_routing(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """7 items open with one long system prompt, 13 with another; with
+    ``prefix_hash`` each group goes to one backend (round robin would split
+    them 10 and 10)."""
+    mock = MockConfig(name="m", models=("mock",))
+    served = [await serve_mock(nursery, mock) for _ in range(2)]
+    config = decode_config({
+        "backends": [{"kind": "mock", "name": "a"}, {"kind": "mock", "name": "b"}],
+        "routing": {"policy": "prefix_hash"},
+        "health": {"interval": 30},
+        "jobs": {"path": str(tmp_path / "jobs.db"), "poll_interval": 0.05, "per_tenant": 1},
+    })  # fmt: skip
+    router = Router(config, [NamedBackend(n, OpenAIHTTPBackend(s.url, name=n)) for n, s in zip("ab", served, strict=True)])
+    url = await serve_router(nursery, router)
+    first, second = "You are a careful legal assistant. " * 12, "You translate product manuals into French. " * 12
+    rows = [line(f"a-{i}", first + f"case {i}") for i in range(7)] + [line(f"b-{i}", second + f"page {i}") for i in range(13)]
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        batch = await start_batch(client, jsonl(rows))
+        done = await wait_batch(client, batch["id"], "completed", within=20)
+    assert done["request_counts"]["completed"] == 20
+    counts = sorted(s.backend.statistics().completed for s in served)
+    assert counts in ([7, 13], [0, 20]), counts
