@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -21,15 +26,18 @@ from frontend import metric_names as N
 from frontend.serving import ServeOptions, serve
 from router.app import NamedBackend, Router
 from router.config import decode_config
+from router.metrics import GAUGE_MODES
+from tests.router.test_workers import Serve, one_request_per_connection, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",)}
 
 
-def check_exposition(text: str, exporter: N.Exporter) -> dict[str, list[Sample]]:
+def check_exposition(text: str, exporter: N.Exporter, *, multiprocess: bool = False) -> dict[str, list[Sample]]:
     """Every family in ``text`` is declared for ``exporter``, of its declared
     type, and each sample carries exactly the declared labels (``le`` on
-    buckets); returns the samples by family."""
+    buckets; ``multiprocess``: ``pid`` on the gauges mirrored per worker);
+    returns the samples by family."""
     found: dict[str, list[Sample]] = {}
     for family in text_string_to_metric_families(text):
         base = family.name.removesuffix("_created")
@@ -46,6 +54,8 @@ def check_exposition(text: str, exporter: N.Exporter) -> dict[str, list[Sample]]
             suffix = sample.name[len(family.name):]
             assert suffix in SUFFIXES[declared.type], sample.name
             expected = set(declared.labels) | ({"le"} if suffix == "_bucket" else set())
+            if multiprocess and declared.type == "gauge" and GAUGE_MODES.get(declared.name, "liveall") == "liveall":
+                expected.add("pid")
             assert set(sample.labels) == expected, (sample.name, sample.labels, declared.labels)
         found[family.name] = family.samples
     return found
@@ -181,3 +191,38 @@ async def test_retries_and_migrations_are_counted_per_backend() -> None:
     assert set(by_backend(N.BACKEND_MIGRATIONS)) == {"cut"} and by_backend(N.BACKEND_MIGRATIONS)["cut"] >= 2
     resumed = sum(s.value for s in found[N.MIGRATIONS.name] if s.name.endswith("_total") and s.labels["outcome"] != "failed")
     assert resumed == by_backend(N.BACKEND_MIGRATIONS)["cut"]
+
+
+@pytest.mark.slow
+async def test_headrace_serve_with_two_workers_exports_the_declared_families(tmp_path: Path) -> None:
+    """Real processes: ``headrace serve --workers 2`` over two mocks; the
+    admin listener's /metrics (multiprocess mode) holds the declared families
+    and labels, the per-worker gauges with a ``pid`` label."""
+    config = tmp_path / "router.toml"
+    config.write_text('[health]\ninterval = 0.2\n[[backends]]\nkind = "mock"\n[[backends]]\nkind = "mock"\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--workers", "2", "--log-level", "WARNING"]
+    proc = await trio.lowlevel.open_process(cmd, cwd=ROOT, stdout=subprocess.PIPE, env=env)
+    serving = Serve(proc)
+    try:
+        with trio.fail_after(60):
+            url = (await serving.read_until("headrace listening on ")).rsplit(" ", 1)[1].strip()
+            admin = (await serving.read_until("headrace admin on ")).rsplit(" ", 1)[1].strip()
+            await one_request_per_connection(url, 6)
+            text = await scrape(admin)
+            while not any(s.value for s in check_exposition(text, "router", multiprocess=True).get(N.ARRIVAL_RATE.name, [])):
+                await trio.sleep(0.2)  # the other worker's mirror is at most 1 s old
+                text = await scrape(admin)
+        found = check_exposition(text, "router", multiprocess=True)
+        # multiprocess mode writes only what has a value: counters still at zero are absent
+        wanted = {N.REQUESTS, N.E2E_LATENCY, N.REQUEST_TTFT, N.REQUEST_QUEUE, N.BACKEND_UP, N.BACKEND_COUNTERS["requests"],
+                  N.DESIRED_REPLICAS, N.ARRIVAL_RATE, N.MODEL_REPLICAS, N.PIPELINE_ADMITTED, N.QUEUE_DEPTH}  # fmt: skip
+        assert {f.name for f in wanted} <= set(found), sorted({f.name for f in wanted} - set(found))
+        assert sum(s.value for s in found[N.E2E_LATENCY.name] if s.name.endswith("_count")) == 6
+        pids = {s.labels["pid"] for s in found[N.DESIRED_REPLICAS.name]}
+        assert len(pids) == 2  # one estimate per worker, each for the whole fleet
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            await serving.drain_output()
+            await proc.wait()
