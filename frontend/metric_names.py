@@ -128,7 +128,7 @@ WORKER_REQUESTS = declare("headrace_worker_requests", "counter", "HTTP requests 
 # ------------------------------------------------------------ router: SLIs per call (route, model, tenant, priority)
 
 E2E_LATENCY = declare("headrace_e2e_request_latency_seconds", "histogram", "Generation call latency: arrival to the last event of its last choice", _SLI, buckets=REQUEST_BUCKETS)
-REQUEST_TTFT = declare("headrace_request_time_to_first_token_seconds", "histogram", "Arrival to a choice's first event, as the client sees it", _SLI, buckets=TOKEN_BUCKETS)
+REQUEST_TTFT = declare("headrace_request_time_to_first_token_seconds", "histogram", "Arrival to a choice's first event from the backends (a streamed answer's first token to the client)", _SLI, buckets=TOKEN_BUCKETS)
 REQUEST_ITL = declare("headrace_request_inter_token_latency_seconds", "histogram", "Between consecutive token events of a choice", _SLI, buckets=TOKEN_BUCKETS)
 REQUEST_QUEUE = declare("headrace_request_queue_time_seconds", "histogram", "Arrival to admission (rate limits and the admission queue)", _SLI, buckets=REQUEST_BUCKETS)
 REQUEST_INFERENCE = declare("headrace_request_inference_time_seconds", "histogram", "Admission to the last event (backends, retries, migrations)", _SLI, buckets=REQUEST_BUCKETS)
@@ -209,7 +209,7 @@ QUEUE_SERVICE_RATE = declare("headrace_queue_service_rate", "gauge", "Measured c
 
 _M = ("model",)
 DESIRED_REPLICAS = declare("headrace_desired_replicas", "gauge", "Replicas an M/M/c model says the model needs for its target p99 at the fleet's live arrival rate ([capacity] traffic_share scales this process's); policies/capacity.py", _M)
-ARRIVAL_RATE = declare("headrace_model_arrival_rate", "gauge", "Smoothed arrival rate of a model's requests at this router, per second (arrivals refused too)", _M)
+ARRIVAL_RATE = declare("headrace_model_arrival_rate", "gauge", "Smoothed arrival rate of a model's requests at this router, per second (past the rate limits; refused by admission too)", _M)
 REPLICA_SERVICE_RATE = declare("headrace_model_replica_service_rate", "gauge", "Measured completions per second one replica of the model gives at its concurrency", _M)
 MODEL_REPLICAS = declare("headrace_model_replicas", "gauge", "Backends serving the model that take requests now", _M)
 

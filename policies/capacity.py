@@ -104,6 +104,11 @@ class ReplicaEstimator:
     def models(self) -> list[str]:
         return sorted(self._arrivals.keys() | self._service.keys())
 
+    def arrived(self, model: str) -> int:
+        """Arrivals of ``model`` counted so far."""
+        rate = self._arrivals.get(model)
+        return rate.count if rate is not None else 0
+
     def arrive(self, model: str, now: float) -> None:
         rate = self._arrivals.get(model)
         if rate is None:

@@ -246,10 +246,11 @@ class Router:
                 unavailable=lambda key: self.dispatcher.ejection_wait(key or [a.name for a in self.actors]),
             )
             stages.append(self.queue)
-        # First: arrivals for headrace_desired_replicas; last: per-call SLIs, timed from admission (router/metrics.py)
+        # After the rate limits (a tenant over its own limit is not demand more replicas would serve):
+        # arrivals for headrace_desired_replicas; last: per-call SLIs, timed from admission (router/metrics.py)
         served = lambda: [*self._models, *(m for a in self.actors if a.info is not None for m in a.info.models)]  # noqa: E731
         bounds = LabelBounds([*config.tenants, *(k.tenant for k in self.api_keys)], served)
-        stages.insert(0, self.metrics.capacity(bounds, replica_estimator(config.capacity), fleet_of(self.actors, self.group_of)))
+        stages.insert(1, self.metrics.capacity(bounds, replica_estimator(config.capacity), fleet_of(self.actors, self.group_of)))
         stages.append(self.metrics.call_timer(bounds))
         self.usage = UsageLedger(self.metrics)  # tokens and GPU-seconds per tenant and model (router/usage.py)
         stages.append(self.usage)

@@ -375,9 +375,10 @@ class RouterMetrics:
                          queue=h[N.REQUEST_QUEUE.name], inference=h[N.REQUEST_INFERENCE.name], done=done)  # fmt: skip
 
     def capacity(self, bounds: LabelBounds, estimator: ReplicaEstimator, fleet: Callable[[str], tuple[int, int]]) -> Arrivals:
-        """The pipeline's first stage (every arrival, refused or not, is demand)
-        and ``headrace_desired_replicas``; call before :meth:`call_timer`,
-        which feeds the estimator the service times."""
+        """The stage after the rate limits (every arrival admission sees,
+        queued, shed or refused for want of capacity, is demand; one over its
+        tenant's own limit is not) and ``headrace_desired_replicas``; call
+        before :meth:`call_timer`, which feeds the estimator service times."""
         self.estimator = estimator
         self.add_collector(CapacityCollector(estimator, bounds, fleet))
         return Arrivals(estimator, bounds)

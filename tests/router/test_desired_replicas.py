@@ -57,3 +57,19 @@ async def test_desired_replicas_follow_the_live_arrival_rate(autojump_clock: tri
     desired = got[N.DESIRED_REPLICAS.name]["mock"]
     assert desired == e.desired == servers_needed(20.0, lam, per_replica / 2, per_replica=2)
     assert desired > 2  # about 7 erlangs on two-slot replicas: more than the two it has
+
+
+async def test_requests_over_a_tenants_own_rate_limit_are_not_demand() -> None:
+    """A tenant limited to 2 requests a minute sends 5: 3 get 429 from its
+    own limit, which more replicas would not change, so only 2 arrive for
+    the estimator; a queue refusal would count (it is past the limits)."""
+    backends = [MockBackend(MockConfig(name="mock-0", models=("mock",)))]
+    config = decode_config({"tenants": {"default": {"requests_per_minute": 2}}})
+    router = Router(config, [NamedBackend(b.info().name, b) for b in backends])
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
+        await nursery.start(router.run)
+        codes = [(await client.post("/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2})).status_code for _ in range(5)]
+        nursery.cancel_scope.cancel()
+    assert codes == [200, 200, 429, 429, 429]
+    assert router.metrics.estimator is not None
+    assert router.metrics.estimator.arrived("mock") == 2
