@@ -499,7 +499,7 @@ class Router:
         return json_response({"ready": ready, "backends_up": up}, 200 if ready else 503)
 
     async def _metrics(self, request: HTTPRequest) -> Response:
-        return Response(200, self.metrics.render(), content_type=CONTENT_TYPE)
+        return Response(200, await self.metrics.render_async(), content_type=CONTENT_TYPE)
 
 def tracer_for(t: TracingConfig) -> Tracer | None:
     """The span exporter ``[tracing]`` asks for; None (the default) when no

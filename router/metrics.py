@@ -47,6 +47,7 @@ from prometheus_client.registry import Collector
 from frontend import metric_names as N
 from frontend.call import Call
 from frontend.context import RequestContext
+from frontend.exposition import render_cooperatively
 from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
 from frontend.sli import ROUTE_OF_KIND, CallTimer
 from policies.capacity import ReplicaEstimator
@@ -434,9 +435,24 @@ class RouterMetrics:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         self.mirror()
+        return self._render_files()
+
+    async def render_async(self) -> bytes:
+        """:meth:`render` for /metrics, yielding to the event loop as it
+        formats (frontend/exposition.py)."""
+        if self.multiprocess_dir is None:
+            return await render_cooperatively(self.registry)
+        self.mirror()
+        return await render_cooperatively(self._files())
+
+    def _render_files(self) -> bytes:
+        return generate_latest(self._files())
+
+    def _files(self) -> CollectorRegistry:
+        """Every worker's metrics, from the multiprocess files."""
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
+        return registry
 
     # ------------------------------------------------------------ multiprocess mode
 

@@ -33,7 +33,7 @@ from typing import Any, Literal, cast
 
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import HistogramMetricFamily
 
 from backends.base import ChatMessage
@@ -54,6 +54,7 @@ from frontend.context import Principal, RequestContext, trace_logger
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
+from frontend.exposition import render_cooperatively
 from frontend.sli import ROUTE_OF_KIND, CallTimer
 
 __all__ = ["build_app", "main", "run_server"]
@@ -172,7 +173,7 @@ class _Routes:
     async def metrics(self, request: HTTPRequest) -> Response:
         return Response(
             200,
-            generate_latest(self.registry),
+            await render_cooperatively(self.registry),  # yielding to the loop (frontend/exposition.py)
             content_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
