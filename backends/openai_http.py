@@ -528,6 +528,7 @@ def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
 
 
 HTTPVersion = Literal["auto", "1.1", "2"]
+PriorityOrder = Literal["higher_first", "lower_first", "off"]
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
@@ -547,6 +548,9 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     verify: bool | str = True  # False, or a CA bundle path
     max_connections: Annotated[int, msgspec.Meta(gt=0)] = 100
     send_tenant: bool = False  # x-headrace-tenant on each request (on for kind = "engine": its GPU accounting)
+    # the engine priority upstream: "higher_first" (headrace; the default for
+    # kind = "engine"), "lower_first" (vLLM --scheduling-policy priority), "off"
+    priority: PriorityOrder = "off"
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`OpenAIHTTPBackend`."""
@@ -589,6 +593,7 @@ class OpenAIHTTPBackend:
         max_connections: int = 100,
         name: str | None = None,
         send_tenant: bool = False,
+        priority: PriorityOrder = "higher_first",
     ) -> None:
         url = httpx.URL(base_url.rstrip("/").removesuffix("/v1"))
         if url.scheme not in ("http", "https") or not url.host:
@@ -606,6 +611,11 @@ class OpenAIHTTPBackend:
         self.health_timeout = health_timeout
         self.http = http
         self.send_tenant = send_tenant  # the request's tenant in x-headrace-tenant (headrace's engine accounts by it)
+        # How the engine priority (higher runs first) goes upstream: as is
+        # (headrace), negated (vLLM's priority scheduling runs lower first),
+        # or not at all (a server without priority scheduling: vLLM's FCFS
+        # refuses a non-zero one with a 400).
+        self.priority = priority
         headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         tls = url.scheme == "https"
         self._headers, self._verify, self._connect_timeout = headers, verify, connect_timeout
@@ -797,8 +807,8 @@ class OpenAIHTTPBackend:
                 body[name] = value
         if req.logprobs is not None:
             body.update({"logprobs": True, "top_logprobs": req.logprobs} if chat else {"logprobs": req.logprobs})
-        if req.priority:
-            body["priority"] = req.priority
+        if req.priority and self.priority != "off":
+            body["priority"] = req.priority if self.priority == "higher_first" else -req.priority
         if req.resumed_tokens:
             if req.prompt_token_ids is None:
                 raise BadRequest("resumed_tokens needs a token-id prompt", param="resumed_tokens")

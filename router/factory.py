@@ -46,8 +46,9 @@ def build_backend(spec: BackendSpec, name: str) -> Backend:
         return mock
     from backends.openai_http import HTTPOptions, OpenAIHTTPBackend
 
-    # headrace's engine: token ids, and the tenant for its GPU-time accounting
-    options: dict[str, object] = {"token_ids": True, "send_tenant": True} if spec.kind == "engine" else {}
+    # headrace's engine: token ids, the tenant for its GPU-time accounting, and
+    # the class's priority in its order (higher first; a plain OpenAI server: none)
+    options: dict[str, object] = {"token_ids": True, "send_tenant": True, "priority": "higher_first"} if spec.kind == "engine" else {}
     if spec.model is not None:
         options["model"] = spec.model
     options.update(spec.options)

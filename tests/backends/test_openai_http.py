@@ -609,3 +609,22 @@ async def test_a_goaway_never_fails_a_request(nursery: trio.Nursery) -> None:
         assert texts == [" a b"] * 3
     finally:
         await client.aclose()
+
+
+def test_the_engine_priority_goes_upstream_in_the_backends_order_or_not_at_all() -> None:
+    """headrace runs higher first; vLLM's priority scheduling lower first;
+    and vLLM's default FCFS refuses any non-zero priority with a 400, so a
+    plain OpenAI backend built from config gets none."""
+    req = GenerateRequest(prompt="x", priority=1)
+    sent = {order: OpenAIHTTPBackend("http://127.0.0.1:9", priority=order)._payload(req)[1].get("priority")
+            for order in ("higher_first", "lower_first", "off")}  # fmt: skip
+    assert sent == {"higher_first": 1, "lower_first": -1, "off": None}
+    assert "priority" not in OpenAIHTTPBackend("http://127.0.0.1:9")._payload(GenerateRequest(prompt="x"))[1]
+    from router.config import BackendSpec
+    from router.factory import build_backend
+
+    def built(**spec: object) -> object:
+        return build_backend(BackendSpec(url="http://127.0.0.1:9", **spec), "b").priority  # type: ignore[arg-type, attr-defined]
+
+    assert built() == "off" and built(kind="engine") == "higher_first"
+    assert built(options={"priority": "lower_first"}) == "lower_first"
