@@ -213,6 +213,13 @@ ARRIVAL_RATE = declare("headrace_model_arrival_rate", "gauge", "Smoothed arrival
 REPLICA_SERVICE_RATE = declare("headrace_model_replica_service_rate", "gauge", "Measured completions per second one replica of the model gives at its concurrency", _M)
 MODEL_REPLICAS = declare("headrace_model_replicas", "gauge", "Backends serving the model that take requests now", _M)
 
+# ------------------------------------------------------------ router: local engine replicas and their warm pools (router/engines.py)
+
+_LOCAL = "headrace serve runs engine replicas ([[engines]], or no backend configured)"
+LOCAL_REPLICAS = declare("headrace_local_replicas", "gauge", "Engine replicas of an [[engines]] entry (pool: its name) by state: serving (in rotation), warm (loaded, out of rotation), starting, stopping", ("pool", "state"), when=_LOCAL)
+LOCAL_FOOTPRINT = declare("headrace_local_replica_footprint_bytes", "gauge", "Memory one replica of the entry holds: a running replica's report (source=report) or the estimate from its files (source=estimate)", ("pool", "source"), when=_LOCAL)
+LOCAL_COLD_START = declare("headrace_local_replica_cold_start_seconds", "gauge", "The entry's last replica start, process start to serving", ("pool",), when=_LOCAL)
+
 # ------------------------------------------------------------ engine
 
 _E = "headrace_engine_"

@@ -59,6 +59,13 @@ command line overrides fields after decoding (:func:`with_overrides`). Example::
     weight = 2
     options = { http = "1.1", api_key_env = "GPU_A_KEY", stall_timeout = 30 }
 
+    [[engines]]                  # local engine replicas (router/engines.py); none: two of the default model
+    model = "/models/qwen.gguf"  # GGUF file or Hugging Face folder (default: the installed SmolLM2)
+    name = "qwen"                # its replicas' names: qwen-0, qwen-1, ...
+    replicas = 2                 # in rotation
+    warm = 1                     # loaded and probed, out of rotation: scale-up takes these first
+    args = ["--kv-cache-gb", "2"]    # more headrace engine flags
+
     [[models]]                   # a public model name and how it is served
     name = "chat"
     aliases = ["gpt-4o"]
@@ -98,6 +105,7 @@ __all__ = [
     "CapacityConfig",
     "ClassTable",
     "ConfigError",
+    "EngineSpec",
     "HealthConfig",
     "JobsConfig",
     "LoggingConfig",
@@ -345,6 +353,17 @@ class BackendSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pool: str | None = None  # "batch": the batch pool, like preemptible
 
 
+class EngineSpec(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[engines]]``: engine replicas ``headrace serve`` runs as child processes."""
+
+    model: str | None = None  # GGUF file or Hugging Face folder; None: the installed default model
+    name: str | None = None  # replica name prefix; default: engine (the first entry), engine-<i>
+    replicas: Annotated[int, Meta(ge=0)] = 1  # in rotation at startup
+    warm: Annotated[int, Meta(ge=0)] = 0  # loaded and ready, out of rotation
+    max_replicas: PositiveInt = 64  # the most POST /admin/engines may ask for
+    args: tuple[str, ...] = ()  # more `headrace engine` flags, e.g. ["--kv-cache-gb", "2"]
+
+
 class ModelVersion(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One side of a split: another configured model, and its share."""
 
@@ -436,6 +455,7 @@ class RouterConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     jobs: JobsConfig = JobsConfig()
     migration: MigrationConfig = MigrationConfig()
     backends: tuple[BackendSpec, ...] = ()
+    engines: tuple[EngineSpec, ...] = ()
     models: tuple[ModelRoute, ...] = ()
     tracing: TracingConfig = TracingConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -549,12 +569,38 @@ def _check(config: RouterConfig) -> None:
             raise ConfigError(f"backend {name!r}: url must start with http:// or https://")
     if (config.server.certfile is None) != (config.server.keyfile is None):
         raise ConfigError("server.certfile and server.keyfile go together")
+    _check_engines(config.engines, names)
     _check_models(config.models, names)
     _check_policies(config)
     _check_job_store(config.jobs)
     for i, key in enumerate(config.auth.api_keys):
         if key.tenant not in config.tenants and config.tenants:
             raise ConfigError(f"auth.api_keys[{i}].tenant: no tenant {key.tenant!r} in [tenants]")
+
+
+def _check_engines(engines: tuple[EngineSpec, ...], backends: list[str]) -> None:
+    """Replica names unique and apart from the backends'; counts within bounds."""
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(engines):
+        prefix = engine_name(engines, i)
+        if prefix in seen:
+            raise ConfigError(f"engines[{i}].name: {prefix!r} is already engines[{seen[prefix]}]'s; name each entry")
+        seen[prefix] = i
+        if spec.replicas + spec.warm == 0:
+            raise ConfigError(f"engines[{i}]: replicas = 0 and warm = 0 start nothing; leave the entry out")
+        if spec.replicas > spec.max_replicas:
+            raise ConfigError(f"engines[{i}].replicas: {spec.replicas} is over max_replicas = {spec.max_replicas}")
+        clash = [b for b in backends if b == prefix or b.startswith(f"{prefix}-")]
+        if clash:
+            raise ConfigError(f"engines[{i}].name: backend {clash[0]!r} would share its replicas' names ({prefix}-0, ...)")
+        for arg in ("--host", "--port", "--model"):
+            if arg in spec.args:
+                raise ConfigError(f"engines[{i}].args: {arg} is set by headrace serve (the model in engines[{i}].model)")
+
+
+def engine_name(engines: tuple[EngineSpec, ...], i: int) -> str:
+    """``[[engines]]`` entry ``i``'s replica name prefix."""
+    return engines[i].name or ("engine" if i == 0 else f"engine-{i}")
 
 
 def _check_job_store(jobs: JobsConfig) -> None:

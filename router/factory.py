@@ -23,10 +23,11 @@ DEFAULT_MODEL = "mock"
 DEFAULT_REPLICAS = 2
 
 
-def default_backends(urls: Sequence[str]) -> tuple[BackendSpec, ...]:
+def default_backends(urls: Sequence[str | BackendSpec]) -> tuple[BackendSpec, ...]:
     """What to route to when neither the config nor the command line names a
-    backend: the local engine replicas started at ``urls``."""
-    return tuple(BackendSpec(url=url, kind="engine", name=f"engine-{i}") for i, url in enumerate(urls))
+    backend: the local engine replicas started at ``urls`` (or their specs,
+    named by router/engines.py, as they are)."""
+    return tuple(u if isinstance(u, BackendSpec) else BackendSpec(url=u, kind="engine", name=f"engine-{i}") for i, u in enumerate(urls))
 
 
 def build_backend(spec: BackendSpec, name: str) -> Backend:

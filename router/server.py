@@ -32,6 +32,7 @@ import shlex
 import signal
 import ssl
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from router.app import OPS_PATHS, Router
 from router.config import (
     BackendSpec,
     ConfigError,
+    EngineSpec,
     RouterConfig,
     apply_settings,
     decode_config,
@@ -61,8 +63,8 @@ from router.config import (
     with_overrides,
 )
 from router.data import with_data_dir
-from router.factory import DEFAULT_REPLICAS, build_backends, default_backends
-from router.replicas import EngineReplica
+from router.engines import EngineManager, default_engines
+from router.factory import build_backends
 from router.workers import WorkerFailed, serve_workers, watch_parent
 
 __all__ = ["admin_options_for", "main", "options_for", "parse_args", "run_router", "worker_count"]
@@ -247,10 +249,14 @@ async def _serve_until_signal(
         nursery.start_soon(wait_for_signal, shutdown)
         if worker is not None:
             nursery.start_soon(watch_parent, shutdown)
-        if not config.backends:
-            urls = await start_replicas(nursery, engine_args)
-            config = with_overrides(config, backends=default_backends(urls))
+        engines = None
+        if config.engines or not config.backends:  # [[engines]], or nothing: local replicas (router/engines.py)
+            engines = EngineManager(config.engines or default_engines(), engine_args)
+            specs = await engines.start(nursery)
+            config = msgspec.structs.replace(config, backends=(*config.backends, *specs), engines=())
         router = Router(config, build_backends(config), policy=policy)
+        if engines is not None:
+            engines.attach(router)  # warm replicas drained; /admin/engines
         if worker is not None:
             router.metrics.set_worker(worker)
         options = options_for(config, reuse_port=worker is not None)
@@ -284,7 +290,8 @@ async def _supervise_until_signal(config: RouterConfig, workers: int, engine_arg
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wait_for_signal, shutdown)
                 nursery.start_soon(_forward_sighup_to_workers)
-                start_backends = partial(start_replicas, engine_args=engine_args)
+                start_backends = partial(start_replicas, engine_args=engine_args, engines=config.engines)
+                config = msgspec.structs.replace(config, engines=())  # started here, not by each worker
 
                 async def run_workers(task_status: trio.TaskStatus[str]) -> None:
                     await serve_workers(config, workers, start_backends=start_backends, shutdown=shutdown,
@@ -334,21 +341,13 @@ def _worker_pids() -> list[int]:
     return found
 
 
-async def start_replicas(nursery: trio.Nursery, engine_args: list[str], n: int = DEFAULT_REPLICAS) -> list[str]:
-    """Start ``n`` local engine replicas at once (each in ``nursery``, which
-    owns their processes) and return their URLs once all are serving."""
-    threads = max(1, (os.cpu_count() or 1) // n)
-    replicas = [EngineReplica(f"engine-{i}", ["--threads", str(threads), *engine_args]) for i in range(n)]
-    urls = [""] * n
-    log.info("starting %d engine replicas on the default model (first start loads the model)", n)
-
-    async def start(i: int) -> None:
-        urls[i] = await nursery.start(replicas[i].run)
-
-    async with trio.open_nursery() as starting:
-        for i in range(n):
-            starting.start_soon(start, i)
-    return urls
+async def start_replicas(nursery: trio.Nursery, engine_args: list[str], engines: tuple[EngineSpec, ...] = ()) -> list[BackendSpec]:
+    """Start the replicas that serve of each ``[[engines]]`` entry (none: the
+    default two) in ``nursery``, which owns their processes; their specs once
+    all serve. For ``--workers N``: no warm pool (router/engines.py)."""
+    if any(spec.warm for spec in engines):
+        log.warning("[[engines]] warm pools and /admin/engines need --workers 1; starting the serving replicas only")
+    return await EngineManager(engines or default_engines(), engine_args).start(nursery, serving_only=True)
 
 
 def _check_certificate(certfile: str, keyfile: str) -> None:
@@ -373,6 +372,8 @@ def main(argv: list[str]) -> int:
         policy = create_policy(config.routing.policy, options=config.routing.options)
         build_backends(config)  # validate adapter settings before anything starts
         admin_options_for(config)  # the admin listener's address and key
+        if config.engines and config.backends and worker_count(config) > 1:
+            raise ConfigError("engines: with [[backends]] too, [[engines]] needs --workers 1 (workers start replicas only when no backend is configured)")
         if config.server.certfile is not None and config.server.keyfile is not None:
             _check_certificate(config.server.certfile, config.server.keyfile)
     except (ConfigError, PolicyError) as exc:
@@ -381,6 +382,12 @@ def main(argv: list[str]) -> int:
     if config.logging.format == "json":
         configure_logging(args.log_level, "json")  # [logging] format, known once the config is read
     engine_args = shlex.split(args.engine_args)
+    if not args.worker_config and (config.engines or not config.backends):
+        try:  # the replicas' models exist and fit in the memory left (router/engines.py)
+            EngineManager(config.engines or default_engines(), engine_args).check_placement(time.monotonic(), serving_only=worker_count(config) > 1)
+        except ConfigError as exc:
+            print(f"headrace serve: {exc}", file=sys.stderr)
+            return 2
     if args.worker_config:
         trio.run(partial(_serve_until_signal, config, policy, [], worker=args.worker_index))
         return 0

@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -45,7 +45,7 @@ from prometheus_client import multiprocess
 
 from frontend.serving import reserve_port
 from router.admin_fanout import PEERS_ENV
-from router.config import RouterConfig, with_overrides
+from router.config import BackendSpec, RouterConfig, with_overrides
 from router.factory import default_backends
 from router.replicas import echo_until, relay, terminate
 
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 LISTENING = "headrace listening on "
 KILL_GRACE = 10.0  # seconds past drain_timeout before a worker is killed
 
-StartBackends = Callable[[trio.Nursery], Awaitable[list[str]]]
+StartBackends = Callable[[trio.Nursery], Awaitable[Sequence[str | BackendSpec]]]  # URLs, or specs (router/engines.py)
 
 
 class WorkerFailed(Exception):

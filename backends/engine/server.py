@@ -7,7 +7,8 @@ this module adds the engine's own::
                          (what unset request fields get) and ``sampling_defaults_source``,
                          and what cache-aware routers read: ``block_size``, ``kv_events``
                          and ``tokenizer`` (the model file's absolute path, when known),
-                         and what stream migration reads: ``exact_resume``
+                         and what stream migration reads: ``exact_resume``; and ``footprint``:
+                         load time and memory held (backends/engine/footprint.py)
     POST /tokenize       {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}
     POST /detokenize     {"tokens": [int]} -> {"prompt": str}          (vLLM's shapes)
     GET  /v1/kv_events   SSE of KV block events; ?since=SEQ or Last-Event-ID resumes
@@ -29,6 +30,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from typing import Any, Literal, cast
 
 import msgspec
@@ -40,6 +42,7 @@ from backends.base import ChatMessage
 from backends.engine.backend import EngineBackend, build_engine
 from backends.engine.config import EngineConfig, SamplingDefaults
 from backends.engine.engine import LLMEngine
+from backends.engine.footprint import Footprint, measure
 from backends.engine.gpu_metrics import GPUCollector
 from backends.engine.host import MainThreadHost
 from backends.engine.loader import default_model_path
@@ -81,9 +84,9 @@ def _decode(body: bytes, kind: type[Any]) -> Any:
         raise BadRequest(f"invalid request body: {exc}") from None
 
 
-def build_app(backend: EngineBackend) -> OpenAIServer:
+def build_app(backend: EngineBackend, footprint: Footprint | None = None) -> OpenAIServer:
     """The shared OpenAI frontend over ``backend`` plus the engine's extra routes."""
-    routes = _Routes(backend)
+    routes = _Routes(backend, footprint)
     return OpenAIServer(
         backend,
         extra_routes={
@@ -101,8 +104,9 @@ def build_app(backend: EngineBackend) -> OpenAIServer:
 
 
 class _Routes:
-    def __init__(self, backend: EngineBackend) -> None:
+    def __init__(self, backend: EngineBackend, footprint: Footprint | None = None) -> None:
         self.backend = backend
+        self.footprint = msgspec.to_builtins(footprint) if footprint is not None else None
         # The router loads the same tokenizer to compute our block hashes; the
         # config's model is the file it was read from (main resolves the default).
         model_file = backend.engine.config.model
@@ -134,6 +138,7 @@ class _Routes:
                 "token_ids": info.token_ids,
                 "exact_resume": info.exact_resume,
                 "kv_epoch": self.kv_epoch,
+                "footprint": self.footprint,
             }
             for m in info.models
         ]
@@ -251,6 +256,7 @@ async def run_server(
     options: ServeOptions,
     shutdown: trio.Event | None = None,
     *,
+    footprint: Footprint | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine loop and serve it over HTTP until ``shutdown`` is set, then
@@ -261,7 +267,7 @@ async def run_server(
         watch = trio.CancelScope()
         nursery.start_soon(_shut_down_when_stopped, backend, shutdown, watch)
         async with trio.open_nursery() as http:
-            app = build_app(backend)
+            app = build_app(backend, footprint)
             url = await http.start(functools.partial(serve, app, options, shutdown=shutdown))
             task_status.started(url)
         watch.cancel()
@@ -442,10 +448,10 @@ class _Shutdown:
                 pass
 
 
-async def _serve(backend: EngineBackend, options: ServeOptions, shutdown: _Shutdown) -> None:
+async def _serve(backend: EngineBackend, options: ServeOptions, shutdown: _Shutdown, footprint: Footprint | None = None) -> None:
     shutdown.token, shutdown.event = trio.lowlevel.current_trio_token(), trio.Event()
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(run_server, backend, options, shutdown.event)
+        url = await nursery.start(functools.partial(run_server, backend, options, shutdown.event, footprint=footprint))
         print(f"engine serving {backend.model_name} on {url}", flush=True)
 
 
@@ -458,6 +464,7 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
+    started = time.perf_counter()
     try:
         config, spec = _config(args), _spec_config(args)
         built = _build(config, spec, args.tp)
@@ -467,6 +474,8 @@ def main(argv: list[str]) -> int:
     if built is None:  # a torchrun worker rank, stopped by rank 0
         return 0
     engine, tokenizer, name = built
+    footprint = measure(engine.runner, time.perf_counter() - started)
+    print(f"engine loaded {name} {footprint.line()}", flush=True)
     # Steps run on this (the main) thread, Trio in another: see host.py for why.
     host = MainThreadHost()
     backend = EngineBackend(engine, tokenizer, model_name=name, run_step=host.run_sync)
@@ -475,7 +484,7 @@ def main(argv: list[str]) -> int:
     )
     shutdown = _Shutdown()
     try:
-        host.serve(functools.partial(trio.run, _serve, backend, options, shutdown), shutdown.request)
+        host.serve(functools.partial(trio.run, _serve, backend, options, shutdown, footprint), shutdown.request)
     except OSError as exc:
         print(f"headrace engine: cannot serve: {exc}", file=sys.stderr)
         return 1
