@@ -61,7 +61,13 @@ from backends.engine.engine import LLMEngine, StepFailed, StepOutput
 from backends.engine.generation_config import ResolvedSampling, resolve_sampling_defaults
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.quant import attach_q4
-from backends.engine.runner import TORCH_DTYPES, ModelRunner, kv_bytes_per_block, resolve_device
+from backends.engine.runner import (
+    TORCH_DTYPES,
+    ModelRunner,
+    kv_bytes_per_block,
+    release_free_heap,
+    resolve_device,
+)
 from backends.engine.sequence import SamplingParams, Sequence
 from backends.engine.speculative import SpecConfig, make_engine
 from backends.engine.stop import StopMatcher
@@ -103,6 +109,8 @@ def build_engine(
         attach_q4(runner.model, loaded.q4)
         runner.model.native_plan()  # compile and lay out the native kernels now, not mid-request
     engine = make_engine(config, runner, loaded.tokenizer, spec)
+    release_free_heap()  # the loader's float32 staging tensors, freed in heap-sized pieces
+    log.info("engine %s: %s", loaded.name, runner.memory().line())
     return engine, loaded.tokenizer, loaded.name
 
 

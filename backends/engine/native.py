@@ -254,6 +254,7 @@ class NativeDecode:
         self.amx = bool(lib.hr_amx()) and os.environ.get("HEADRACE_NATIVE_AMX", "1") != "0"
         owners: list[nn.Module] = []
         keep: list[torch.Tensor] = []  # what the C structs point into
+        groups: list[tuple[list[Q4Weight], ...]] = []  # per layer: qkv, out, gate_up, down
         layers = (_Layer * a.n_layers)()
         self.modules: list[nn.Module] = [model]
         for i, block in enumerate(model.layers):
@@ -269,20 +270,20 @@ class NativeDecode:
             if any(c is None for c in codes) or block.attention_norm.weight.device.type != "cpu":
                 raise NotApplicable("no 4-bit codes")
             q4 = [c for c in codes if c is not None]
-            blocks = [q4_blocks(q4[0:3]), q4_blocks(q4[3:4]), q4_blocks(q4[4:6]),
-                      q4_blocks(q4[6:7])]
+            groups.append((q4[0:3], q4[3:4], q4[4:6], q4[6:7]))
             norms = [block.attention_norm.weight.detach().float().contiguous(),
                      block.ffn_norm.weight.detach().float().contiguous()]
-            keep += blocks + norms
+            keep += norms
             amx: list[int] = [0] * 8
             if self.amx:
-                for part, group in enumerate((q4[0:3], q4[3:4], q4[4:6], q4[6:7])):
+                for part, group in enumerate(groups[-1]):
                     codes_, scales_ = amx_blocks(group)
                     keep += [codes_, scales_]
                     amx[part], amx[4 + part] = codes_.data_ptr(), scales_.data_ptr()
             owners += [*linears, block.attention_norm, block.ffn_norm]
-            layers[i] = _Layer(*(t.data_ptr() for t in blocks + norms), None, None,
-                               (ctypes.c_void_p * 4)(*amx[:4]), (ctypes.c_void_p * 4)(*amx[4:]))
+            layers[i] = _Layer(None, None, None, None, *(t.data_ptr() for t in norms), None,
+                               None, (ctypes.c_void_p * 4)(*amx[:4]),
+                               (ctypes.c_void_p * 4)(*amx[4:]))
         self.watch = ParamWatch(owners, self.modules)
         if self.watch.hooked():
             raise NotApplicable("hooked")
@@ -292,6 +293,21 @@ class NativeDecode:
                             ctypes.cast(layers, ctypes.POINTER(_Layer)))
         self.kv_seen: tuple[Any, ...] = ()
         self.work: torch.Tensor | None = None
+        # The integer kernels' layout (few rows; many rows without AMX), built where a
+        # step first needs it: with AMX, the batch-invariant default never reads it.
+        self._groups: list[tuple[list[Q4Weight], ...]] | None = groups
+        if not self.amx:
+            self._lay_out_q4()
+
+    def _lay_out_q4(self) -> None:
+        if self._groups is None:
+            return
+        for i, parts in enumerate(self._groups):
+            blocks = [q4_blocks(group) for group in parts]
+            self.keep += blocks
+            layer = self.layers[i]
+            layer.qkv, layer.out, layer.gate_up, layer.down = (t.data_ptr() for t in blocks)
+        self._groups = None
 
     def valid(self) -> bool:
         """Every weight still the one the kernels were built from, nothing hooked."""
@@ -344,6 +360,8 @@ class NativeDecode:
         dequantised once, AMX / bfloat16 dot products), else the few-sequence one
         (integer dot products, streaming the 4-bit weights)."""
         self._bind_kv(kv_caches)
+        if not (batched and self.amx):
+            self._lay_out_q4()
         rows = int(x.shape[0])
         hidden = x.float().contiguous()
         cos = rope[0].reshape(rows, -1).contiguous()

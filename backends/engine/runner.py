@@ -25,13 +25,23 @@ alone or batched, prefilled cold, after a cached prefix, in chunks of any size, 
 decoded (a resumed request continues with the same tokens).
 
 The KV cache is one tensor ``[L, 2, num_blocks, block_size, n_kv_heads, head_dim]``;
-layer ``i`` gets the views ``kv[i, 0]`` and ``kv[i, 1]``.
+layer ``i`` gets the views ``kv[i, 0]`` and ``kv[i, 1]``. ``num_blocks`` is the limit
+(config.resolve_num_kv_blocks); the tensor is reserved with ``torch.empty`` (on Linux
+its pages take no memory until written) and grows resident on demand: before a step
+reads or writes a block id past the blocks made ready so far, the runner zeroes the
+blocks up to it in chunks of :data:`KV_GROW_BYTES` (masked slots must hold finite
+numbers). Block ids stay what the block manager hands out (lowest first), so a
+step's data pointers never move, and the resident part never passes the limit.
+:meth:`ModelRunner.memory` reports weights, KV reserved / resident and workspace.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from backends.engine.attention import AttentionMetadata, PrefillSpan
@@ -39,7 +49,18 @@ from backends.engine.model import ModelArgs, Transformer
 from backends.engine.quant import packed_rows
 from backends.engine.scheduler import ScheduledSeq
 
-__all__ = ["TORCH_DTYPES", "ModelRunner", "kv_bytes_per_block", "resolve_device"]
+__all__ = [
+    "KV_GROW_BYTES",
+    "TORCH_DTYPES",
+    "MemoryFootprint",
+    "ModelRunner",
+    "kv_bytes_per_block",
+    "release_free_heap",
+    "resolve_device",
+]
+
+# The KV cache becomes resident in chunks of about this many bytes (at least a block).
+KV_GROW_BYTES = 4 << 20
 
 # Spans of up to this many new tokens after a cached context go through the batched
 # decode attention (one query row per token) instead of one SDPA call per sequence.
@@ -60,6 +81,50 @@ def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> 
     """Bytes of K and V for one block across all layers."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * itemsize
+
+
+class MemoryFootprint(msgspec.Struct, frozen=True, kw_only=True):
+    """What a runner holds, in bytes. ``weights``: the model's parameters and buffers
+    (dense; tied tensors once); ``packed``: 4-bit codes and the native kernels' weight
+    layouts beside them; ``kv_reserved``: the KV cache's limit; ``kv_resident``: the
+    part of it made ready (zeroed or written) so far; ``workspace``: the native
+    kernels' scratch."""
+
+    weights: int
+    packed: int
+    kv_reserved: int
+    kv_resident: int
+    kv_blocks: int
+    kv_blocks_resident: int
+    workspace: int
+
+    def line(self) -> str:
+        mib = 1 << 20
+        return (
+            f"weights {self.weights / mib:.1f} MiB, packed {self.packed / mib:.1f} MiB, "
+            f"KV {self.kv_resident / mib:.1f} of {self.kv_reserved / mib:.1f} MiB resident "
+            f"({self.kv_blocks_resident}/{self.kv_blocks} blocks), "
+            f"workspace {self.workspace / mib:.1f} MiB"
+        )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``): loading
+    frees hundreds of MB of float32 staging tensors in pieces too small for ``mmap``,
+    which the heap would otherwise keep resident. False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
 
 
 class ModelRunner:
@@ -84,8 +149,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         a = self.args
-        # kv: [L, 2, NB, BS, Hkv, D]
-        self.kv = torch.zeros(
+        # kv: [L, 2, NB, BS, Hkv, D], reserved; blocks [0, kv_ready) are zeroed or written
+        self.kv = torch.empty(
             a.n_layers,
             2,
             num_kv_blocks,
@@ -96,6 +161,56 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self._kv_views = [(self.kv[i, 0], self.kv[i, 1]) for i in range(a.n_layers)]
+        per_block = kv_bytes_per_block(a, block_size, self.dtype)
+        self.kv_grow_blocks = max(1, KV_GROW_BYTES // per_block)
+        self.kv_ready = 0
+        self._ensure_kv(1)  # block 0 pads the decode block tables
+
+    def _ensure_kv(self, blocks: int) -> None:
+        """Make block ids ``[0, blocks)`` ready (zeroed), growing in whole chunks."""
+        if blocks <= self.kv_ready:
+            return
+        if blocks > self.num_kv_blocks:
+            raise ValueError(f"block id {blocks - 1} is past the KV cache's {self.num_kv_blocks} blocks")
+        grow = self.kv_grow_blocks
+        end = min(self.num_kv_blocks, -(-blocks // grow) * grow)
+        self.kv[:, :, self.kv_ready : end].zero_()
+        self.kv_ready = end
+
+    def memory(self) -> MemoryFootprint:
+        """The runner's footprint now (see :class:`MemoryFootprint`)."""
+        from backends.engine.quant import q4_of
+
+        seen: set[int] = set()
+        weights = packed = 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += _nbytes(t)
+        for module in self.model.modules():
+            q4 = q4_of(module) if isinstance(module, torch.nn.Linear) else None
+            extra = [q4.codes, q4.scale, q4.zero] if q4 is not None else []
+            int4 = getattr(module, "_headrace_int4", None)  # torch's packed layout, if built
+            extra += [getattr(int4, "packed", None), getattr(int4, "scales_and_zeros", None)]
+            for t in extra:
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    packed += _nbytes(t)
+        workspace = 0
+        plan = self.model.__dict__.get("_fast", {}).get("native")
+        if plan:
+            packed += sum(_nbytes(t) for t in plan.keep if t.data_ptr() not in seen)
+            workspace = _nbytes(plan.work) if plan.work is not None else 0
+        per_block = _nbytes(self.kv) // max(1, self.num_kv_blocks)
+        return MemoryFootprint(
+            weights=weights,
+            packed=packed,
+            kv_reserved=_nbytes(self.kv),
+            kv_resident=per_block * self.kv_ready,
+            kv_blocks=self.num_kv_blocks,
+            kv_blocks_resident=self.kv_ready,
+            workspace=workspace,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -155,6 +270,9 @@ class ModelRunner:
         short spans after a cached context), then the prefill chunks; logits rows in
         the order of ``scheduled``."""
         bs = self.block_size
+        # The highest block id this step touches: its blocks must be ready (zeroed)
+        # before attention reads their masked slots.
+        self._ensure_kv(1 + max((max(s.seq.block_table, default=0) for s in scheduled), default=0))
         for item in scheduled:
             seq, end = item.seq, item.end
             if (
