@@ -207,7 +207,8 @@ def key_blocks(
     )
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kb: KeyBlocks) -> Tensor:
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kb: KeyBlocks, *,
+              scale: float | None = None, softcap: float = 0.0) -> Tensor:
     """Each query row over its own keys. q: [R, H, D]; caches: [NB, BS, Hkv, D] (this
     step's K/V already written); returns [R, H, D] in q's dtype.
 
@@ -215,11 +216,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kb: KeyBlocks) -> Ten
     head, key block), all float32: ``[B, D] x [D, G]`` for the scores (keys times the
     group's queries) and ``[G, B] x [B, D]`` for the values; the keys are gathered per
     entry for lone rows, and read in place, one block broadcast over the rows that
-    reach it, for a span."""
+    reach it, for a span. ``scale``: of the scores (default ``D ** -0.5``); ``softcap``:
+    Gemma 2's ``tanh(s / cap) * cap`` of the scaled scores (0: none)."""
     rows, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     group, width, blocks = n_heads // n_kv, KEY_BLOCK, kb.num_blocks
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     # [slots * Hkv, D]: row slot * Hkv + h is head h's key (value) at that slot
     keys_of, values_of = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
     qt = _float32(q.view(rows, n_kv, group, head_dim).transpose(-1, -2))  # [R, Hkv, D, G]
@@ -236,6 +238,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kb: KeyBlocks) -> Ten
             scores = torch.bmm(keys[h, j].expand(b.shape[0], -1, -1), b)  # [n, B, G]
             full[r, h, :, j] = scores.transpose(-1, -2) * scale
     flat = full.view(rows, n_kv, group, blocks * width)
+    if softcap:
+        flat = torch.tanh(flat / softcap) * softcap
     flat.masked_fill_(kb.masked[:, None, None, :], -torch.inf)
     probs = torch.softmax(flat, dim=-1).view(rows, n_kv, group, blocks, width)
     acc = qt.new_zeros(rows, kb.tree, n_kv, group, head_dim)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.engine import families
 from backends.engine.model import ModelArgs, Transformer, permute_qk_from_hf
 from backends.engine.quant import Q4Weight, q4_from_gguf
 from backends.engine.tokenizer import Tokenizer
@@ -43,8 +44,8 @@ __all__ = [
 ]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_ARCHS = {"llama"}
-_HF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM"}
+_GGUF_ARCHS = set(families.GGUF_FAMILIES)  # families.py: what each family adds
+_HF_ARCHS = set(families.HF_FAMILIES)
 
 
 class ModelLoadError(HeadraceError):
@@ -170,7 +171,8 @@ def _read_gguf(path: Path) -> Checkpoint:
             f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})"
         )
     names = {t.name for t in reader.tensors}
-    args = _gguf_args(meta, arch, tie="output.weight" not in names)
+    args = _gguf_args(meta, arch, tie="output.weight" not in names,
+                      bias="blk.0.attn_q.bias" in names)
     state = {}
     codes: dict[str, Q4Weight] = {}
     for tensor in reader.tensors:
@@ -184,13 +186,30 @@ def _read_gguf(path: Path) -> Checkpoint:
                 f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})"
             ) from exc
         state[ours] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
+        # rotate-half q/k rows, as Hugging Face's (their 4-bit codes would not match)
+        if arch in families.NEOX_GGUF and _permute_qk(state, ours, args):
+            continue
         q4 = q4_from_gguf(tensor.data, tensor.tensor_type.name, state[ours].shape)
         if q4 is not None and ours.endswith(".weight") and state[ours].dim() == 2:
             codes[ours] = q4
     return Checkpoint(args, state, Tokenizer.from_gguf_metadata(meta), name=path.stem, q4=codes)
 
 
-def _gguf_args(meta: Mapping[str, Any], arch: str, *, tie: bool) -> ModelArgs:
+def _permute_qk(state: dict[str, torch.Tensor], name: str, args: ModelArgs) -> bool:
+    """Permute ``state[name]`` into the adjacent-pair RoPE layout where it is a q/k
+    weight, bias or QK-norm (from Hugging Face's rotate-half one); True if it was."""
+    if name.endswith(("wq.weight", "wq.bias")):
+        state[name] = permute_qk_from_hf(state[name], args.n_heads)
+    elif name.endswith(("wk.weight", "wk.bias")):
+        state[name] = permute_qk_from_hf(state[name], args.n_kv_heads)
+    elif name.endswith(("q_norm.weight", "k_norm.weight")):
+        state[name] = permute_qk_from_hf(state[name], 1)
+    else:
+        return False
+    return True
+
+
+def _gguf_args(meta: Mapping[str, Any], arch: str, *, tie: bool, bias: bool = False) -> ModelArgs:
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
@@ -199,18 +218,27 @@ def _gguf_args(meta: Mapping[str, Any], arch: str, *, tie: bool) -> ModelArgs:
 
     dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    n_layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", dim // n_heads)))
+    theta = float(key("rope.freq_base", 10000.0))
+    extra = families.gguf_family_args(meta, arch, families.GGUF_FAMILIES[arch],
+                                      n_layers=n_layers, dim=dim, n_heads=n_heads,
+                                      head_dim=head_dim, theta=theta)
     return ModelArgs(
         vocab_size=int(vocab),
         dim=dim,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         hidden_dim=int(key("feed_forward_length")),
-        head_dim=int(key("rope.dimension_count", dim // n_heads)),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        head_dim=head_dim,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6 if arch.startswith(
+            "gemma") else 1e-5)),
+        rope_theta=theta,
         max_seq_len=int(key("context_length", 2048)),
         tie_embeddings=tie,
+        attention_bias=bias,
+        **extra,
     )
 
 
@@ -240,8 +268,10 @@ def _gguf_name(name: str) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk":
+        ours = _GGUF_LAYER_NAMES.get(parts[2]) or families.EXTRA_GGUF_LAYER_NAMES.get(parts[2])
+        if ours is not None:
+            return f"layers.{parts[1]}.{ours}"
     return None
 
 
@@ -252,11 +282,13 @@ def _read_hf(folder: Path) -> Checkpoint:
     from safetensors.torch import load_file
 
     config = _read_json(folder / "config.json")
-    archs = set(config.get("architectures") or [])
-    if not archs & _HF_ARCHS:
+    archs = list(config.get("architectures") or [])
+    known = [a for a in archs if a in _HF_ARCHS]
+    if not known:
         raise ModelLoadError(
             f"{folder}: unsupported architectures {sorted(archs)} (supported: {sorted(_HF_ARCHS)})"
         )
+    family = families.HF_FAMILIES[known[0]]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
@@ -264,7 +296,8 @@ def _read_hf(folder: Path) -> Checkpoint:
     for f in files:
         raw.update(load_file(str(f)))
     args = _hf_args(
-        config, tie="lm_head.weight" not in raw or bool(config.get("tie_word_embeddings"))
+        config, tie="lm_head.weight" not in raw or bool(config.get("tie_word_embeddings")),
+        family=family,
     )
     state = _hf_state(raw, args)
     return Checkpoint(args, state, _hf_tokenizer(folder, config), name=folder.name)
@@ -278,14 +311,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _hf_args(config: Mapping[str, Any], *, tie: bool) -> ModelArgs:
+def _hf_args(config: Mapping[str, Any], *, tie: bool, family: str = "llama") -> ModelArgs:
     scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in {None, "default"}:
+    if family != "gemma3" and scaling and scaling.get("rope_type", scaling.get("type")) not in {
+            None, "default"}:
         raise ModelLoadError(f"unsupported rope_scaling {scaling!r}")
+    try:
+        extra = families.hf_family_args(config, family, int(config["num_hidden_layers"]))
+    except ValueError as exc:
+        raise ModelLoadError(f"{family}: {exc}") from exc
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
         "rope_theta", 10000.0
     )
+    if family == "gemma3":  # the global layers' base; families.py has each layer's
+        theta = extra["layer_ropes"][-1][0] if extra.get("layer_ropes") else theta
     return ModelArgs(
         vocab_size=int(config["vocab_size"]),
         dim=dim,
@@ -298,7 +338,7 @@ def _hf_args(config: Mapping[str, Any], *, tie: bool) -> ModelArgs:
         rope_theta=float(theta),
         max_seq_len=int(config.get("max_position_embeddings", 2048)),
         tie_embeddings=tie,
-        attention_bias=bool(config.get("attention_bias", False)),
+        **{"attention_bias": bool(config.get("attention_bias", False)), **extra},
     )
 
 
@@ -319,29 +359,31 @@ _HF_LAYER_NAMES = {
 
 
 def _hf_state(raw: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    state = {}
+    state: dict[str, torch.Tensor] = {}
+    gemma = args.family in families.GEMMA
     for name, tensor in raw.items():
-        ours = _hf_name(name)
+        ours = _hf_name(name, gemma)
         if ours is None:
             continue
-        value = tensor.float()
-        if ours.endswith(("wq.weight", "wq.bias")):
-            value = permute_qk_from_hf(value, args.n_heads)
-        elif ours.endswith(("wk.weight", "wk.bias")):
-            value = permute_qk_from_hf(value, args.n_kv_heads)
-        state[ours] = value
+        state[ours] = tensor.float()
+        if gemma and ours.endswith("norm.weight"):  # Gemma's (1 + weight) RMSNorm
+            state[ours] = state[ours] + 1.0
+        _permute_qk(state, ours, args)
     return state
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, gemma: bool = False) -> str | None:
     top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
     if name in top:
         return top[name]
     if name == "lm_head.weight":
         return "output.weight"
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_LAYER_NAMES:
-        return f"layers.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        ours = (gemma and families.GEMMA_HF_LAYER_NAMES.get(parts[3])) or _HF_LAYER_NAMES.get(
+            parts[3]) or families.EXTRA_HF_LAYER_NAMES.get(parts[3])
+        if ours:
+            return f"layers.{parts[2]}.{ours}"
     return None
 
 

@@ -35,6 +35,7 @@ from backends.engine.attention import (
     split_decodes,
     write_kv,
 )
+from backends.engine.families import extended_attention, softcap, windowed_blocks
 from backends.engine.native import AMX_FEW_SEQS, NativeDecode, NotApplicable
 from backends.engine.quant import (
     INT4_MAX_SEQS,
@@ -74,6 +75,32 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attention_bias: bool = False
+    # The switches of the other families (families.py); all off: Llama.
+    family: str = "llama"
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k
+    sliding_windows: tuple[int, ...] = ()  # per layer, 0: global; (): none windowed
+    layer_ropes: tuple[tuple[float, float], ...] = ()  # per layer (base, linear factor)
+    attn_softcap: float = 0.0  # Gemma 2: tanh soft-capping of the attention scores
+    final_softcap: float = 0.0  # ... and of the logits
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    embed_scale: float = 0.0  # Gemma: embeddings times sqrt(dim); 0: none
+    sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP too
+    activation: str = "silu"  # or "gelu_tanh" (GeGLU)
+
+    @property
+    def plain(self) -> bool:
+        """Llama's layers exactly (what the native and straight-line decode paths
+        serve)."""
+        return not (self.attention_bias or self.qk_norm or any(self.sliding_windows)
+                    or self.layer_ropes or self.attn_softcap or self.final_softcap
+                    or self.attn_scale or self.embed_scale or self.sandwich_norms
+                    or self.activation != "silu")
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def rope_of(self, layer: int) -> tuple[float, float]:
+        return self.layer_ropes[layer] if self.layer_ropes else (self.rope_theta, 1.0)
 
 
 class RMSNorm(nn.Module):
@@ -93,13 +120,20 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_cache(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """cos/sin per position and frequency: [max_seq_len, head_dim // 2, 2] float32."""
+def rope_cache(
+    args: ModelArgs, device: torch.device | str | None = None,
+    rope: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """cos/sin per position and frequency: [max_seq_len, head_dim // 2, 2] float32.
+    ``rope``: (base, linear scaling factor), by default ``(args.rope_theta, 1)``."""
     half = args.head_dim // 2
+    theta, factor = rope or (args.rope_theta, 1.0)
     inv_freq = 1.0 / (
-        args.rope_theta
+        theta
         ** (torch.arange(0, half, device=device, dtype=torch.int64).float() * 2 / args.head_dim)
     )
+    if factor != 1.0:
+        inv_freq = inv_freq / factor
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)  # [S, D/2]
     return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
@@ -309,10 +343,17 @@ def permute_qk_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class Attention(nn.Module):
     batch_invariant = False  # Transformer.set_batch_invariant: invariant.py's kernels
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         bias = args.attention_bias
+        # families.py: sliding window, soft-capping, scale, QK-norm
+        self.window, self.softcap = args.window(layer), args.attn_softcap
+        self.scale = args.attn_scale or args.head_dim**-0.5
+        self.extended = bool(self.window or self.softcap or args.attn_scale)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
@@ -332,19 +373,35 @@ class Attention(nn.Module):
             return self._invariant(x, rope, kv_cache, meta)
         t, h, hkv, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self._qkv.fused(x)  # [T, (H + 2 Hkv) D] or None
-        if qkv is not None:  # q and k are adjacent: rotate them in one go
+        if qkv is not None and not hasattr(self, "q_norm"):  # rotate q and k in one go
             qk = apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), rope)
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:, (h + hkv) * d :].view(t, hkv, d)  # [T, Hkv, D]
         else:
-            q2, k2, v2 = self._qkv(x)  # [T, H D], [T, Hkv D], [T, Hkv D]
-            q = apply_rope(q2.view(t, h, d), rope)  # [T, H, D]
-            k = apply_rope(k2.view(t, hkv, d), rope)  # [T, Hkv, D]
-            v = v2.view(t, hkv, d)  # [T, Hkv, D]
+            if qkv is not None:
+                q2, k2, v2 = torch.split_with_sizes(qkv, [h * d, hkv * d, hkv * d], dim=-1)
+            else:
+                q2, k2, v2 = self._qkv(x)  # [T, H D], [T, Hkv D], [T, Hkv D]
+            q2, k2 = self._qk_norm(q2, k2, t)
+            q = apply_rope(q2.reshape(t, h, d), rope)  # [T, H, D]
+            k = apply_rope(k2.reshape(t, hkv, d), rope)  # [T, Hkv, D]
+            v = v2.reshape(t, hkv, d)  # [T, Hkv, D]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
+        if self.extended:
+            out = extended_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale,
+                                     window=self.window, cap=self.softcap)
+        else:
+            out = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
         return self._out(out.reshape(t, h * d))[0]
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
+        """Qwen3's per-head RMSNorm of q and k (before RoPE), where the model has it.
+        q: [T, H D], k: [T, Hkv D]; each head's D values are one row of the norm."""
+        if not hasattr(self, "q_norm"):
+            return q, k
+        d = self.head_dim
+        return (self.q_norm(q.reshape(-1, d)).view(t, -1), self.k_norm(k.reshape(-1, d)).view(t, -1))
 
     def _invariant(
         self,
@@ -358,19 +415,26 @@ class Attention(nn.Module):
         T rows first (P > T: zero rows padding the residual stream to whole tiles)."""
         t, h, hkv, d = int(meta.slot_mapping.shape[0]), self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self._qkv.tiled_fused(x)  # [P, (H + 2 Hkv) D] or None
-        if qkv is not None:  # q and k are adjacent: rotate them in one go
+        if qkv is not None and not hasattr(self, "q_norm"):  # rotate q and k in one go
             qk = apply_rope(qkv[:t, : (h + hkv) * d].view(t, h + hkv, d), rope)
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:t, (h + hkv) * d :].view(t, hkv, d)  # [T, Hkv, D]
         else:
-            q2, k2, v2 = self._qkv.tiled(x)  # [P, H D], [P, Hkv D], [P, Hkv D]
-            q = apply_rope(q2[:t].reshape(t, h, d), rope)
-            k = apply_rope(k2[:t].reshape(t, hkv, d), rope)
+            if qkv is not None:
+                q2, k2, v2 = torch.split_with_sizes(qkv, [h * d, hkv * d, hkv * d], dim=-1)
+            else:
+                q2, k2, v2 = self._qkv.tiled(x)  # [P, H D], [P, Hkv D], [P, Hkv D]
+            q2, k2 = self._qk_norm(q2[:t], k2[:t], t)
+            q = apply_rope(q2.reshape(t, h, d), rope)
+            k = apply_rope(k2.reshape(t, hkv, d), rope)
             v = v2[:t].reshape(t, hkv, d)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         blocks = meta.key_blocks or row_key_blocks(meta, *k_cache.shape[1:3])
-        out = invariant.attention(q, k_cache, v_cache, blocks).reshape(t, h * d)  # [T, H D]
+        if self.window:
+            blocks = windowed_blocks(blocks, self.window)
+        out = invariant.attention(q, k_cache, v_cache, blocks, scale=self.scale,
+                                  softcap=self.softcap).reshape(t, h * d)  # [T, H D]
         if x.shape[0] > t:
             out = torch.cat([out, out.new_zeros(x.shape[0] - t, h * d)])
         return self._out.tiled(out)[0]
@@ -386,26 +450,34 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
         self._gate_up = LinearGroup(self.w1, self.w3)
         self._down = LinearGroup(self.w2)
+        self._act = _geglu if args.activation == "gelu_tanh" else _swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             gate, up = self._gate_up.tiled(x)
-            return self._down.tiled(invariant.rowwise(_swiglu, gate, up))[0]
+            return self._down.tiled(invariant.rowwise(self._act, gate, up))[0]
         gate, up = self._gate_up(x)
-        return self._down(F.silu(gate) * up)[0]
+        return self._down(self._act(gate, up))[0]
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        if args.sandwich_norms:  # Gemma: the sublayers' outputs are normed too
+            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps)
+            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(
         self,
@@ -414,6 +486,10 @@ class TransformerBlock(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if hasattr(self, "post_attention_norm"):
+            h = x + self.post_attention_norm(
+                self.attention(self.attention_norm(x), rope, kv_cache, meta))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))  # type: ignore[no-any-return]
         h = x + self.attention(self.attention_norm(x), rope, kv_cache, meta)
         y: torch.Tensor = h + self.feed_forward(self.ffn_norm(h))
         return y
@@ -448,6 +524,8 @@ class FastDecode:
         self.layers: list[_FastLayer] = []
         self.linears: list[nn.Linear] = []
         self.hooked: list[nn.Module] = []
+        if not model.args.plain:  # families.py's switches: the modules serve
+            raise _NoFastPath
         for block in model.layers:
             if type(block) is not TransformerBlock:
                 raise _NoFastPath
@@ -569,13 +647,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not a buffer: it must stay float32 when the weights move to bfloat16.
-        self.rope = rope_cache(args, device=self.tok_embeddings.weight.device)
+        self.reset_rope()
 
     def set_batch_invariant(self, on: bool) -> None:
         """Compute every token with batch-invariant kernels (or not), in every module
@@ -589,7 +667,21 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """Recompute the RoPE table on the weights' device (after building on ``meta``,
         or after ``.to(device)``)."""
-        self.rope = rope_cache(self.args, device=self.tok_embeddings.weight.device)
+        device = self.tok_embeddings.weight.device
+        self.rope = rope_cache(self.args, device=device)
+        # Gemma 3: other RoPE bases per layer (the table of each distinct one)
+        self.layer_ropes = {r: rope_cache(self.args, device, r) for r in set(self.args.layer_ropes)}
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x: torch.Tensor = self.tok_embeddings(input_ids)  # [T, dim]
+        if self.args.embed_scale:  # Gemma: rounded to the weights' dtype, as transformers
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype, device=x.device)
+        return x
+
+    def _layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE tables for ``positions`` (one per distinct base)."""
+        tables = {r: rope_tables(t[positions]) for r, t in self.layer_ropes.items()}
+        return [tables[self.args.rope_of(i)] for i in range(len(self.layers))]
 
     def forward(
         self,
@@ -613,14 +705,15 @@ class Transformer(nn.Module):
             with packed_rows(0):
                 tail = self(input_ids[n:], positions[n:], kv_caches, prefill)
             return torch.cat([head, tail])
-        x = self.tok_embeddings(input_ids)  # [T, dim]
+        x = self._embed(input_ids)  # [T, dim]
         rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
         fast = self._fast_decode(x.shape[0], meta)
         if fast is not None:
             x = fast(x, rope, kv_caches, meta)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rope, kv_cache, meta)
+            ropes = self._layer_ropes(positions) if self.layer_ropes else [rope] * len(kv_caches)
+            for layer, kv_cache, r in zip(self.layers, kv_caches, ropes, strict=True):
+                x = layer(x, r, kv_cache, meta)
         y: torch.Tensor = self.norm(x)
         return y
 
@@ -634,7 +727,7 @@ class Transformer(nn.Module):
         """The batch-invariant forward pass: a step of decode rows only goes through the
         native kernels' batched matmul where they apply (each row on its own there),
         anything else through the modules' invariant kernels."""
-        x = self.tok_embeddings(input_ids)  # [T, dim]
+        x = self._embed(input_ids)  # [T, dim]
         rope = rope_tables(self.rope[positions])  # 2 x [T, 1, D/2, 2]
         rows = int(input_ids.shape[0])
         native = self.native_plan() if not meta.prefills and meta.num_decodes == rows else None
@@ -646,8 +739,9 @@ class Transformer(nn.Module):
                 meta = dataclasses.replace(meta, key_blocks=blocks)
             pad = -rows % invariant.tile_rows(x)  # whole tiles, padded once
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rope, kv_cache, meta)
+            ropes = self._layer_ropes(positions) if self.layer_ropes else [rope] * len(kv_caches)
+            for layer, kv_cache, r in zip(self.layers, kv_caches, ropes, strict=True):
+                x = layer(x, r, kv_cache, meta)
             return self.norm(x)[:rows]  # type: ignore[no-any-return]
         y: torch.Tensor = self.norm(x)
         return y
@@ -660,7 +754,7 @@ class Transformer(nn.Module):
 
     def native_plan(self) -> NativeDecode | None:
         """The native decode layers, where this model and machine can take them."""
-        if not (self.fast_decode and self.native_decode):
+        if not (self.fast_decode and self.native_decode and self.args.plain):
             return None
         cache: dict[object, object] = self.__dict__.setdefault("_fast", {})
         plan = cache.get("native")
@@ -717,7 +811,12 @@ class Transformer(nn.Module):
         """hidden: [N, dim] -> float32 logits [N, V]. ``native``: the plan of a
         few-sequence native step and a boolean [N] of its rows, whose logits the native
         head computes (float32 sums, no bfloat16 rounding), the same way whatever else
-        the step holds."""
+        the step holds. Gemma 2's logits are soft-capped (families.py)."""
+        return softcap(self._head_logits(hidden, native), self.args.final_softcap)
+
+    def _head_logits(
+        self, hidden: torch.Tensor, native: tuple[NativeDecode, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         head = self.output
         if type(head) is not nn.Linear:  # tensor parallel: a vocab-parallel head
             if self.batch_invariant:  # every rank sees the same rows: the same tiles
@@ -735,7 +834,7 @@ class Transformer(nn.Module):
                 if fast is not None:
                     logits = torch.empty(hidden.shape[0], fast.shape[1], dtype=torch.float32)
                     logits[native_rows] = fast
-                    logits[~native_rows] = self.compute_logits(hidden[~native_rows])
+                    logits[~native_rows] = self._head_logits(hidden[~native_rows])
                     return logits
         group: LinearGroup | None = self.__dict__.get("_head")
         if group is None or group.linears[0] is not head:
