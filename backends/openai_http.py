@@ -93,6 +93,7 @@ from backends.errors import (
 )
 from backends.h2client import H2Error, H2Pool, H2Response, H2Unsupported, RefusedStream
 from backends.tally import StreamTally
+from frontend import loop_lag
 from frontend.sse import SSEParser
 
 __all__ = ["HTTPBackendStatistics", "HTTPOptions", "OpenAIHTTPBackend", "status_error"]
@@ -101,6 +102,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_ERROR_BODY = 64 * 1024
+# A stall or first-token verdict waits once more for the router's own recent
+# loop lag (frontend/loop_lag.py) when that lag is at least this long.
+LAG_GRACE_MIN = 0.05
 _TRANSPORT_ERRORS = (
     httpx.TransportError,
     h2.exceptions.H2Error,
@@ -850,8 +854,10 @@ class OpenAIHTTPBackend:
                     )
                 decoder = SSEParser(strict=True)
                 chunks = reply.chunks
+                grace = 0.0  # more time for this silence: the router's own loop ran late
                 while not parser.done:  # after [DONE], the server may be slow to end
-                    timeout = stall if parser.events else self.first_token_timeout
+                    limit = stall if parser.events else self.first_token_timeout
+                    timeout = grace or limit
                     chunk: bytes | None = None
                     with trio.move_on_after(timeout):
                         try:
@@ -861,8 +867,12 @@ class OpenAIHTTPBackend:
                     if chunk is None:
                         if parser.complete:
                             break  # everything came but [DONE]
+                        if not grace and (grace := min(loop_lag.current(), limit)) >= LAG_GRACE_MIN:
+                            continue  # once per silence, for as long as the loop was late
                         error = BackendStalled if parser.events else BackendTimeout
-                        raise error(f"no bytes from the backend for {timeout:.3g}s (after {parser.events} events)")
+                        silent = limit + grace if grace >= LAG_GRACE_MIN else limit
+                        raise error(f"no bytes from the backend for {silent:.3g}s (after {parser.events} events)")
+                    grace = 0.0
                     try:
                         sse_events = decoder.feed(chunk)
                     except UnicodeDecodeError:

@@ -51,6 +51,7 @@ import trio
 from backends.base import Backend
 from backends.errors import NotFound, Unauthorized
 from frontend.context import Principal
+from frontend.loop_lag import LoopLag
 from frontend.server import (
     Authenticate,
     Handler,
@@ -267,6 +268,8 @@ class Router:
         self.job_store: JobStore | None = None
         self.jobs: JobRunner | None = None
         services: list[Service] = list(self.actors)
+        self.loop_lag = LoopLag()  # stretches the HTTP adapters' stall verdicts (frontend/loop_lag.py)
+        services.append(self.loop_lag)
         if self.shared_limits is not None:
             services.append(self.shared_limits)
         if self.queue is not None:

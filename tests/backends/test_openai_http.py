@@ -27,6 +27,7 @@ from backends.errors import (
 )
 from backends.mock import MockBackend, MockConfig, parse_fault
 from backends.openai_http import OpenAIHTTPBackend
+from frontend import loop_lag
 from tests.backends.conftest import (
     Served,
     TLSFiles,
@@ -220,6 +221,26 @@ async def test_stall_is_backend_timeout_after_stall_timeout(
     assert 0.3 <= trio.current_time() - start < 2.0
     # The backend was blocked behind the stall; the RST_STREAM we sent frees it.
     await eventually(lambda: served.backend.statistics().cancelled == 1, 0.5)
+
+
+async def test_a_stall_verdict_waits_once_more_for_the_routers_own_loop_lag(
+    nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
+) -> None:
+    """A router whose loop ran 0.4 s late may have read the backend late:
+    the 0.3 s stall verdict waits once more, min(lag, 0.3) s, before it is
+    given (frontend/loop_lag.py); a loop on time gives it at 0.3 s."""
+    _, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3)
+    closing.append(client)
+    lag = loop_lag.LoopLag()
+    lag.note(trio.current_time(), 0.4)
+    loop_lag.install(lag)
+    try:
+        start = trio.current_time()
+        events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=500))
+    finally:
+        loop_lag.install(None)
+    assert isinstance(exc, BackendStalled) and len(events) == 2
+    assert trio.current_time() - start >= 0.6 and "for 0.6s" in str(exc)
 
 
 async def test_malformed_chunk_is_backend_protocol_error(
