@@ -17,6 +17,7 @@ weights read at that dtype (``bf16-packed`` for ``headrace engine`` in bfloat16)
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from bench.cli import add_common_arguments, finish, pick_model
 from bench.client import RequestResult, RequestSpec, send_request
 from bench.connect import discover, make_client
 from bench.loadgen import Sender
+from bench.procs import cpu_info
 from bench.progress import ProgressBar, run_progress
 from bench.schedule import WORKLOADS, workload_prompt
 from bench.stats import summarize
@@ -144,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="model file for --roofline (default: the packaged SmolLM2)")
     p.add_argument("--bandwidth-mib", type=int, default=512,
                    help="size of the tensor --roofline copies to measure bandwidth")
+    p.add_argument("--server", default=None,
+                   help="the server's command line, recorded in the JSON for the tables "
+                        "(bench/tables.py), e.g. 'headrace engine --dtype bfloat16'")
     return p
 
 
@@ -235,16 +240,20 @@ def _plot(document: dict[str, Any], path: Path) -> Path:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _main(args)
+        return _main(args, argv)
     except HeadraceError as exc:
         print(f"headrace bench engine: error: {exc.message}", file=sys.stderr)
         return 2 if isinstance(exc, ClientError) else 1
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if any(c < 1 for c in args.concurrency) or args.duration <= 0:
         raise ClientError("--concurrency values must be >= 1 and --duration > 0")
     document = trio.run(_run, args)
+    # what bench/tables.py quotes beside the numbers: the machine and the commands
+    document["cpu"] = {k: v for k, v in cpu_info().items() if k != "flags"}
+    document["command"] = shlex.join(["headrace", "bench", "engine", *(argv or [])])
+    document["server"] = args.server
     print(format_levels(document["levels"]))
     if args.transformers_baseline:
         from bench.transformers_baseline import format_results, run_baseline
