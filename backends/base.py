@@ -99,6 +99,9 @@ class GenerateRequest(Sampling, kw_only=True, omit_defaults=True):
     # The W3C ``traceparent`` a backend is sent (the router gives each
     # attempt a span of its own); None: no trace.
     traceparent: str | None = None
+    # Requests with one affinity key go to one backend while its load stays
+    # bounded (the router's dispatcher; a batch's items carry the batch id).
+    affinity: str | None = None
     # OpenAI fields we do not interpret; passed through to HTTP backends.
     extra: dict[str, Any] = {}
 

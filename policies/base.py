@@ -75,6 +75,7 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     block_hashes: tuple[int, ...] = ()
     block_size: int = 0  # tokens per block (0: the hashes are of text blocks, or none)
     prompt_tokens: int = 0  # the prompt's length in tokens (estimated when not tokenized)
+    affinity: str = ""  # requests with one key stay together (the dispatcher keeps them so; see router/dispatch.py)
 
 
 class KVEventView(Protocol):

@@ -60,6 +60,7 @@ import logging
 import math
 import random
 import sys
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
@@ -123,6 +124,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PREFIX_CHARS = 256  # how much prompt text a policy sees (for prefix hashing)
+# Requests that name an affinity key (a batch's items: its id) go to the
+# backend the key's first request went to, whatever the routing policy, while
+# that backend's in-flight count is at most AFFINITY_LOAD x the candidates'
+# mean (+1); the AFFINITY_KEYS most recent keys are kept.
+AFFINITY_LOAD = 1.25
+AFFINITY_KEYS = 10_000
 
 
 class Recorder(Protocol):
@@ -207,6 +214,7 @@ def route_request(request: GenerateRequest, keys: PrefixKeys | None = None) -> R
             block_hashes=k.block_hashes,
             block_size=k.block_size,
             prompt_tokens=k.prompt_tokens,
+            affinity=request.affinity or "",
         )
     prefix = request.prompt or ""
     if not prefix and request.messages:
@@ -219,6 +227,7 @@ def route_request(request: GenerateRequest, keys: PrefixKeys | None = None) -> R
         tenant=request.tenant,
         priority=request.priority,
         prompt_tokens=len(ids) if ids is not None else len(prefix) // 4,
+        affinity=request.affinity or "",
     )
 
 
@@ -356,6 +365,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.retry_after = retry_after
         self.cooldowns = Cooldowns(cooldown, max_cooldown)
+        self._affinity: OrderedDict[str, str] = OrderedDict()  # affinity key -> its backend, least recent first
         self.recorder: Recorder = recorder or NullRecorder()
         self.clock = clock
         self.name = name
@@ -811,13 +821,34 @@ class Dispatcher:
             candidates = list(self.placement.filter(candidates, route.priority))
         if not candidates:
             return None
+        home = self._affinity_home(route.affinity, candidates) if route.affinity else None
+        if isinstance(home, BackendActor):
+            return home
         name = target.policy.pick([a.view() for a in candidates], route, self.clock())
         if name is None:
             return None  # the policy refused: as if the group had nobody
         chosen = self.actors.get(name)
         if chosen is None or chosen not in candidates:
             raise BackendUnavailable(f"routing policy chose {name!r}, which is not a candidate", retry_after=self.retry_after)
+        if route.affinity and home is None:  # a new key, or its home is gone: the pick is its home
+            self._affinity[route.affinity] = name
+            if len(self._affinity) > AFFINITY_KEYS:
+                self._affinity.popitem(last=False)
         return chosen
+
+    def _affinity_home(self, key: str, candidates: list[BackendActor]) -> BackendActor | bool | None:
+        """The backend ``key``'s requests go to while it is a candidate and
+        its in-flight count is within ``AFFINITY_LOAD`` x the candidates'
+        mean (+1: the cap of consistent hashing with bounded loads). True:
+        the home is full, this request overflows to the policy's pick and
+        the home stays; None: no home (new, or gone), the pick becomes it."""
+        home = self.actors.get(self._affinity.get(key, ""))
+        if home is None or home not in candidates:
+            return None
+        self._affinity.move_to_end(key)
+        if home.in_flight > math.ceil(AFFINITY_LOAD * (sum(a.in_flight for a in candidates) + 1) / len(candidates)):
+            return True
+        return home
 
     async def _retry_backoff(self, attempt: int) -> bool:
         """Before retry ``attempt`` (1 = the first): a slot in the retry

@@ -309,7 +309,10 @@ class JobRunner:
         try:
             call = prepare_call(cast(Kind, job.kind), job.body, self.backend, context)
             # The engine's priority for the class even where admission (which sets it too) is off.
-            call.subs = [msgspec.structs.replace(s, priority=ENGINE_PRIORITY[job.priority]) for s in call.subs]
+            # A batch's items stay together on one backend while its load is bounded
+            # (their shared prefixes are cached there), whatever the routing policy.
+            call.subs = [msgspec.structs.replace(s, priority=ENGINE_PRIORITY[job.priority], affinity=job.batch_id)
+                         for s in call.subs]  # fmt: skip
             async with self.gate.admit(context, call):
                 result = await call.collect()
         except HeadraceError as exc:

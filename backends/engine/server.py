@@ -139,10 +139,17 @@ class _Routes:
                 "exact_resume": info.exact_resume,
                 "kv_epoch": self.kv_epoch,
                 "footprint": self.footprint,
+                "memory": self._memory(),
             }
             for m in info.models
         ]
         return json_response({"object": "list", "data": data})
+
+    def _memory(self) -> dict[str, int] | None:
+        """The runner's memory now (runner.MemoryFootprint: weights, packed layouts, KV
+        reserved and resident, workspace); None for a runner that does not say."""
+        memory = getattr(self.backend.engine.runner, "memory", None)
+        return msgspec.to_builtins(memory()) if memory is not None else None
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         req: TokenizeRequest = _decode(request.body, TokenizeRequest)
@@ -476,6 +483,8 @@ def main(argv: list[str]) -> int:
     engine, tokenizer, name = built
     footprint = measure(engine.runner, time.perf_counter() - started)
     print(f"engine loaded {name} {footprint.line()}", flush=True)
+    if hasattr(engine.runner, "memory"):  # what it holds, by layout (runner.MemoryFootprint)
+        print(f"engine memory: {engine.runner.memory().line()}", flush=True)
     # Steps run on this (the main) thread, Trio in another: see host.py for why.
     host = MainThreadHost()
     backend = EngineBackend(engine, tokenizer, model_name=name, run_step=host.run_sync)

@@ -154,3 +154,21 @@ def test_default_model_engine_is_small_at_idle() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_models_route_reports_the_runner_memory(tiny_gguf: Path) -> None:
+    from types import SimpleNamespace
+
+    from backends.engine.server import _Routes
+
+    engine, _, _ = build_engine(EngineConfig(model=str(tiny_gguf), num_kv_blocks=LIMIT,
+                                             block_size=BLOCK))
+    routes = object.__new__(_Routes)
+    routes.backend = SimpleNamespace(engine=engine)  # type: ignore[assignment]
+    report = routes._memory()
+    assert report is not None
+    assert report["kv_reserved"] == engine.runner.memory().kv_reserved
+    assert set(report) == {"weights", "packed", "kv_reserved", "kv_resident", "kv_blocks",
+                           "kv_blocks_resident", "workspace"}
+    routes.backend = SimpleNamespace(engine=SimpleNamespace(runner=object()))  # type: ignore[assignment]
+    assert routes._memory() is None

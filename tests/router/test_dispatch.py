@@ -3,6 +3,8 @@ refuses with 503 when nothing is eligible, and records timings."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 import trio.testing
@@ -157,3 +159,32 @@ def test_route_request_carries_what_policies_may_use() -> None:
     assert (r.request_id, r.model, r.tenant, r.priority, len(r.prefix)) == ("r1", "m", "t", 2, 256)
     r = route_request(GenerateRequest(prompt_token_ids=[5, 6]))
     assert r.prompt_token_ids == (5, 6)
+
+
+async def test_requests_with_one_affinity_key_stay_on_one_backend_while_its_load_is_bounded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Round robin would spread a batch's items; with the batch id as their
+    affinity key they go where the first went, until that backend holds more
+    than 1.25 x the mean in flight (+1), then overflow to the policy's pick."""
+    a, b, c = FakeBackend("a", delay=1.0), FakeBackend("b", delay=1.0), FakeBackend("c", delay=1.0)
+    d = Dispatcher(await actors_for(a, b, c), RoundRobin())
+    for _ in range(4):  # one at a time: the home is never loaded
+        await collect(d, model="m", affinity="batch-1")
+    home = next(f for f in (a, b, c) if f.started)
+    assert home.started == 4 and sum(f.started for f in (a, b, c)) == 4
+    await collect(d, model="m")  # no key: the policy's turn as usual
+    await collect(d, model="m", affinity="batch-2")  # a new key: a home of its own, by the policy
+    assert sum(f.started for f in (a, b, c)) == 6
+    # 12 at once with one key: the home takes its bounded share, the rest
+    # overflow to the policy's picks, and the home stays the key's.
+    before = {f.name: f.started for f in (a, b, c)}
+    async with trio.open_nursery() as nursery:
+        for _ in range(12):
+            nursery.start_soon(partial(collect, d, model="m", affinity="batch-3"))
+            await trio.sleep(0.01)
+    got = {f.name: f.started - before[f.name] for f in (a, b, c)}
+    home3 = d._affinity["batch-3"]
+    assert sum(got.values()) == 12 and got[home3] == max(got.values()) and 5 <= got[home3] < 12, got
+    await collect(d, model="m", affinity="batch-3")
+    assert d._affinity["batch-3"] == home3
