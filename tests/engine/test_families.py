@@ -307,3 +307,45 @@ def test_gemma_gguf_scale_follows_llama_cpp() -> None:
     assert gemma_attn_scale("gemma2", 46, 4608, 32, 128) == 144**-0.5
     assert gemma_attn_scale("gemma2", 42, 3584, 16, 256) == 256**-0.5
     assert gemma_attn_scale("gemma3", 62, 5376, 32, 128) == 168**-0.5
+
+
+def test_tensor_parallel_serves_every_family_switch() -> None:
+    """Two ranks (gloo, real processes) give one rank's logits with every switch on:
+    Q/K/V biases shard with their rows; QK-norms, the sandwich norms, windows,
+    soft-capping, the scale and the RoPE bases act per head or per token."""
+    import dataclasses
+
+    from backends.engine.tp_worker import TPRunner, start_tp
+    from tests.engine_tp.models import RandomModel, tiny_args
+
+    args = dataclasses.replace(
+        tiny_args(tie=True, bias=True), family="gemma3", qk_norm=True,
+        sliding_windows=(3, 0), layer_ropes=((10000.0, 1.0), (1e6, 2.0)), attn_softcap=2.0,
+        final_softcap=3.0, attn_scale=0.3, embed_scale=6.9, sandwich_norms=True,
+        activation="gelu_tanh")
+    build = RandomModel(args, seed=4)
+    reference = ModelRunner(build(), 24, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tp = start_tp(build, 2, num_kv_blocks=24, block_size=4, timeout=10.0,
+                      startup_timeout=60.0)
+        assert isinstance(tp, TPRunner)
+        with tp:
+            ids = [5, 17, 99, 3, 42, 8, 61, 7, 70, 11, 2, 9]
+            for runner_ in (reference, tp):
+                seq = _seq(ids, [0, 1, 2])
+                first = runner_.execute([ScheduledSeq(seq, 9)], [9])
+                seq.num_computed_tokens = 9
+                rest = [first]
+                for _ in range(3):
+                    rest.append(runner_.execute([ScheduledSeq(seq, 1)], [1]))
+                    seq.num_computed_tokens += 1
+                if runner_ is reference:
+                    want = torch.cat(rest)
+                else:
+                    got = torch.cat(rest)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.shape == want.shape == (12, 101)
+    assert _rel(got, want) < 1e-4
