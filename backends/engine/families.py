@@ -212,8 +212,11 @@ def hf_family_args(config: Mapping[str, Any], family: str, n_layers: int) -> dic
     if family == "mistral":
         out["sliding_windows"] = layer_windows(None, window, n_layers, every=True)
     elif family in {"qwen2", "qwen3"}:
-        if config.get("use_sliding_window"):
-            out["sliding_windows"] = layer_windows(config.get("layer_types"), window, n_layers)
+        if config.get("use_sliding_window"):  # the layers from max_window_layers on
+            start = int(config.get("max_window_layers", 28))
+            types = config.get("layer_types") or [
+                "sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+            out["sliding_windows"] = layer_windows(types, window, n_layers)
         out["attention_bias"] = family == "qwen2" or bool(config.get("attention_bias"))
         out["qk_norm"] = family == "qwen3"
     elif family in GEMMA:

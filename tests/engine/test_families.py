@@ -349,3 +349,49 @@ def test_tensor_parallel_serves_every_family_switch() -> None:
         torch.set_num_threads(threads)
     assert got.shape == want.shape == (12, 101)
     assert _rel(got, want) < 1e-4
+
+
+def test_engine_greedy_matches_transformers_generate(family: Any) -> None:
+    """The whole engine (scheduler, chunked prefill, prefix cache, batched decode):
+    greedy tokens as transformers' ``generate`` gives them, for two requests sharing
+    a 12-token prefix (the second one hits the first one's cached blocks)."""
+    from backends.engine.config import EngineConfig
+    from backends.engine.engine import LLMEngine
+
+    name, folder, _, _ = family
+    ref = _hf_model(name)
+    prompts = [TOKENS[:14], [*TOKENS[:12], 7, 8, 9]]
+    want = {}
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                               min_new_tokens=8, eos_token_id=None, pad_token_id=0)
+        want[f"r{i}"] = out[0, len(p):].tolist()
+    runner = ModelRunner(load_model(str(folder)).model, num_kv_blocks=40, block_size=4)
+    config = EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=8,
+                          max_num_seqs=4)
+    engine = LLMEngine(config, runner, eos_token_ids=[])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    engine.add_request("r0", prompts[0], params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    engine.add_request("r1", prompts[1], params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert engine.statistics().prefix_hit_rate > 0  # r1 reused r0's first 3 blocks
+    assert got == want
+
+
+def test_qwen_windows_start_at_max_window_layers() -> None:
+    """A Qwen2 config with use_sliding_window and no layer_types (older configs):
+    the layers from max_window_layers on are windowed; without the flag none is."""
+    from backends.engine.families import hf_family_args
+
+    config = {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2,
+              "hidden_size": 64}
+    assert hf_family_args(config, "qwen2", 4)["sliding_windows"] == (0, 0, 32, 32)
+    assert "sliding_windows" not in hf_family_args({**config, "use_sliding_window": False},
+                                                   "qwen2", 4)
