@@ -306,6 +306,10 @@ class CapacityConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # The service time in the response time: "exponential" (M/M/c's own) or "fixed" (the M/M/c
     # wait plus the mean hold time: closer for fixed prompt and output lengths); headrace plan --service.
     service: Literal["exponential", "fixed"] = "exponential"
+    # Act on it: every autoscale_interval seconds each [[engines]] entry is scaled to its model's
+    # desired replicas (POST /admin/engines' rules: warm replicas first; router/engines.py).
+    autoscale: bool = False
+    autoscale_interval: Positive = 30.0
 
 
 class JobsConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

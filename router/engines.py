@@ -279,6 +279,8 @@ class EngineManager:
         router.admin_api.routes.add("GET", "/admin/engines", self.list)
         router.admin_api.routes.add("POST", "/admin/engines", self.scale_handler)
         router.metrics.add_collector(PoolCollector(self))
+        if router.config.capacity.autoscale:
+            router.spawn(self.autoscale, router.config.capacity.autoscale_interval)
 
     async def _run(self, member: Member, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         with member.scope:
@@ -292,7 +294,10 @@ class EngineManager:
         except (RuntimeError, OSError, trio.TooSlowError) as exc:
             if self.router is None:  # at startup: headrace serve fails, as it always did
                 raise
-            log.error("engine replica %s did not start: %s", member.name, exc)
+            if member.scope.cancel_called:  # a scale-down filled the pool first
+                log.info("engine replica %s: start cancelled", member.name)
+            else:
+                log.error("engine replica %s did not start: %s", member.name, exc)
             pool.members.remove(member)
             return False
         pool.served = pool.served or member.replica.served
@@ -365,21 +370,30 @@ class EngineManager:
                 "refilling": [m.name for m in started if m.warm], "refill_refused": refused}  # fmt: skip
 
     def _scale_down(self, pool: Pool, fewer: int) -> dict[str, Any]:
+        """The newest serving replicas leave rotation: into the pool while it
+        is short (a loaded replica is kept over a refill still loading, which
+        is cancelled), else they stop once their streams end."""
         assert self.router is not None
         serving = pool.in_state("serving")
         drop = serving[len(serving) - min(fewer, len(serving)) :]
-        stopped = []
+        stopped, cancelled = [], []
+        for m in [m for m in pool.in_state("starting") if not m.warm][: max(0, fewer - len(drop))]:
+            m.warm = True  # a cold start still loading: it joins the pool instead
         for m in reversed(drop):
             self.router.actor(m.name).drain()
+            refills = [r for r in pool.in_state("starting") if r.warm]
             if len(pool.in_state("warm")) < pool.spec.warm or len(self.router.actors) == 1:
                 m.state, m.warm = "warm", True
+                if refills and len(pool.in_state("warm")) + len(refills) > pool.spec.warm:
+                    refills[-1].scope.cancel()  # the pool has this loaded one instead
+                    refills[-1].state = "stopping"
+                    cancelled.append(refills[-1].name)
             else:
                 m.state = "stopping"
                 stopped.append(m.name)
                 self.router.spawn(self._stop, pool, m)
-        for m in [m for m in pool.in_state("starting") if not m.warm][: max(0, fewer - len(drop))]:
-            m.warm = True  # still starting: it joins the pool instead
-        return {**pool.payload(), "to_pool": [m.name for m in drop if m.state == "warm"], "stopping": stopped}
+        return {**pool.payload(), "to_pool": [m.name for m in drop if m.state == "warm"], "stopping": stopped,
+                "cancelled": cancelled}  # fmt: skip
 
     async def _stop(self, pool: Pool, member: Member) -> None:
         assert self.router is not None
@@ -389,6 +403,42 @@ class EngineManager:
         member.scope.cancel()
         pool.members.remove(member)
         log.info("engine replica %s stopped (beyond the warm pool)", member.name)
+
+    async def autoscale(self, interval: float) -> None:
+        """``[capacity] autoscale``: every ``interval`` seconds, :meth:`autoscale_once`."""
+        while True:
+            await trio.sleep(interval)
+            await self.autoscale_once(trio.current_time())
+
+    async def autoscale_once(self, now: float) -> dict[str, int]:
+        """Each entry whose model's ``headrace_desired_replicas`` differs from
+        the replicas it serves (and starts) is scaled to it, within 0 and its
+        max_replicas; a scale-up that does not fit is logged and left. The
+        changes made: {entry: replicas}."""
+        from router.metrics import fleet_of
+
+        assert self.router is not None
+        estimator = self.router.metrics.estimator
+        if estimator is None:
+            return {}
+        fleet = fleet_of(self.router.actors, self.router.group_of)
+        changes = {}
+        for pool in self.pools:
+            if pool.served is None:
+                continue
+            n, slots = fleet(pool.served)
+            serving = len(pool.in_state("serving")) + len([m for m in pool.in_state("starting") if not m.warm])
+            target = min(estimator.estimate(pool.served, now, replicas=n, slots=slots).desired, pool.spec.max_replicas)
+            if target == serving:
+                continue
+            try:
+                await self.scale(pool.prefix, target)
+            except InsufficientMemory as exc:
+                log.warning("autoscale: %s stays at %d replicas: %s", pool.prefix, serving, exc.message)
+                continue
+            log.info("autoscale: %s from %d to %d replicas (headrace_desired_replicas)", pool.prefix, serving, target)
+            changes[pool.prefix] = target
+        return changes
 
     # ------------------------------------------------------------ admin
 

@@ -7,7 +7,8 @@ replica is up but takes no traffic; ``POST /admin/engines`` puts it in
 rotation without starting a process for it (processes counted in /proc)
 and refills the pool in the background; scaling down stops the one beyond
 the pool; a fake memory reading too small for one more replica gets a 409
-and changes nothing. The real engine's footprint report: test_serve_engines.py.
+and changes nothing; the autoscale step scales to headrace_desired_replicas.
+Real engines: tests/router/test_replicas.py; their footprint: tests/engine/test_footprint.py.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ async def test_the_warm_pool_takes_no_traffic_and_scale_up_takes_from_it(nursery
     specs = await manager.start(nursery)
     assert [s.name for s in specs] == ["m-0", "m-1"] and mock_processes() == 2
     config = decode_config({"server": {"port": 0}, "routing": {"policy": "round_robin"}, "health": {"interval": 0.2},
+                            "capacity": {"min_replicas": 2},  # headrace_desired_replicas >= 2: for the autoscale step
                             "backends": [{"url": s.url, "kind": "openai", "name": s.name} for s in specs]})  # fmt: skip
     router = Router(config, build_backends(config))
     manager.attach(router)
@@ -183,4 +185,11 @@ async def test_the_warm_pool_takes_no_traffic_and_scale_up_takes_from_it(nursery
         assert 'headrace_local_replicas{pool="m",state="warm"} 1.0' in metrics
         assert 'headrace_local_replica_footprint_bytes{pool="m",source="estimate"}' in metrics
         assert 'headrace_local_replica_cold_start_seconds{pool="m"}' in metrics
+
+        # Autoscale ([capacity] autoscale's step): desired replicas (2, by min_replicas) -> the warm one serves.
+        manager.pools[0].served = "mock"  # the mocks' ready line names no model; engines name theirs
+        assert await manager.autoscale_once(trio.current_time()) == {"m": 2}
+        assert [(m.name, m.state) for m in manager.pools[0].members][:2] == [("m-0", "serving"), ("m-2", "serving")]
+        assert not router.actor("m-2").draining
+        assert await manager.autoscale_once(trio.current_time()) == {}  # at the target: nothing to do
     nursery.cancel_scope.cancel()
