@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.engine.attention import AttentionMetadata, PrefillSpan
-from backends.engine.invariant import KEY_BLOCK, KeyBlocks
+from backends.engine.invariant import KEY_BLOCK, KeyBlocks, rowwise
 
 __all__ = [
     "GGUF_FAMILIES",
@@ -94,8 +94,14 @@ def gemma_attn_scale(family: str, n_layers: int, dim: int, n_heads: int, head_di
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """``tanh(x / cap) * cap`` (Gemma 2's soft-capping); x unchanged for cap 0."""
-    return torch.tanh(x / cap) * cap if cap else x
+    """``tanh(x / cap) * cap`` (Gemma 2's soft-capping); x unchanged for cap 0. By
+    whole rows of the last dim (invariant.rowwise): tanh's vector loop and its scalar
+    tail round differently, so an element's bits must not depend on where the call's
+    tail or thread split falls."""
+    if not cap or not x.numel():
+        return x
+    rows = x.reshape(-1, x.shape[-1])
+    return rowwise(lambda t: torch.tanh(t / cap) * cap, rows).view(x.shape)
 
 
 # ---- attention ------------------------------------------------------------------------

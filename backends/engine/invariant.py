@@ -238,8 +238,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kb: KeyBlocks, *,
             scores = torch.bmm(keys[h, j].expand(b.shape[0], -1, -1), b)  # [n, B, G]
             full[r, h, :, j] = scores.transpose(-1, -2) * scale
     flat = full.view(rows, n_kv, group, blocks * width)
-    if softcap:
-        flat = torch.tanh(flat / softcap) * softcap
+    if softcap:  # by whole rows (rowwise): tanh's vector loop and tail round apart
+        flat = rowwise(lambda t: torch.tanh(t / softcap) * softcap,
+                       flat.reshape(-1, blocks * width)).view(flat.shape)
     flat.masked_fill_(kb.masked[:, None, None, :], -torch.inf)
     probs = torch.softmax(flat, dim=-1).view(rows, n_kv, group, blocks, width)
     acc = qt.new_zeros(rows, kb.tree, n_kv, group, head_dim)

@@ -395,3 +395,26 @@ def test_qwen_windows_start_at_max_window_layers() -> None:
     assert hf_family_args(config, "qwen2", 4)["sliding_windows"] == (0, 0, 32, 32)
     assert "sliding_windows" not in hf_family_args({**config, "use_sliding_window": False},
                                                    "qwen2", 4)
+
+
+def test_bfloat16_invariant_whatever_the_batch_and_cache(family: Any) -> None:
+    """bfloat16 on the batch-invariant kernels: the same request gives the same logits,
+    bit for bit, alone, batched with another request, after a prefix-cache hit and
+    decoded token by token."""
+    _, folder, _, _ = family
+    runner = ModelRunner(load_model(str(folder), dtype=torch.bfloat16).model,
+                         num_kv_blocks=40, block_size=4)
+    alone = runner.execute([ScheduledSeq(_seq(TOKENS, list(range(7))), 28)], [28])
+    other = _seq([3, 4, 5, 6, 7, 8, 9], [30, 31])
+    batched = runner.execute([ScheduledSeq(other, 7), ScheduledSeq(_seq(TOKENS, list(
+        range(10, 17))), 28)], [7, 28])[7:]
+    assert torch.equal(alone, batched)
+    hit = runner.execute([ScheduledSeq(_seq(TOKENS, [10, 11, 20, 21, 22, 23, 24], 8), 20)],
+                         [20])
+    assert torch.equal(alone[8:], hit)
+    seq = _seq(TOKENS[:12], [10, 11, 25], 8)
+    steps = []
+    for _ in range(4):
+        steps.append(runner.execute([ScheduledSeq(seq, 1)], [1]))
+        seq.num_computed_tokens += 1
+    assert torch.equal(alone[8:12], torch.cat(steps))
