@@ -101,7 +101,8 @@ _GEMMA_LAYER = {
 }
 
 
-def _write_gguf(model: torch.nn.Module, family: str, path: Path) -> Path:
+def _write_gguf(model: torch.nn.Module, family: str, path: Path,
+                qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
     """As llama.cpp's convert_hf_to_gguf.py writes it: Mistral as "llama" with q/k rows
     permuted to adjacent pairs, the others under their own name, rotate-half rows
     left as they are, Gemma's norm weights stored as ``1 + weight``."""
@@ -159,7 +160,11 @@ def _write_gguf(model: torch.nn.Module, family: str, path: Path) -> Path:
                 x = permute_qk_from_hf(x, c.num_attention_heads)
             elif family == "mistral" and rest == "self_attn.k_proj.weight":
                 x = permute_qk_from_hf(x, c.num_key_value_heads)
-        w.add_tensor(out, np.ascontiguousarray(x.numpy()))
+        array = np.ascontiguousarray(x.numpy())
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(out, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -418,3 +423,33 @@ def test_bfloat16_invariant_whatever_the_batch_and_cache(family: Any) -> None:
         steps.append(runner.execute([ScheduledSeq(seq, 1)], [1]))
         seq.num_computed_tokens += 1
     assert torch.equal(alone[8:12], torch.cat(steps))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_q4_gguf_in_bfloat16_serves_its_codes(name: str, tmp_path: Path) -> None:
+    """A Q4_0 file in bfloat16, its 4-bit codes attached as the engine attaches them
+    (backend.py): the linears whose rows were not permuted keep their codes (the packed
+    decode rows take them where the machine has the int4 kernel), and the logits stay
+    within bfloat16 rounding of the dequantised float32 model's."""
+    from backends.engine.quant import attach_q4, q4_of
+
+    path = _write_gguf(_hf_model(name), name, tmp_path / "q4.gguf",
+                       gguf.GGMLQuantizationType.Q4_0)
+    want = ModelRunner(load_model(str(path)).model, num_kv_blocks=40, block_size=4)
+    loaded = load_model(str(path), dtype=torch.bfloat16)
+    assert attach_q4(loaded.model, loaded.q4) > 0
+    attn = loaded.model.layers[0].attention
+    assert q4_of(attn.wq) is None and q4_of(attn.wo) is not None  # q rows permuted: dense
+    for invariant in (True, False):
+        got = ModelRunner(loaded.model, num_kv_blocks=40, block_size=4,
+                          batch_invariant=invariant)
+        for runner_ in (want, got):
+            seq = _seq(TOKENS[:12], [0, 1, 2])
+            rows = [runner_.execute([ScheduledSeq(seq, 8)], [8])]
+            seq.num_computed_tokens = 8
+            for _ in range(4):
+                rows.append(runner_.execute([ScheduledSeq(seq, 1)], [1]))
+                seq.num_computed_tokens += 1
+            if runner_ is want:
+                expected = torch.cat(rows)
+        assert _rel(torch.cat(rows), expected) < 5e-2
