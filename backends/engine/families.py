@@ -61,6 +61,7 @@ HF_FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (text only)
 }
 # GGUF ``general.architecture`` values (llama.cpp writes Mistral as "llama").
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -209,6 +210,40 @@ def windowed_blocks(kb: KeyBlocks, window: int) -> KeyBlocks:
 
 
 # ---- checkpoints ----------------------------------------------------------------------
+
+# Gemma3TextConfig's defaults: the published configs leave these out (gemma-3-4b's
+# text_config has no head counts).
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+def text_config(config: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """The language model's config: a multimodal Gemma 3's ``text_config``, with
+    Gemma3TextConfig's defaults under what it gives."""
+    if family != "gemma3":
+        return dict(config)
+    inner = config.get("text_config") or config
+    tie = config.get("tie_word_embeddings", inner.get("tie_word_embeddings", True))
+    return {**_GEMMA3_DEFAULTS, **inner, "tie_word_embeddings": tie,
+            "architectures": config.get("architectures")}
+
+
+def hf_text_name(name: str) -> str:
+    """A multimodal checkpoint's language-model tensor name as a text model's
+    (``language_model.model.X`` / ``model.language_model.X`` -> ``model.X``); vision
+    tower and projector names come back unchanged (and unused)."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return name
+
 
 
 def hf_family_args(config: Mapping[str, Any], family: str, n_layers: int) -> dict[str, Any]:

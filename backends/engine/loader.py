@@ -289,12 +289,13 @@ def _read_hf(folder: Path) -> Checkpoint:
             f"{folder}: unsupported architectures {sorted(archs)} (supported: {sorted(_HF_ARCHS)})"
         )
     family = families.HF_FAMILIES[known[0]]
+    config = families.text_config(config, family)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
     raw: dict[str, torch.Tensor] = {}
     for f in files:
-        raw.update(load_file(str(f)))
+        raw.update({families.hf_text_name(k): v for k, v in load_file(str(f)).items()})
     args = _hf_args(
         config, tie="lm_head.weight" not in raw or bool(config.get("tie_word_embeddings")),
         family=family,

@@ -453,3 +453,37 @@ def test_q4_gguf_in_bfloat16_serves_its_codes(name: str, tmp_path: Path) -> None
             if runner_ is want:
                 expected = torch.cat(rows)
         assert _rel(torch.cat(rows), expected) < 5e-2
+
+
+def test_multimodal_gemma3_serves_its_language_model(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (the 4B-27B models): its language
+    model, from ``text_config`` and the ``language_model`` tensors, vision tower left
+    out, gives the text-only logits transformers gives; a linear RoPE scaling on the
+    global layers, as gemma-3-4b has."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    n = len(tiny.vocab()[0])
+    text = {**COMMON, "vocab_size": n, "head_dim": 16, "sliding_window": 5,
+            "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                   "rope_theta": 1_000_000.0}}}
+    config = Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+    torch.manual_seed(7)
+    model = Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+        expected = model(input_ids=torch.tensor([TOKENS])).logits[0]
+    folder = tiny.write_hf(model, tmp_path / "hf")
+    loaded = load_model(str(folder))
+    assert loaded.args.layer_ropes == ((10000.0, 1.0), (1_000_000.0, 4.0))
+    for invariant in (True, False):
+        runner = ModelRunner(loaded.model, num_kv_blocks=40, block_size=4,
+                             batch_invariant=invariant)
+        errs = _engine_paths(runner, expected)
+        assert max(errs.values()) < 1e-4, (invariant, errs)
