@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain torch, gpt-fast style.
+"""A Llama-family decoder in plain torch, gpt-fast style; the other families (Qwen2,
+Qwen3, Mistral, Gemma 2/3) are this decoder with the switches of families.py on.
 
 One flat batch of tokens goes through the model: ``input_ids [T]`` from any number of
 sequences, ``positions [T]``, and an :class:`AttentionMetadata` that says which cache
