@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backends.engine import native
 from backends.engine import runner as runner_module
 from backends.engine.backend import build_engine
 from backends.engine.config import EngineConfig
@@ -172,3 +173,34 @@ def test_models_route_reports_the_runner_memory(tiny_gguf: Path) -> None:
                            "kv_blocks_resident", "workspace"}
     routes.backend = SimpleNamespace(engine=SimpleNamespace(runner=object()))  # type: ignore[assignment]
     assert routes._memory() is None
+
+
+def _amx() -> bool:
+    lib = native.library()
+    return lib is not None and bool(lib.hr_amx())
+
+
+@pytest.mark.skipif(not _amx(), reason="needs the native kernels (a C compiler) and AMX")
+@pytest.mark.parametrize("invariant", [True, False])
+def test_with_amx_the_integer_layout_is_built_only_when_a_step_reads_it(
+    tmp_path: Path, invariant: bool
+) -> None:
+    import gguf
+
+    from tests.engine import tiny
+
+    path = tiny.write_gguf(tiny.hf_model(hidden=128, heads=2, kv_heads=1), tmp_path / "q4.gguf",
+                           qtype=gguf.GGMLQuantizationType.Q4_1)
+    config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=LIMIT,
+                          block_size=BLOCK, batch_invariant=invariant)
+    engine, _, _ = build_engine(config)
+    plan = engine.runner.model.native_plan()
+    assert plan is not None and plan.amx
+    before = engine.runner.memory().packed
+    assert plan._groups is not None and plan.layers[0].qkv is None  # AMX layout only
+    _run(engine, PROMPTS[:1], max_tokens=3)  # one sequence decoding
+    if invariant:  # every row through the batched (AMX) kernel: still not built
+        assert plan._groups is not None and engine.runner.memory().packed == before
+    else:  # the few-sequence integer kernel: laid out at its first step
+        assert plan._groups is None and plan.layers[0].qkv
+        assert engine.runner.memory().packed > before
