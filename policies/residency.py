@@ -26,18 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CUDA_CONTEXT",
     "GGUF_EXPANSION",
     "RUNTIME_OVERHEAD",
     "Footprint",
     "MemoryReading",
     "Placement",
     "estimate_footprint",
+    "footprint_from_report",
     "place",
 ]
 
 MiB = 1 << 20
 GiB = 1 << 30
 GGUF_EXPANSION = 4.0  # in-memory weights per GGUF byte (4-bit codes -> bfloat16, plus packed copies)
+CUDA_CONTEXT = 512 * MiB  # a process's CUDA context and allocator slack, outside torch.cuda.memory_allocated
 RUNTIME_OVERHEAD = 768 * MiB  # torch, the tokenizer and the server in one engine process (RSS past weights and KV: ~750 MiB measured on CPU)
 
 
@@ -80,10 +83,15 @@ def estimate_footprint(weight_files: dict[str, int], kv_cache_bytes: int, *, ove
     return Footprint(weights=weights, kv_cache=kv_cache_bytes, overhead=overhead, source="estimate")
 
 
-def footprint_from_report(weights: int, kv_cache: int, resident: int) -> Footprint:
-    """A running replica's report: ``resident`` (its RSS, or its CUDA memory)
-    covers weights and KV cache, so the rest of it is overhead."""
-    return Footprint(weights=weights, kv_cache=kv_cache, overhead=max(0, resident - weights - kv_cache), source="report")
+def footprint_from_report(weights: int, kv_cache: int, resident: int, *, kv_resident: bool = False, extra: int = 0) -> Footprint:
+    """A running replica's report. On CPU (``kv_resident`` false) the KV
+    cache is reserved but becomes resident only as it is used, so the
+    resident set past the weights is the runtime's, and the replica grows to
+    weights + KV cache + that; on CUDA (``kv_resident``) the allocation holds
+    the KV cache already, and ``extra`` (the CUDA context, outside
+    memory_allocated) comes on top."""
+    past = resident - weights - (kv_cache if kv_resident else 0)
+    return Footprint(weights=weights, kv_cache=kv_cache, overhead=max(0, past) + extra, source="report")
 
 
 def place(

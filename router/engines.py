@@ -50,6 +50,7 @@ from backends.errors import BadRequest, ClientError, NotFound
 from frontend import metric_names as N
 from frontend.server import HTTPRequest, Response, json_response
 from policies.residency import (
+    CUDA_CONTEXT,
     Footprint,
     MemoryReading,
     estimate_footprint,
@@ -181,7 +182,7 @@ class Pool:
 
     def __init__(self, spec: EngineSpec, prefix: str, args: list[str]) -> None:
         self.spec, self.prefix, self.args = spec, prefix, args
-        self.model = spec.model or _default_model()
+        self.model = spec.model or _arg(args, "--model") or _default_model()  # --engine-args may name it
         self.device = _device(args)
         self.members: list[Member] = []
         self.created = 0
@@ -191,7 +192,8 @@ class Pool:
         name = f"{self.prefix}-{self.created}"
         self.created += 1
         args = self.args if "--threads" in self.args else ["--threads", str(threads), *self.args]
-        member = Member(name, make(name, ["--model", self.model, *args]), warm=warm)
+        model = [] if "--model" in args else ["--model", self.model]
+        member = Member(name, make(name, [*model, *args]), warm=warm)
         self.members.append(member)
         return member
 
@@ -203,9 +205,10 @@ class Pool:
         for m in reversed(self.members):
             f = m.replica.footprint
             if f is not None:
-                resident = f.get("cuda_allocated_bytes") if self.device.startswith("cuda") else f.get("rss_bytes")
-                if isinstance(resident, int) and resident > 0:
-                    return footprint_from_report(int(f.get("weights_bytes") or 0), int(f.get("kv_cache_bytes") or 0), resident)  # type: ignore[call-overload]
+                cuda = self.device.startswith("cuda")
+                resident, weights, kv = (f.get(k) for k in ("cuda_allocated_bytes" if cuda else "rss_bytes", "weights_bytes", "kv_cache_bytes"))
+                if isinstance(resident, int) and resident > 0 and isinstance(weights, int) and isinstance(kv, int):
+                    return footprint_from_report(weights, kv, resident, kv_resident=cuda, extra=CUDA_CONTEXT if cuda else 0)
         return estimate_footprint(weight_files(self.model), _kv_bytes(self.args, self.device))
 
     def names(self) -> set[str]:

@@ -8,7 +8,15 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.residency import GGUF_EXPANSION, GiB, MiB, MemoryReading, estimate_footprint, footprint_from_report, place
+from policies.residency import (
+    GGUF_EXPANSION,
+    GiB,
+    MemoryReading,
+    MiB,
+    estimate_footprint,
+    footprint_from_report,
+    place,
+)
 
 READING = MemoryReading("cpu", available=10 * GiB, total=16 * GiB, at=100.0)
 
@@ -21,13 +29,15 @@ def test_a_gguf_file_is_estimated_expanded_plus_kv_cache_and_overhead() -> None:
     assert safetensors.total == 500 * MiB
 
 
-def test_a_report_puts_the_resident_set_past_weights_and_kv_into_overhead() -> None:
-    fp = footprint_from_report(weights=300 * MiB, kv_cache=GiB, resident=2 * GiB)
-    assert (fp.total, fp.overhead, fp.source) == (2 * GiB, 2 * GiB - 300 * MiB - GiB, "report")
+def test_a_cpu_report_grows_by_its_kv_cache_a_cuda_one_holds_it_already() -> None:
+    cpu = footprint_from_report(weights=300 * MiB, kv_cache=GiB, resident=800 * MiB)  # KV reserved, not yet resident
+    assert (cpu.total, cpu.overhead, cpu.source) == (800 * MiB + GiB, 500 * MiB, "report")
+    cuda = footprint_from_report(weights=300 * MiB, kv_cache=GiB, resident=1424 * MiB, kv_resident=True, extra=512 * MiB)
+    assert (cuda.total, cuda.overhead) == (1424 * MiB + 512 * MiB, 100 * MiB + 512 * MiB)
 
 
 def test_a_replica_that_fits_is_placed_and_one_too_big_is_refused_with_both_numbers() -> None:
-    small = footprint_from_report(GiB, GiB, 3 * GiB)
+    small = footprint_from_report(GiB, GiB, 3 * GiB, kv_resident=True)
     ok = place("qwen", small, READING, now=101.0)
     assert ok.fits and ok.need == 3 * GiB
     refused = place("qwen", small, READING, now=101.0, count=4)  # 12 GiB > 10 - 0.8 headroom
@@ -36,7 +46,7 @@ def test_a_replica_that_fits_is_placed_and_one_too_big_is_refused_with_both_numb
 
 
 def test_replicas_still_starting_count_against_the_memory_left() -> None:
-    fp = footprint_from_report(GiB, GiB, 3 * GiB)
+    fp = footprint_from_report(GiB, GiB, 3 * GiB, kv_resident=True)
     assert place("m", fp, READING, now=100.0, count=2).fits
     refused = place("m", fp, READING, now=100.0, count=2, pending=4 * GiB)
     assert not refused.fits and "4.00 GiB promised to replicas starting" in refused.reason
