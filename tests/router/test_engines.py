@@ -82,9 +82,13 @@ def test_startup_placement_counts_every_entry_on_the_device(tmp_path: Path) -> N
 MOCK = [sys.executable, "-m", "router.cli", "mock"]
 
 
+GATED: set[str] = set()  # replicas whose process waits (forever) before it becomes the mock
+
+
 def mock_replica(name: str, args: list[str]) -> EngineReplica:
     """A replica actor whose process is ``headrace mock`` (its engine flags dropped)."""
-    return EngineReplica(name, ["--model", "mock"], program=MOCK, ready_prefix="mock ", startup_timeout=60)
+    program = MOCK if name not in GATED else ["sh", "-c", 'while :; do sleep 0.05; done; exec "$@"', "sh", *MOCK]
+    return EngineReplica(name, ["--model", "mock"], program=program, ready_prefix="mock ", startup_timeout=60)
 
 
 def mock_processes() -> int:
@@ -171,6 +175,7 @@ async def test_the_warm_pool_takes_no_traffic_and_scale_up_takes_from_it(nursery
         assert "1 replica of m need 1.75 GiB" in r.json()["error"]["message"]  # the warm one would be taken, one cold
         pool = (await admin.get("/admin/engines")).json()["data"][0]
         assert (pool["replicas"], pool["warm"], pool["starting"]) == (2, 1, 0) and mock_processes() == 3
+        memory.available = 32 * GiB
 
         # Down by one: the pool is full, so the dropped replica stops.
         r = await admin.post("/admin/engines", json={"model": "m", "replicas": 1})
@@ -186,10 +191,35 @@ async def test_the_warm_pool_takes_no_traffic_and_scale_up_takes_from_it(nursery
         assert 'headrace_local_replica_footprint_bytes{pool="m",source="estimate"}' in metrics
         assert 'headrace_local_replica_cold_start_seconds{pool="m"}' in metrics
 
+        GATED.add("m-3")
         # Autoscale ([capacity] autoscale's step): desired replicas (2, by min_replicas) -> the warm one serves.
         manager.pools[0].served = "mock"  # the mocks' ready line names no model; engines name theirs
         assert await manager.autoscale_once(trio.current_time()) == {"m": 2}
         assert [(m.name, m.state) for m in manager.pools[0].members][:2] == [("m-0", "serving"), ("m-2", "serving")]
         assert not router.actor("m-2").draining
         assert await manager.autoscale_once(trio.current_time()) == {}  # at the target: nothing to do
+
+        # Down again while the refill (m-3, held before it serves) is still loading: the loaded
+        # replica goes back into the pool and the refill is cancelled, its process stopped.
+        pool = (await admin.get("/admin/engines")).json()["data"][0]
+        assert [(m["name"], m["state"]) for m in pool["members"]][2:] == [("m-3", "starting")] and mock_processes() == 3
+        r = await admin.post("/admin/engines", json={"model": "m", "replicas": 1})
+        assert r.status_code == 200 and (r.json()["to_pool"], r.json()["cancelled"], r.json()["stopping"]) == (["m-2"], ["m-3"], []), r.text
+        pool = await _until(admin, lambda p: len(p["members"]) == 2)
+        assert [(m["name"], m["state"]) for m in pool["members"]] == [("m-0", "serving"), ("m-2", "warm")]
+        assert router.actor("m-2").draining
+        with trio.fail_after(10):
+            while mock_processes() != 2:
+                await trio.sleep(0.05)
     nursery.cancel_scope.cancel()
+
+
+def test_headrace_serve_refuses_a_model_that_does_not_fit_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Placement at startup: exit status 2 and one clear line, no process started."""
+    from router.server import main
+
+    (model := tmp_path / "big.gguf").write_bytes(b"\0" * 1024)
+    (config := tmp_path / "headrace.toml").write_text(f'[[engines]]\nmodel = "{model}"\nname = "big"\nargs = ["--kv-cache-gb", "100000"]\n')
+    assert main(["--config", str(config), "--workers", "1", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("headrace serve: engines: 1 replica of big need 100000.75 GiB") and "left on cpu" in err[0], err
