@@ -17,7 +17,9 @@ how many of a model's replicas serve: up takes warm replicas first (answer
 refills the pool in the background; down drains replicas back into the pool
 (and stops those beyond it). ``m`` is the entry's ``name``, its ``model``
 path, or the model name its replicas serve. ``GET /admin/engines`` lists
-every pool and replica with its footprint and cold-start time.
+every pool and replica with its footprint and cold-start time. With
+``[capacity] autoscale = true`` the same happens every ``autoscale_interval``
+seconds to each model's ``headrace_desired_replicas`` (policies/capacity.py).
 
 Placement (policies/residency.py): before any replica starts, its footprint
 (the model's last report from a running replica, else an estimate from its

@@ -1,8 +1,8 @@
 """Backend specs from the config -> Backend clients the actors own.
 
-:func:`default_backends` is the one place that says what ``headrace serve``
-routes to when nothing is configured: two built-in engine replicas on the
-default model, run as local child processes (``router.replicas``).
+:func:`default_backends` names the local engine replicas ``headrace serve``
+routes to when no backend is configured (by default two on the default
+model, :data:`DEFAULT_REPLICAS`; ``[[engines]]`` says otherwise: router/engines.py).
 """
 
 from __future__ import annotations
