@@ -234,12 +234,13 @@ async def test_headrace_engine_command_serves_and_drains_on_sigint(tiny_gguf: Pa
     try:
         with trio.fail_after(60):
             assert proc.stdout is not None
-            line = b""
-            while b"\n" not in line:
+            out = b""  # start-up lines (what it loaded and holds), then the URL
+            while b"engine serving" not in out or not out.endswith(b"\n"):
                 chunk = await proc.stdout.receive_some(1024)
                 assert chunk, "engine exited before printing its URL"
-                line += chunk
-            url = line.decode().split(" on ", 1)[1].strip()
+                out += chunk
+            line = next(x for x in out.decode().splitlines() if x.startswith("engine serving"))
+            url = line.split(" on ", 1)[1].strip()
             async with httpx.AsyncClient(base_url=url) as client:
                 assert (await client.get("/health")).status_code == 200
                 r = await client.post("/v1/completions", json={"prompt": "the", "max_tokens": 2})
