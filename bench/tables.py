@@ -96,7 +96,7 @@ def _load(root: Path, row: Row, kind: str) -> dict[str, Any]:
         )
     if not doc.get("command"):
         raise TablesError(f"{row.path}: no bench command recorded")
-    return doc
+    return doc  # type: ignore[no-any-return]
 
 
 def _machine(cpu: dict[str, Any]) -> str:

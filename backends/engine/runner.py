@@ -189,13 +189,18 @@ class ModelRunner:
                 weights += _nbytes(t)
         for module in self.model.modules():
             q4 = q4_of(module) if isinstance(module, torch.nn.Linear) else None
-            extra = [q4.codes, q4.scale, q4.zero] if q4 is not None else []
-            int4 = getattr(module, "_headrace_int4", None)  # torch's packed layout, if built
-            extra += [getattr(int4, "packed", None), getattr(int4, "scales_and_zeros", None)]
-            for t in extra:
-                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    packed += _nbytes(t)
+            extra: list[object] = [q4.codes, q4.scale, q4.zero] if q4 is not None else []
+            for group in module.__dict__.values():  # model.LinearGroup's layouts, once built
+                int4 = getattr(group, "_int4", None)  # torch's 4-bit kernel's
+                extra += [getattr(group, "_packed", None), getattr(int4, "packed", None),
+                          getattr(int4, "scales_and_zeros", None)]  # and oneDNN's
+            for layout in extra:
+                if not isinstance(layout, torch.Tensor):
+                    continue
+                key = id(layout) if layout.is_mkldnn else layout.data_ptr()  # opaque: no pointer
+                if key not in seen:
+                    seen.add(key)
+                    packed += _nbytes(layout)
         workspace = 0
         plan = self.model.__dict__.get("_fast", {}).get("native")
         if plan:
