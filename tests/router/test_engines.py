@@ -202,7 +202,10 @@ async def test_the_warm_pool_takes_no_traffic_and_scale_up_takes_from_it(nursery
         # Down again while the refill (m-3, held before it serves) is still loading: the loaded
         # replica goes back into the pool and the refill is cancelled, its process stopped.
         pool = (await admin.get("/admin/engines")).json()["data"][0]
-        assert [(m["name"], m["state"]) for m in pool["members"]][2:] == [("m-3", "starting")] and mock_processes() == 3
+        assert [(m["name"], m["state"]) for m in pool["members"]][2:] == [("m-3", "starting")]
+        with trio.fail_after(10):  # its process (held at the gate) is spawned in the background
+            while mock_processes() != 3:
+                await trio.sleep(0.05)
         r = await admin.post("/admin/engines", json={"model": "m", "replicas": 1})
         assert r.status_code == 200 and (r.json()["to_pool"], r.json()["cancelled"], r.json()["stopping"]) == (["m-2"], ["m-3"], []), r.text
         pool = await _until(admin, lambda p: len(p["members"]) == 2)
