@@ -1,8 +1,11 @@
 """Tokenizer and chat template, taken from the same file as the weights.
 
 A GGUF file carries its vocabulary as llama.cpp metadata (``tokenizer.ggml.*``); we
-rebuild a Hugging Face ``tokenizers`` byte-level BPE from it, with the pre-tokenizer
-llama.cpp uses for that ``tokenizer.ggml.pre``. A Hugging Face directory carries
+rebuild a Hugging Face ``tokenizers`` tokenizer from it: a byte-level BPE
+(``tokenizer.ggml.model`` ``gpt2``) with the pre-tokenizer llama.cpp uses for that
+``tokenizer.ggml.pre``, or a SentencePiece BPE with byte fallback (``llama``: Llama 2,
+Mistral, Gemma), as transformers' GGUF conversion builds it (merges recovered from the
+scores, the ``▁`` word marker, ``<0xNN>`` byte tokens). A Hugging Face directory carries
 ``tokenizer.json`` and ``tokenizer_config.json``. Either way nothing is fetched from
 the network.
 
@@ -30,7 +33,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from backends.engine import generation_config
@@ -41,6 +44,11 @@ __all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+
+_SPACE = "\u2581"  # SentencePiece's word marker
+# Architectures whose SentencePiece vocabulary has no space prefix and ranks merges by
+# the order of the tokens in the file (transformers' gemma_tokenizer).
+_GEMMA_SPM = {"gemma", "gemma2", "gemma3"}
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
@@ -66,6 +74,84 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
     return byte_level
+
+
+_SPM_NAMED = ("unknown", "bos", "eos", "padding")
+
+
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str]) -> tuple[list[str], HFTokenizer]:
+    """A SentencePiece BPE with byte fallback from ``tokenizer.ggml.*``, as transformers'
+    GGUF conversion builds it (``LlamaTokenizer``, or ``GemmaTokenizer`` for Gemma).
+
+    Returns the tokens as the vocabulary spells them (Gemma files store a run of
+    spaces as real spaces; the vocabulary looks it up as ``▁▁``) and the tokenizer.
+    Merges come from the file or, as SentencePiece files have none, from the
+    vocabulary: every split of a token into two tokens, ranked by the token's score
+    (Gemma: by its place in the file, which is its merge order)."""
+    gemma = meta.get("general.architecture") in _GEMMA_SPM
+    if gemma:
+        tokens = [_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        if gemma:
+            ranks = {tok: float(-i) for i, tok in enumerate(tokens)}
+        else:
+            scores = meta.get("tokenizer.ggml.scores")
+            scores = [0.0] * len(tokens) if scores is None else list(scores)
+            ranks = {tok: float(sc) for tok, sc in zip(tokens, scores, strict=False)}
+        merges = _merges_from_scores(vocab, ranks)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=unk if gemma else None,
+            ignore_merges=False,
+        )
+    )
+    steps: list[decoders.Decoder] = [
+        decoders.Replace(_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if gemma:  # no space prefix: every space is a marker, split nowhere
+        backend.normalizer = normalizers.Replace(" ", _SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif meta.get("tokenizer.ggml.add_space_prefix", True):
+        # A marker in front of the text (not after a special token); decode drops it.
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            _SPACE, prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            _SPACE, prepend_scheme="never", split=False
+        )
+    backend.decoder = decoders.Sequence(steps)
+    return tokens, backend
+
+
+def _merges_from_scores(
+    vocab: Mapping[str, int], ranks: Mapping[str, float]
+) -> list[tuple[str, str]]:
+    """transformers' ``generate_merges``: each token's splits into two tokens of the
+    vocabulary, best-ranked token first (ties: longer left, then longer right part)."""
+    found: list[tuple[str, str, float]] = []
+    for piece, rank in ranks.items():
+        local = [
+            (piece[:k], piece[k:], rank)
+            for k in range(1, len(piece))
+            if piece[:k] in vocab and piece[k:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found.extend(local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
 
 
 class Tokenizer:
@@ -101,17 +187,23 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from ``tokenizer.ggml.*`` keys (values already decoded to Python)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(
-                f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')"
-            )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            vocab = {tok: i for i, tok in enumerate(tokens)}
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+            backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+            backend.decoder = decoders.ByteLevel()
+            default_bos = False
+        elif kind == "llama":
+            tokens, backend = _sentencepiece(meta, tokens)
+            default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary by default
+        else:
+            raise TokenizerError(
+                f"unsupported GGUF tokenizer model {kind!r}"
+                " (byte-level BPE 'gpt2' and SentencePiece 'llama' are supported)"
+            )
         special = [
             AddedToken(tokens[i], special=True, normalized=False)
             for i, t in enumerate(types)
@@ -122,6 +214,13 @@ class Tokenizer:
             for i, t in enumerate(types)
             if t == _USER_DEFINED
         ]
+        if kind == "llama":  # transformers makes bos/eos/unk/pad special whatever their type
+            named = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in _SPM_NAMED)
+            have = {t.content for t in special}
+            for i in named:
+                if i is not None and 0 <= int(i) < len(tokens) and tokens[int(i)] not in have:
+                    special.append(AddedToken(tokens[int(i)], special=True, normalized=False))
+                    have.add(tokens[int(i)])
         backend.add_special_tokens(special)
         backend.add_tokens(user)
         eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -133,7 +232,7 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=list(dict.fromkeys(eos_ids)),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
             recommended_sampling=generation_config.from_gguf_metadata(meta),
         )
 
