@@ -145,7 +145,6 @@ class StreamingBody:
         return await self.handler(request)
 
 
-
 class Response:
     """A complete response, or a streaming one when ``stream`` is set."""
 

@@ -54,10 +54,10 @@ from backends.errors import BadRequest, HeadraceError
 from frontend import metric_names as N
 from frontend.call import Call
 from frontend.context import Principal, RequestContext, trace_logger
+from frontend.exposition import render_cooperatively
 from frontend.kv_stream import kv_events_response
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve
-from frontend.exposition import render_cooperatively
 from frontend.sli import ROUTE_OF_KIND, CallTimer
 
 __all__ = ["build_app", "main", "run_server"]
