@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from priority.priority import DeadlockError, DuplicateStreamError, MissingStreamError, PseudoStreamError
+from priority.priority import (
+    DeadlockError,
+    DuplicateStreamError,
+    MissingStreamError,
+    PseudoStreamError,
+)
 
 __all__ = ["RoundRobinStreams"]
 

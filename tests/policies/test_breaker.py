@@ -132,7 +132,7 @@ def test_the_fleet_rule_holds_in_each_group_apart(sizes: list[int], loose: int, 
         fleet.record(names[i % len(names)], False, 0.0)
     for group in [*groups, rest] if rest else groups:
         ejected = sum(fleet.state(x, 0.0) is not S.CLOSED for x in group)
-        assert ejected <= max(1, int(fraction * len(group))) and ejected < len(group) or ejected == 0
+        assert (ejected <= max(1, int(fraction * len(group))) and ejected < len(group)) or ejected == 0
         assert any(fleet.allows(x, 0.0) for x in group)
 
 

@@ -118,7 +118,7 @@ async def test_the_fleet_rule_counts_each_model_groups_ejections_apart(autojump_
         assert len([e async for e in d.stream(GenerateRequest(model=model))]) == 4  # retried on the group's next
     now = trio.current_time()
     assert {n: breakers.state(n, now) for n in ("a1", "b1")} == {"a1": BreakerState.OPEN, "b1": BreakerState.OPEN}
-    assert [g for g in breakers.groups_of("b1")] == [frozenset({"b1", "b2", "b3", "b4"})]
+    assert breakers.groups_of("b1") == [frozenset({"b1", "b2", "b3", "b4"})]
 
 
 async def test_a_cancelled_half_open_probe_does_not_wedge_the_breaker(autojump_clock: trio.testing.MockClock) -> None:
