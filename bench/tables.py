@@ -58,11 +58,20 @@ TABLES: dict[str, Table] = {
     "engine": Table(
         name="engine",
         kind="engine",
+        # three back-to-back pairs on one busy 2-core box: the spread is the box's
         rows=(
-            Row("headrace engine, default flags (bfloat16, native kernels)",
+            Row("headrace, default flags (5d28288), pair 1",
                 f"{_ISSUE19}/engine_after.json"),
-            Row("the same before issue 19's memory work (ca4e4e7)",
+            Row("before issue 19's memory work (ca4e4e7), pair 1",
                 f"{_ISSUE19}/engine_before.json"),
+            Row("headrace, default flags (5d28288), pair 2",
+                f"{_ISSUE19}/engine_after_2.json"),
+            Row("before issue 19's memory work (ca4e4e7), pair 2",
+                f"{_ISSUE19}/engine_before_2.json"),
+            Row("headrace, default flags (5d28288), pair 3",
+                f"{_ISSUE19}/engine_after_3.json"),
+            Row("before issue 19's memory work (ca4e4e7), pair 3",
+                f"{_ISSUE19}/engine_before_3.json"),
         ),
         levels=(1, 16),
     ),
