@@ -9,8 +9,10 @@ the same model (policies/residency.py)::
     {"load_seconds": 2.41, "weights_bytes": ..., "kv_cache_bytes": ...,
      "rss_bytes": ..., "device": "cpu", "cuda_allocated_bytes": null}
 
-``weights_bytes`` counts the model's parameters and buffers (and 4-bit codes
-kept packed beside them); ``rss_bytes`` is the process's resident set
+``weights_bytes`` counts the model's parameters and buffers and every packed
+layout beside them, and ``kv_cache_bytes`` the KV cache reserved, as the
+runner's own ``memory()`` counts them (the live breakdown ``/v1/models``
+reports as ``memory``), so the two reports agree; ``rss_bytes`` is the process's resident set
 (VmRSS); on CUDA ``cuda_allocated_bytes`` is ``torch.cuda.memory_allocated``.
 """
 
@@ -86,10 +88,17 @@ def measure(runner: Any, load_seconds: float) -> Footprint:
     allocated = None
     if isinstance(device, torch.device) and device.type == "cuda":
         allocated = int(torch.cuda.memory_allocated(device))
+    memory = getattr(runner, "memory", None)  # runner.MemoryFootprint: the one count where the runner has it
+    if memory is not None:
+        m = memory()
+        weights, kv_bytes = m.weights + m.packed, m.kv_reserved
+    else:  # a runner without one (a tensor-parallel rank's stand-in)
+        weights = _weights_bytes(getattr(runner, "model", None))
+        kv_bytes = _tensor_bytes(kv) if isinstance(kv, torch.Tensor) else 0
     return Footprint(
         load_seconds=round(load_seconds, 3),
-        weights_bytes=_weights_bytes(getattr(runner, "model", None)),
-        kv_cache_bytes=_tensor_bytes(kv) if isinstance(kv, torch.Tensor) else 0,
+        weights_bytes=weights,
+        kv_cache_bytes=kv_bytes,
         rss_bytes=rss_bytes(),
         device=str(device),
         cuda_allocated_bytes=allocated,

@@ -1,5 +1,7 @@
 """The engine's footprint report (backends/engine/footprint.py): weights are
-the model's parameters and buffers, the KV cache is the runner's KV tensor,
+the model's parameters, buffers and packed layouts and the KV cache the one
+reserved, as the runner's memory() counts them (so /v1/models' footprint and
+memory agree),
 the resident set is the process's; /v1/models carries it for each model."""
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ def test_the_footprint_counts_weights_kv_cache_and_the_resident_set(tiny_gguf: P
     runner = engine.runner
     fp = measure(runner, 1.25)
     params = {t.data_ptr(): t.numel() * t.element_size() for t in [*runner.model.parameters(), *runner.model.buffers()]}
-    assert fp.weights_bytes == sum(params.values()) > 0
+    memory = runner.memory()  # one count: the footprint's weights are the runner's, packed layouts included
+    assert fp.weights_bytes == memory.weights + memory.packed >= sum(params.values()) > 0
+    assert fp.kv_cache_bytes == memory.kv_reserved
     assert fp.kv_cache_bytes == runner.kv.numel() * runner.kv.element_size() == 2 * 64 * 4 * runner.args.n_layers * runner.args.n_kv_heads * runner.args.head_dim * 4
     assert 0 < fp.rss_bytes <= rss_bytes() * 2 and fp.device == "cpu" and fp.cuda_allocated_bytes is None
     assert fp.line().startswith("in 1.25 s: weights ") and "KV cache 0.1 MiB" in fp.line()
