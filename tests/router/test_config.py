@@ -253,3 +253,25 @@ def test_serve_exits_2_with_one_line_on_a_bad_model_route(
     assert main(["--config", write(tmp_path, BACKENDS + models)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("headrace serve: ") and field in err and err.count("\n") == 1, err
+
+
+def test_serving_starts_with_the_startup_heap_frozen_out_of_the_collectors_reach() -> None:
+    """What is alive once serving starts is frozen (gc.freeze), so a full
+    collection under load walks only what requests made since."""
+    import gc
+
+    from router.server import freeze_startup_heap
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    garbage = Cycle()
+    del garbage
+    try:
+        freeze_startup_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000 and not [o for o in gc.get_objects() if isinstance(o, Cycle)]  # collected first, not frozen
+        assert len(gc.get_objects(generation=2)) < frozen
+    finally:
+        gc.unfreeze()
