@@ -35,7 +35,6 @@ import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import parse_qs
 
 import msgspec
 import trio
@@ -58,6 +57,7 @@ from router.batch_store import (
     new_file_id,
 )
 from router.config import JobsConfig
+from router.jobs import page, page_query
 from router.store import Job, JobStatus, new_job_id
 
 __all__ = ["BATCH_ENDPOINTS", "BatchRunner", "BatchesAPI", "batch_view", "item_line", "parse_item"]
@@ -72,7 +72,6 @@ BATCH_ENDPOINTS: dict[str, Kind] = {
 WINDOWS = {"24h": 24 * 3600.0}
 PAGE = 256  # items per store read or write
 READ = 256 * 1024
-MAX_LIMIT = 100
 MAX_ERRORS = 20  # line errors kept on a batch that failed validation
 
 
@@ -245,18 +244,12 @@ class BatchesAPI:
         return json_response(batch_view(batch, await self.store.item_counts(batch.id)))
 
     async def list_batches(self, request: HTTPRequest) -> Response:
-        query = parse_qs(request.query.decode("latin-1"))
-        after = query.get("after", [None])[-1]
-        raw_limit = query.get("limit", ["20"])[-1]
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
-            raise BadRequest(f"limit must be an integer from 1 to {MAX_LIMIT}", param="limit")
+        after, limit = page_query(request)
         try:
-            batches, more = await self.store.list_batches(request.context.tenant, after=after, limit=int(raw_limit))
+            batches, more = await self.store.list_batches(request.context.tenant, after=after, limit=limit)
         except KeyError:
             raise BadRequest(f"after: no batch {after!r}", param="after") from None
-        data = [batch_view(b, await self.store.item_counts(b.id)) for b in batches]
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more})
+        return page([batch_view(b, await self.store.item_counts(b.id)) for b in batches], more)
 
 
 class BatchRunnerStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -185,18 +185,27 @@ class JobsAPI:
         return json_response(job_view(cancelled))
 
     async def list_jobs(self, request: HTTPRequest) -> Response:
-        query = parse_qs(request.query.decode("latin-1"))
-        after = query.get("after", [None])[-1]
-        raw_limit = query.get("limit", ["20"])[-1]
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
-            raise BadRequest(f"limit must be an integer from 1 to {MAX_LIMIT}", param="limit")
+        after, limit = page_query(request)
         try:
-            jobs, more = await self.store.list_jobs(request.context.tenant, after=after, limit=int(raw_limit))
+            jobs, more = await self.store.list_jobs(request.context.tenant, after=after, limit=limit)
         except KeyError:
             raise BadRequest(f"after: no job {after!r}", param="after") from None
-        data = [job_view(j) for j in jobs]
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more})
+        return page([job_view(j) for j in jobs], more)
+
+
+def page_query(request: HTTPRequest) -> tuple[str | None, int]:
+    """A list endpoint's cursor and page size (``?after=ID&limit=N``, 1 to MAX_LIMIT, 20 by default)."""
+    query = parse_qs(request.query.decode("latin-1"))
+    raw_limit = query.get("limit", ["20"])[-1]
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
+        raise BadRequest(f"limit must be an integer from 1 to {MAX_LIMIT}", param="limit")
+    return query.get("after", [None])[-1], int(raw_limit)
+
+
+def page(data: list[dict[str, Any]], more: bool) -> Response:
+    """One page of a list endpoint, in OpenAI's list shape."""
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more})
 
 
 class JobFinished(ClientError):

@@ -23,8 +23,6 @@ from typing import Any
 import msgspec
 import torch
 
-from backends.engine.quant import q4_of
-
 __all__ = ["Footprint", "measure", "rss_bytes"]
 
 
@@ -56,45 +54,17 @@ def rss_bytes() -> int:
     return 0
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _weights_bytes(model: Any) -> int:
-    if not isinstance(model, torch.nn.Module):
-        return 0
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += _tensor_bytes(t)
-    for module in model.modules():  # 4-bit codes kept packed beside the weights (backends/engine/quant.py)
-        q4 = q4_of(module) if isinstance(module, torch.nn.Linear) else None
-        if q4 is not None:
-            for t in (q4.codes, q4.scale, q4.zero):
-                if t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += _tensor_bytes(t)
-    return total
-
-
 def measure(runner: Any, load_seconds: float) -> Footprint:
     """The footprint of an engine whose model runner is ``runner`` (a
-    tensor-parallel runner reports rank 0's share, or zeros where it keeps
-    no model in this process)."""
-    kv = getattr(runner, "kv", None)
+    tensor-parallel runner reports rank 0's share, its ``local`` runner's;
+    zeros where this process keeps no model)."""
     device = getattr(runner, "device", torch.device("cpu"))
     allocated = None
     if isinstance(device, torch.device) and device.type == "cuda":
         allocated = int(torch.cuda.memory_allocated(device))
-    memory = getattr(runner, "memory", None)  # runner.MemoryFootprint: the one count where the runner has it
-    if memory is not None:
-        m = memory()
-        weights, kv_bytes = m.weights + m.packed, m.kv_reserved
-    else:  # a runner without one (a tensor-parallel rank's stand-in)
-        weights = _weights_bytes(getattr(runner, "model", None))
-        kv_bytes = _tensor_bytes(kv) if isinstance(kv, torch.Tensor) else 0
+    memory = getattr(getattr(runner, "local", runner), "memory", None)  # runner.MemoryFootprint: the one count
+    m = memory() if memory is not None else None
+    weights, kv_bytes = (m.weights + m.packed, m.kv_reserved) if m is not None else (0, 0)
     return Footprint(
         load_seconds=round(load_seconds, 3),
         weights_bytes=weights,

@@ -21,12 +21,13 @@ from tests.router.test_faults import start_mock
 KILLS = 3
 
 
-async def start_router(config: Path) -> tuple[trio.Process, str]:
+async def start_router(config: Path, *, patience: float = 30) -> tuple[trio.Process, str]:
+    """``headrace serve --config`` in its own process, and its URL once it listens."""
     command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--workers", "1"]
     proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     buffer = b""
-    with trio.fail_after(30):
+    with trio.fail_after(patience):
         while b"headrace listening on " not in buffer or not buffer.endswith(b"\n"):
             chunk = await proc.stdout.receive_some()
             assert chunk, "the router exited before printing its URL"

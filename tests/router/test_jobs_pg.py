@@ -12,8 +12,6 @@ server (skipped, saying why, where none can start)."""
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from tests.router.test_faults import start_mock
 from tests.router.test_integration import serve_router
 from tests.router.test_jobs import FAST, chat, submit
 from tests.router.test_jobs import wait_for as wait_job
+from tests.router.test_jobs_kill import start_router
 
 ALICE = {"authorization": "Bearer key-alice"}
 BOB = {"authorization": "Bearer key-bob"}
@@ -67,20 +66,6 @@ async def test_jobs_and_batches_run_on_postgresql_through_the_router(nursery: tr
         assert [b["id"] for b in listed["data"]] == [batch["id"]]
         assert [j["id"] for j in (await client.get("/v1/jobs")).json()["data"]] == [job_id]  # batch items are not listed
         assert (await upload(client, b"")).status_code == 400
-
-
-async def start_router(config: Path) -> tuple[trio.Process, str]:
-    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0", "--workers", "1"]
-    proc = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    buffer = b""
-    with trio.fail_after(60):
-        while b"headrace listening on " not in buffer or not buffer.endswith(b"\n"):
-            chunk = await proc.stdout.receive_some()
-            assert chunk, "the router exited before printing its URL"
-            buffer += chunk
-    line = next(x for x in buffer.decode().splitlines() if x.startswith("headrace listening on "))
-    return proc, line.rsplit(" ", 1)[1]
 
 
 @pytest.fixture
@@ -128,7 +113,7 @@ tenant = "bob"
 name = "m"
 url = "{mock}"
 """)
-        proc, url = await start_router(config)
+        proc, url = await start_router(config, patience=60)
         procs.append(proc)
         urls.append(url)
     body = {"prompt": "hi", "max_tokens": 5, "model": "m"}  # ~0.1 s a job
@@ -198,7 +183,7 @@ url = "{mock}"
 """)
     rows = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": "m", "prompt": f"p {i}", "max_tokens": 6}} for i in range(PG_LINES)]  # fmt: skip
-    proc, url = await start_router(config)
+    proc, url = await start_router(config, patience=60)
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         up = await upload(client, jsonl(rows))
         assert up.status_code == 200, up.text
@@ -212,7 +197,7 @@ url = "{mock}"
             await trio.sleep(0.15 + 0.1 * kill)  # mid-validation first, then mid-items
             proc.kill()  # SIGKILL: no shutdown code runs
             await proc.wait()
-            proc, url = await start_router(config)
+            proc, url = await start_router(config, patience=60)
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 progress.append((await client.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"])
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
