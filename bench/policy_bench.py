@@ -4,14 +4,22 @@ Builds the state a large fleet gives a policy (``--backends`` engines whose
 KV indexes hold ``--blocks`` distinct block hashes in all, each a chain of
 ``--blocks-per-prefix`` blocks replicated on a few backends), then times
 ``pick`` on requests of ``--prompt-blocks`` blocks, half of them sharing an
-indexed prefix and half cold, with the feedback the router delivers
-(``on_dispatch`` / ``on_complete``) between picks. Prints p50/p99/max per
-policy and writes JSON (with the CPU it ran on).
+indexed prefix and half cold, with the feedback the router delivers between
+picks (``on_dispatch``, ``on_first_token``, ``on_complete``) on a virtual
+clock of ``--rate`` requests per second (so the policy's record of recent
+prefills holds what that rate leaves in it). Each pick gets fresh views, as
+the router builds them, with in-flight counts that drift from pick to pick.
+The decision is ``pick`` + ``on_dispatch`` (what the request waits for);
+``on_first_token`` + ``on_complete`` run later, off the request's path, and
+are timed apart. The cyclic collector is frozen after indexing, as
+``headrace serve`` freezes its startup heap. Prints p50/p99/max per policy
+and writes JSON (with the CPU it ran on).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -50,34 +58,56 @@ def _fill(policy: Any, backends: int, blocks: int, per_prefix: int, rng: random.
         if on_kv is not None:
             for b in rng.sample(range(backends), rng.randint(1, 3)):
                 seqs[b] += 1
-                on_kv(f"gpu-{b}", [_Ev(seqs[b], "stored", chain)], 0.0)
+                on_kv(_NAMES[b], [_Ev(seqs[b], "stored", chain)], 0.0)
     return prefixes
 
 
-def _time(policy: Any, views: list[BackendView], requests: list[RouteRequest]) -> tuple[list[float], list[float]]:
-    """Microseconds of each ``pick``, and of each ``pick`` + ``on_dispatch``
-    (the whole decision as the router makes it)."""
+_NAMES = [f"gpu-{b}" for b in range(4096)]  # a backend's name is one string object (its actor's), as in the router
+
+
+def _views(backends: int, flights: list[int], rng: random.Random) -> list[BackendView]:
+    """Fresh views (the router builds them per pick), in-flight counts drifting by one."""
+    for b in range(backends):
+        flights[b] = max(0, min(16, flights[b] + rng.choice((-1, 0, 0, 1))))
+    return [BackendView(name=_NAMES[b], in_flight=flights[b], kv_events=True, block_size=16) for b in range(backends)]
+
+
+def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float,
+          rng: random.Random, t0: float = 0.0, cpu_clock: bool = False) -> tuple[list[float], list[float], list[float]]:
+    """Microseconds of each ``pick``, of each ``pick`` + ``on_dispatch`` (the
+    decision as the router makes it), and of the later feedback
+    (``on_first_token`` + ``on_complete``)."""
     on_dispatch = getattr(policy, "on_dispatch", None)
+    on_first = getattr(policy, "on_first_token", None)
     on_complete = getattr(policy, "on_complete", None)
     picks: list[float] = []
     decisions: list[float] = []
-    clock = time.perf_counter_ns
+    feedback: list[float] = []
+    clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
+    flights = [rng.randint(0, 8) for _ in range(backends)]
     for i, request in enumerate(requests):
+        views = _views(backends, flights, rng)
+        now = t0 + i / rate
         start = clock()
-        name = policy.pick(views, request, float(i))
+        name = policy.pick(views, request, now)
         picked = clock()
         if on_dispatch is not None and name is not None:
-            on_dispatch(name, request, float(i))
+            on_dispatch(name, request, now)
         done = clock()
         picks.append((picked - start) / 1000.0)
         decisions.append((done - start) / 1000.0)
-        if on_complete is not None and name is not None:
-            on_complete(name, request, float(i), ok=True, cached_tokens=None)
-    return picks, decisions
+        if name is not None and (on_first is not None or on_complete is not None):
+            start = clock()
+            if on_first is not None:
+                on_first(name, request, now)
+            if on_complete is not None:
+                on_complete(name, request, now, ok=True, cached_tokens=None)
+            feedback.append((clock() - start) / 1000.0)
+    return picks, decisions, feedback
 
 
 def _row(name: str, took: list[float]) -> dict[str, Any]:
-    took = sorted(took)
+    took = sorted(took) or [0.0]
     return {"p50_us": statistics.median(took), "p99_us": took[int(0.99 * (len(took) - 1))], "max_us": took[-1]}
 
 
@@ -89,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-per-prefix", type=int, default=128)
     parser.add_argument("--prompt-blocks", type=int, default=128, help="blocks per request (128 x 16 = 2k tokens)")
     parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--rate", type=float, default=1000.0, help="requests per second of virtual time")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (what a decision costs, without the time "
+                             "other processes take the core away on a shared box)")
     parser.add_argument("--json", default="bench/results/issue13/policy_bench.json")
     args = parser.parse_args(argv)
     names = args.policy or ["kv_aware", "prefix_hash", "power_of_two", "least_loaded", "round_robin"]
@@ -99,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         bar = ProgressBar(f"{name}: indexing")
         prefixes = _fill(policy, args.backends, args.blocks, args.blocks_per_prefix, rng, bar)
         bar.close(f"{len(prefixes) * args.blocks_per_prefix:,} blocks; timing picks")
-        views = [BackendView(name=f"gpu-{b}", in_flight=rng.randint(0, 8), kv_events=True, block_size=16)
-                 for b in range(args.backends)]
         requests = []
         for i in range(args.requests):
             if i % 2 and prefixes:
@@ -109,18 +141,25 @@ def main(argv: list[str] | None = None) -> int:
                 chain = tuple(rng.getrandbits(63) for _ in range(args.prompt_blocks))
             requests.append(RouteRequest(request_id=str(i), block_hashes=chain, block_size=16,
                                          prompt_tokens=16 * len(chain)))
-        _time(policy, views, requests[:1000])  # warm up
-        picks, decisions = _time(policy, views, requests)
+        gc.collect()
+        gc.freeze()
+        _time(policy, args.backends, requests[:1000], args.rate, rng)  # warm up
+        picks, decisions, feedback = _time(policy, args.backends, requests, args.rate, rng, t0=1000 / args.rate,
+                                            cpu_clock=args.clock == "cpu")
+        gc.unfreeze()
         rows.append({"policy": name, "indexed_blocks": len(getattr(policy, "index", ())),
-                     "pick": _row(name, picks), "pick_and_dispatch": _row(name, decisions)})
+                     "pick": _row(name, picks), "pick_and_dispatch": _row(name, decisions),
+                     "feedback": _row(name, feedback)})
     cpu = cpu_info()
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})")  # type: ignore[arg-type]
-    print(f"{args.backends} backends, {args.blocks:,} blocks indexed, {args.prompt_blocks} blocks per request")
-    print(f"{'policy':<14} {'pick p50':>9} {'p99':>7} {'max':>8}   {'+dispatch p50':>13} {'p99':>7} {'max':>8}  (us)")
+    print(f"{args.backends} backends, {args.blocks:,} blocks indexed, {args.prompt_blocks} blocks per request, "
+          f"{args.clock} clock")
+    print(f"{'policy':<14} {'pick p50':>9} {'p99':>7} {'max':>8}   {'+dispatch p50':>13} {'p99':>7} {'max':>8}"
+          f"   {'feedback p50':>12} {'p99':>7}  (us)")
     for r in rows:
-        p, d = r["pick"], r["pick_and_dispatch"]
+        p, d, f = r["pick"], r["pick_and_dispatch"], r["feedback"]
         print(f"{r['policy']:<14} {p['p50_us']:>9.1f} {p['p99_us']:>7.1f} {p['max_us']:>8.1f}   "
-              f"{d['p50_us']:>13.1f} {d['p99_us']:>7.1f} {d['max_us']:>8.1f}")
+              f"{d['p50_us']:>13.1f} {d['p99_us']:>7.1f} {d['max_us']:>8.1f}   {f['p50_us']:>12.1f} {f['p99_us']:>7.1f}")
     document = {"cpu": {k: v for k, v in cpu.items() if k != "flags"}, "args": vars(args), "rows": rows}
     path = write_json(Path(args.json), document)
     print(f"wrote {path}")

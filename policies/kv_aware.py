@@ -85,13 +85,18 @@ class KVAware:
         o = self.options = options or KVAware.Options()
         self.index = KVIndex(o.max_blocks)
         self.recent = RecentlySent(o.recent_ttl_s, o.max_blocks)
-        self.pending = RecentlySent(o.pending_ttl_s, o.max_blocks)
+        self.pending = RecentlySent(o.pending_ttl_s, o.max_blocks, generations=2)  # short-lived: few dicts to look in
         self.fallback = PrefixHash(
             PrefixHash.Options(prefix_tokens=o.prefix_tokens, load_factor=o.load_factor, vnodes=o.vnodes)
         )
         self._queued: dict[str, int] = {}  # backend -> uncached prompt tokens awaiting a first token
         self._owed: dict[tuple[str, str], int] = {}  # (backend, request id) -> its share of _queued
         self._feedback = False
+        # The last candidate set the ring was updated for, and each name's position in it.
+        self._ring_names: list[str] = []
+        self._ring_weights: list[float] = []
+        self._names_key: tuple[str, ...] = ()  # the same names as a tuple, which the indexes know by identity
+        self._position: dict[str, int] = {}
         self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
         self._predicted: dict[tuple[str, str], int] = {}  # (backend, request id) -> cached tokens predicted
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
@@ -103,21 +108,24 @@ class KVAware:
         by its events if it publishes them, else by the prompts it prefilled
         for this router; and either way by those of the last ``pending_ttl_s``
         (its events may not have arrived yet)."""
+        return self._cached([c.name for c in candidates], [c.kv_events for c in candidates], request, now)
+
+    def _cached(self, names: Sequence[str], events: list[bool], request: RouteRequest, now: float) -> dict[str, int]:
         hashes = request.block_hashes
         if not hashes:
             return {}
-        names = [c.name for c in candidates]
-        with_events = [c.name for c in candidates if c.kv_events]
-        found = [self.pending.match(hashes, names, now)]
-        if with_events:
-            found.append(self.index.match(hashes, with_events))
-        if len(with_events) < len(names):
-            found.append(self.recent.match(hashes, [c.name for c in candidates if not c.kv_events], now))
-        blocks: dict[str, int] = {}
-        for part in found:
-            for name, n in part.items():
-                if n > blocks.get(name, 0):
-                    blocks[name] = n
+        blocks = self.pending.match(hashes, names, now)
+        if all(events):
+            found = self.index.match(hashes, names)
+        else:
+            found = self.recent.match(hashes, [n for n, e in zip(names, events, strict=True) if not e], now)
+            if any(events):
+                found.update(self.index.match(hashes, [n for n, e in zip(names, events, strict=True) if e]))
+        for name, n in found.items():
+            if n > blocks.get(name, 0):
+                blocks[name] = n
+        if not blocks:
+            return blocks
         if request.block_size:
             per_block = float(request.block_size)
         else:  # text blocks: each is its share of the prompt
@@ -126,75 +134,104 @@ class KVAware:
         return {name: min(round(n * per_block), limit) if limit else round(n * per_block) for name, n in blocks.items()}
 
     def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
+        """The argmin of the cost in the module docstring among candidates
+        under their bounded-load cap; cold starts and ties by prefix_hash's
+        ring. This runs for every request over every candidate, so the
+        per-candidate work is a few list comprehensions (no per-candidate
+        Python calls), and only the backends that hold blocks of the request
+        and its home are priced one by one."""
         if not candidates:
             return None
-        self._counts["picks"] += 1
-        cached = self.cached_tokens(candidates, request, now)
+        counts = self._counts
+        counts["picks"] += 1
+        names = [c.name for c in candidates]
+        flights = [c.in_flight for c in candidates]
+        weights = [c.weight for c in candidates]
+        if names != self._ring_names or weights != self._ring_weights:
+            self.fallback.ring.update(candidates)
+            self._ring_names, self._ring_weights = names, weights
+            self._names_key = tuple(names)
+            self._position = {n: i for i, n in enumerate(names)}
+        position = self._position
+        cached = self._cached(self._names_key, [c.kv_events for c in candidates], request, now)
         self._last_pick = (request, cached)
+        o = self.options
+        scale = o.load_factor * (sum(flights) + 1) / sum(weights)
+        w0 = weights[0]
+        if weights.count(w0) == len(weights):
+            cap = math.ceil(scale * w0)
+            under = [f < cap for f in flights]
+        else:
+            under = [f < math.ceil(scale * w) for f, w in zip(flights, weights, strict=True)]
+        key = request_key(request, o.prefix_tokens)
+        home = self.fallback.ring.first_index(key, position, under)
         if not cached:
-            self._counts["cold"] += 1
-            return self.fallback.pick(candidates, request, now)
-        best = self._cheapest(candidates, request, cached)
+            counts["cold"] += 1
+            if home >= 0:
+                return names[home]
+            return min(candidates, key=lambda v: v.in_flight / v.weight).name  # pragma: no cover - caps sum past the load
+        best = self._cheapest(candidates, names, flights, under, home, key, request, cached)
         hit = cached.get(best, 0)
         if hit:
-            self._counts["hits"] += 1
-            self._counts["predicted_cached_tokens"] += hit
+            counts["hits"] += 1
+            counts["predicted_cached_tokens"] += hit
         return best
 
-    def _cheapest(self, candidates: Sequence[BackendView], request: RouteRequest, cached: dict[str, int]) -> str:
-        """The argmin of the cost in the module docstring among candidates
-        under their bounded-load cap; ties go by prefix_hash's ring. (The
-        cost and the caps are inlined: this runs for every candidate of
-        every request.)"""
+    def _cheapest(self, candidates: Sequence[BackendView], names: list[str], flights: list[int], under: list[bool],
+                  home: int, key: int, request: RouteRequest, cached: dict[str, int]) -> str:
+        """The least cost wins, ties by the ring from ``key``. Only the few
+        candidates that hold blocks, and the home, are priced one by one;
+        every other one costs at least ``per_token x far + per_seq x
+        min(in_flight)`` (it holds nothing and is away from home), so when a
+        priced one is cheaper than that bound it wins without pricing the
+        rest; otherwise all are priced (one comprehension)."""
         o = self.options
-        total, weight = 1, 0.0
-        by_name: dict[str, BackendView] = {}
-        for c in candidates:
-            total += c.in_flight
-            weight += c.weight
-            by_name[c.name] = c
-        scale = o.load_factor * total / weight
-        home = self._home(by_name, scale, request)
         per_token, per_seq, prompt = o.prefill_s_per_token, o.decode_s_per_seq, request.prompt_tokens
         away = 1.0 + o.off_home_penalty
-        queued, feedback, get = self._queued, self._feedback, cached.get
-        least, tied = math.inf, list[str]()
-        for c in candidates:
-            if c.in_flight >= math.ceil(scale * c.weight):
-                continue  # over its cap
-            q = queued.get(c.name, 0) if feedback else c.pending_prefill_tokens
-            uncached = prompt - get(c.name, 0)
+        position = self._position
+        feedback, queued_by_name = self._feedback, self._queued
+        special = {position[n] for n in cached}
+        if home >= 0:
+            special.add(home)
+        priced: dict[int, float] = {}
+        for i in special:
+            if not under[i]:
+                continue
+            q = queued_by_name.get(names[i], 0) if feedback else candidates[i].pending_prefill_tokens
+            uncached = prompt - cached.get(names[i], 0)
             if uncached < 0:
                 uncached = 0
-            cost = per_token * (q + (uncached if c.name == home else away * uncached)) + per_seq * c.in_flight
-            if cost < least - 1e-9:
-                least, tied = cost, [c.name]
-            elif cost <= least + 1e-9:
-                tied.append(c.name)
+            priced[i] = per_token * (q + (uncached if i == home else away * uncached)) + per_seq * flights[i]
+        far = away * prompt
+        if priced:
+            least = min(priced.values())
+            if least < per_token * far + per_seq * min(flights) - 1e-9:  # below every unpriced candidate
+                tied = [i for i, x in priced.items() if x <= least + 1e-9]
+                if len(tied) == 1:
+                    return names[tied[0]]
+                return self.fallback.ring.first(key, {names[i] for i in tied}) or names[tied[0]]
+        if feedback:  # sparse: only backends with prefill outstanding
+            queued = [0] * len(names)
+            for name, q in queued_by_name.items():
+                i = position.get(name, -1)
+                if i >= 0:
+                    queued[i] = q
+        else:
+            queued = [c.pending_prefill_tokens for c in candidates]
+        inf = math.inf
+        costs = [per_token * (q + far) + per_seq * f if ok else inf
+                 for q, f, ok in zip(queued, flights, under, strict=True)]
+        for i, x in priced.items():
+            costs[i] = x
+        least = min(costs)
+        if least == inf:  # pragma: no cover - some candidate is always under its cap
+            return self.fallback.ring.first(key, set(names)) or names[0]
+        bound = least + 1e-9
+        tied = [i for i, x in enumerate(costs) if x <= bound]
         if len(tied) == 1:
-            return tied[0]
-        return self._first_on_ring(tied or [c.name for c in candidates], candidates, request)
-
-    def _home(self, by_name: dict[str, BackendView], scale: float, request: RouteRequest) -> str | None:
-        """Where prefix_hash would put the request: the first backend under
-        its cap clockwise from the request's key."""
-        ring = self.fallback.ring
-        ring.update(list(by_name.values()))
-        for name in ring.walk(request_key(request, self.options.prefix_tokens)):
-            c = by_name.get(name)
-            if c is not None and c.in_flight < math.ceil(scale * c.weight):
-                return name
-        return None
-
-    def _first_on_ring(self, names: list[str], candidates: Sequence[BackendView], request: RouteRequest) -> str:
-        """Of equally good backends, the one prefix_hash's ring reaches first."""
-        ring = self.fallback.ring
-        ring.update(candidates)
-        wanted = set(names)
-        for name in ring.walk(request_key(request, self.options.prefix_tokens)):
-            if name in wanted:
-                return name
-        return names[0]  # pragma: no cover - every candidate is on the ring
+            return names[tied[0]]
+        # Of equally good backends, the one prefix_hash's ring reaches first.
+        return self.fallback.ring.first(key, {names[i] for i in tied}) or names[tied[0]]
 
     # ------------------------------------------------------------ feedback
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import msgspec
 
@@ -49,6 +50,7 @@ class _Slots:
         self.bit: dict[str, int] = {}
         self.names: list[str] = []
         self._masks: dict[tuple[str, ...], int] = {}
+        self._last: tuple[tuple[str, ...] | None, int] = (None, 0)
 
     def of(self, name: str) -> int:
         bit = self.bit.get(name)
@@ -58,6 +60,8 @@ class _Slots:
         return bit
 
     def mask(self, names: Sequence[str]) -> int:
+        if names is self._last[0]:  # the same tuple again (a caller that keeps its candidate set)
+            return self._last[1]
         key = tuple(names)
         m = self._masks.get(key)
         if m is None:
@@ -67,15 +71,19 @@ class _Slots:
             if len(self._masks) >= 64:  # candidate sets recur: keep a few
                 self._masks.clear()
             self._masks[key] = m
+        if type(names) is tuple:  # immutable: safe to know again by identity
+            self._last = (names, m)
         return m
 
-    def members(self, mask: int) -> Iterable[str]:
-        i = 0
+    def members(self, mask: int) -> list[str]:
+        """The names of the set bits (one step per set bit, not per slot)."""
+        names = self.names
+        out = []
         while mask:
-            if mask & 1:
-                yield self.names[i]
-            mask >>= 1
-            i += 1
+            low = mask & -mask
+            out.append(names[low.bit_length() - 1])
+            mask ^= low
+        return out
 
 
 def _match(owners: dict[int, int] | _Union, slots: _Slots, hashes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
@@ -251,8 +259,8 @@ class RecentlySent:
             self._gens.append((now, {}))
         gen = self._gens[-1][1]
         before = len(gen)
-        for h in hashes:
-            gen[h] = gen.get(h, 0) | bit
+        hashes = tuple(hashes)
+        gen.update(zip(hashes, map(bit.__or__, map(gen.get, hashes, repeat(0))), strict=True))  # gen[h] |= bit, in C
         self._entries += len(gen) - before
         while self._entries > self.max_entries and len(self._gens) > 1:
             self._entries -= len(self._gens.popleft()[1])
@@ -276,7 +284,9 @@ class RecentlySent:
 
     def match(self, hashes: Sequence[int], names: Sequence[str], now: float) -> dict[str, int]:
         self.expire(now)
-        gens = [g for _, g in self._gens]
+        gens = [g for _, g in self._gens if g]
+        if not gens:
+            return {}
         if len(gens) == 1:
             return _match(gens[0], self._slots, hashes, names)
         return _match(_Union(gens), self._slots, hashes, names)
@@ -296,5 +306,6 @@ class _Union:
     def get(self, h: int, default: int = 0) -> int:
         mask = default
         for gen in self.gens:
-            mask |= gen.get(h, 0)
+            if h in gen:
+                mask |= gen[h]
         return mask

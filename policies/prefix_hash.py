@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import msgspec
 
@@ -31,6 +31,7 @@ from policies.base import BackendView, RouteRequest
 __all__ = ["TEXT_BLOCK_TOKENS", "HashRing", "PrefixHash", "request_key", "stable_hash"]
 
 _MASK63 = (1 << 63) - 1
+_RING = 1 << 63  # every point and key is below this
 # A text block (RouteRequest.block_size == 0) covers about this many tokens.
 TEXT_BLOCK_TOKENS = 16
 
@@ -73,6 +74,7 @@ class HashRing:
         self._known: dict[str, float] = {}
         self._points: list[int] = []
         self._owners: list[str] = []
+        self._by_owner: dict[str, list[int]] = {}  # each backend's points, sorted
 
     def update(self, candidates: Sequence[BackendView]) -> None:
         """Make the ring hold (at least) these backends with these weights.
@@ -97,6 +99,42 @@ class HashRing:
         self._known = dict(members)
         self._points = [p for p, _ in ring]
         self._owners = [n for _, n in ring]
+        self._by_owner = {name: [p for p, n in ring if n == name] for name, _ in members}
+
+    def first(self, key: int, wanted: Collection[str]) -> str | None:
+        """The first of ``wanted`` clockwise from ``key`` (what :meth:`walk`
+        reaches first): for a few names, a bisection in each one's points
+        instead of a walk past every other backend."""
+        if len(wanted) > 8:
+            for name in self.walk(key):
+                if name in wanted:
+                    return name
+            return None
+        best, best_gap = None, _RING
+        by_owner = self._by_owner
+        for name in wanted:
+            points = by_owner.get(name)
+            if not points:
+                continue
+            i = bisect.bisect_left(points, key)
+            gap = points[i] - key if i < len(points) else points[0] + _RING - key
+            if gap < best_gap or (gap == best_gap and best is not None and name < best):
+                best, best_gap = name, gap
+        return best
+
+    def first_index(self, key: int, position: dict[str, int], ok: list[bool]) -> int:
+        """The position of the first backend clockwise from ``key`` that is
+        in ``position`` with ``ok[position[name]]`` true, or -1 (the walk
+        without a generator: a pick usually stops at the first point)."""
+        points, owners = self._points, self._owners
+        n = len(owners)
+        start = bisect.bisect_left(points, key)
+        get = position.get
+        for step in range(n):
+            i = get(owners[(start + step) % n], -1)
+            if i >= 0 and ok[i]:
+                return i
+        return -1
 
     def walk(self, key: int) -> Iterator[str]:
         """Every backend once, in ring order clockwise from ``key`` (lazily:
