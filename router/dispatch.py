@@ -79,7 +79,7 @@ from backends.errors import (
     UpstreamRateLimited,
 )
 from frontend.context import new_span_id
-from policies.base import RouteRequest, RoutingPolicy
+from policies.base import BackendView, RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
     BreakerState,
@@ -102,6 +102,7 @@ from router.migration import (
     continuation,
     no_final,
     reason_of,
+    resume_placement,
     resume_request,
     text_continuation,
     text_request,
@@ -639,7 +640,7 @@ class Dispatcher:
                 span.attributes.update({"headrace.reason": reason, "headrace.mode": mode, "headrace.from": b.backend})
             try:
                 route = route_request(sub, self.keys)
-                name = target.policy.pick([a.view() for a in candidates], route, self.clock())
+                name = target.policy.pick(self._resume_views(target, candidates, route), route, self.clock())
                 actor = self.actors.get(name) if name is not None else None
                 if actor is None or actor not in candidates:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
@@ -675,6 +676,19 @@ class Dispatcher:
             if actor is not None:
                 failed[actor.name] = trio.current_time()
             b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
+
+    def _resume_views(self, target: Target, candidates: list[BackendActor], route: RouteRequest) -> list[BackendView]:
+        """A continuation's candidates as its policy sees them: those where it
+        would wait least for its first token (:func:`~router.migration.resume_placement`),
+        by the policy's estimate of what each holds when it makes one
+        (kv_aware's ``cached_tokens``). The pick and the first ``__anext__``
+        of its stream (where the actor counts the pending prefill) run with
+        no checkpoint between them, so the next stream's pick sees it."""
+        views = [a.view() for a in candidates]
+        estimate: Callable[[list[BackendView], RouteRequest, float], dict[str, int]] | None
+        estimate = getattr(target.policy, "cached_tokens", None)
+        cached = estimate(views, route, self.clock()) if estimate is not None else None
+        return resume_placement(views, route.prompt_tokens, cached)
 
     async def _continue(
         self,

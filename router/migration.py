@@ -8,6 +8,10 @@ response. This module holds the parts that do no I/O::
                      the seed the backend drew, the logprob entries
     resume_request   the continuation by token ids: prompt + emitted ids, the
                      ``resumed_tokens`` contract, max/min_tokens reduced, same seed
+    resume_placement where a continuation may go: the candidates where it would
+                     wait least for its first token (queued prefill, its own
+                     uncached tokens, in-flight), so that a dead backend's
+                     streams spread by the work queued, not by turn
     Replay           for backends without token ids: the original request again
                      (same seed); its text must begin with exactly what the client
                      has, which is dropped; anything else is a divergence
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -39,9 +44,12 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
 )
+from policies.base import BackendView
 
 __all__ = [
     "REASONS",
+    "RESUME_DECODE_S_PER_SEQ",
+    "RESUME_PREFILL_S_PER_TOKEN",
     "RESUME_PRIORITY_BOOST",
     "MigrationStatistics",
     "Progress",
@@ -50,6 +58,7 @@ __all__ = [
     "StallTimeout",
     "StallWatch",
     "reason_of",
+    "resume_placement",
     "resume_request",
     "text_continuation",
     "text_request",
@@ -190,6 +199,42 @@ def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequ
         seed=progress.seed if progress.seed is not None else request.seed,
         priority=request.priority + RESUME_PRIORITY_BOOST,
     )
+
+
+# kv_aware's default coefficients (policies/kv_aware.py): the seconds of
+# prefill one uncached prompt token costs, and the delay each sequence
+# running on a backend adds to a new one's first token.
+RESUME_PREFILL_S_PER_TOKEN = 2e-4
+RESUME_DECODE_S_PER_SEQ = 2e-3
+
+
+def resume_placement(
+    candidates: Sequence[BackendView], prompt_tokens: int, cached: Mapping[str, int] | None = None
+) -> list[BackendView]:
+    """The candidates where a continuation of ``prompt_tokens`` tokens
+    (prompt + emitted) would wait least for its first token, by kv_aware's
+    cost without its home term::
+
+        wait(b) = RESUME_PREFILL_S_PER_TOKEN x (pending_prefill_tokens(b) + uncached(b))
+                + RESUME_DECODE_S_PER_SEQ x in_flight(b)
+
+    ``uncached(b)`` is ``prompt_tokens`` less what ``cached`` says b holds
+    (the policy's estimate where it has one; none: the same for all, so the
+    queues decide). The routing policy picks among the ones returned (all
+    tied): a dead backend's streams, which break at once, go where the
+    queued prefill is least, each one's own prompt counted there before the
+    next is placed, not in turn onto a backend whose lane is full."""
+    if not candidates:
+        return []
+    held = cached or {}
+
+    def wait(c: BackendView) -> float:
+        uncached = max(prompt_tokens - held.get(c.name, 0), 0)
+        return RESUME_PREFILL_S_PER_TOKEN * (c.pending_prefill_tokens + uncached) + RESUME_DECODE_S_PER_SEQ * c.in_flight
+
+    waits = [wait(c) for c in candidates]
+    least = min(waits)
+    return [c for c, w in zip(candidates, waits, strict=True) if w <= least + 1e-9]
 
 
 def continuation(event: Event, progress: Progress) -> Event:

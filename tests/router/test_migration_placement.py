@@ -1,0 +1,90 @@
+"""Where a broken stream resumes: among the route's other backends, those
+where its continuation would wait least for its first token (the prefill
+queued there by this router, its own uncached tokens, the streams in
+flight), so that a dead backend's streams, which all break at once, spread
+by the work queued rather than in turn; the routing policy picks among the
+ones tied. In-process, with the deterministic mock as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+import trio.testing
+
+from backends.base import GenerateRequest
+from backends.fakes import FlakyBackend
+from policies.base import BackendView, RouteRequest
+from router.dispatch import Dispatcher
+from router.migration import resume_placement
+from tests.router.test_migration import actors, mock, reference, run, text
+
+
+def names(views: Sequence[BackendView]) -> list[str]:
+    return [v.name for v in views]
+
+
+def test_a_continuation_may_go_only_where_the_queued_prefill_and_load_are_least() -> None:
+    idle = BackendView(name="idle")
+    queued = BackendView(name="queued", pending_prefill_tokens=2000)
+    busy = BackendView(name="busy", in_flight=50)  # 50 x 2 ms = 500 uncached tokens' worth
+    assert names(resume_placement([queued, idle, busy], 1100)) == ["idle"]
+    assert names(resume_placement([queued, busy], 1100)) == ["busy"]
+    assert names(resume_placement([idle, BackendView(name="idle-too")], 1100)) == ["idle", "idle-too"]  # the policy breaks ties
+    assert resume_placement([], 1100) == []
+
+
+def test_a_backend_that_holds_the_prefix_is_cheaper_by_the_tokens_it_holds() -> None:
+    holds = BackendView(name="holds", pending_prefill_tokens=600)
+    cold = BackendView(name="cold")
+    # It holds 1000 of the 1100 tokens: 600 queued + 100 to compute, against 1100 to compute.
+    assert names(resume_placement([cold, holds], 1100, {"holds": 1000})) == ["holds"]
+    assert names(resume_placement([cold, holds], 1100, {"holds": 400})) == ["cold"]
+    assert names(resume_placement([cold, holds], 1100)) == ["cold"]  # no estimate: the queues decide
+
+
+class NewToAResumedToFirst:
+    """New requests go to ``a`` (a ``backlog`` prompt to ``d``); a resumed
+    one (a priority step up) to the first candidate it is shown: alone,
+    every continuation would herd onto one backend."""
+
+    name = "herd"
+
+    def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
+        listed = [c.name for c in candidates]
+        if request.priority > 0:
+            return listed[0]
+        want = "d" if request.prefix.startswith("backlog") else "a"
+        return want if want in listed else None
+
+
+async def test_a_dead_backends_streams_resume_by_queued_prefill_not_in_turn(autojump_clock: trio.testing.MockClock) -> None:
+    """Six streams on ``a`` break together after 3 tokens. ``d`` has two
+    long prompts queued before their first token; ``b`` and ``c`` are idle.
+    The continuations go to ``b`` and ``c`` by turns (each one's prompt counts
+    as queued there before the next is placed) and none to ``d``; every
+    answer is the uninterrupted one."""
+    request = GenerateRequest(prompt="the river runs", max_tokens=12, seed=7)
+    want = text(await reference(request))
+    broken = FlakyBackend(mock(tpot_s=0.01), fail_first=6, after_events=3)
+    b, c = mock(ttft_s=0.05, tpot_s=0.01), mock(ttft_s=0.05, tpot_s=0.01)
+    d = mock(ttft_s=30.0, tpot_s=0.01)  # its two backlog streams stay queued throughout
+    group = await actors(broken, b, c, d, names="abcd")
+    dispatcher = Dispatcher(group, NewToAResumedToFirst())
+    got: list[str] = []
+
+    async def one(r: GenerateRequest) -> None:
+        got.append(text(await run(dispatcher, r)))
+
+    backlog = GenerateRequest(prompt="backlog " + "x" * 1000, max_tokens=2, seed=1)
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(one, backlog)
+        await trio.sleep(0.001)
+        assert group[3].view().pending_prefill_tokens > 400
+        for _ in range(6):
+            nursery.start_soon(one, request)
+    assert got.count(want) == 6
+    served = {a.name: a.statistics().requests for a in group}
+    assert served == {"a": 6, "b": 3, "c": 3, "d": 2}  # d: only its backlog
+    assert dispatcher.statistics().migration.migrations == {"broken:resumed": 6}
