@@ -14,6 +14,7 @@ the old 1 MiB upstream window it passed 120 MiB and still grew."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,6 @@ import trio
 
 from tests.hardening.harness import (
     ATTACK_PROMPT,
-    CountingMock,
-    Neighbour,
     RawH2,
     RouterProcess,
     completion,
@@ -32,31 +31,36 @@ from tests.hardening.harness import (
     start_mocks,
     start_router,
 )
+from tests.hardening.procs import MockProcess, p99, start_mock_processes, start_neighbour_process
 
 STALL = 10.0
 MOCK: dict[str, Any] = {"vocab": ("x" * 4000,), "tpot_s": 0.002, "max_tokens": 1_000_000, "max_context": 2_000_000}
 MANY: dict[str, Any] = {**MOCK, "vocab": ("x" * 1000,), "tpot_s": 0.005}
 
 
-async def _generating(mocks: list[CountingMock], seconds: float) -> int:
-    before = sum(m.events for m in mocks)
+async def _generating(mocks: list[MockProcess], seconds: float) -> int:
+    before = sum([(await m.counts())["events"] for m in mocks])
     await trio.sleep(seconds)
-    return sum(m.events for m in mocks) - before
+    return sum([(await m.counts())["events"] for m in mocks]) - before
+
+
+async def _cancelled(mocks: list[MockProcess]) -> int:
+    return sum([(await m.counts())["cancelled"] for m in mocks])
 
 
 async def _attack(nursery: trio.Nursery, tmp: Path, *, window: int | None, read: bool,
                   streams: int = 8, mock: dict[str, Any] = MOCK, settings: dict[str, Any] | None = None, stall: float = STALL) -> None:  # fmt: skip
-    urls, mocks = await start_mocks(nursery, **mock)
-    router: RouterProcess = await start_router(nursery, tmp, urls, {"server.write_stall_timeout": stall, **(settings or {})})
-    neighbour = Neighbour(router.url)
-    stop = trio.Event()
-    nursery.start_soon(neighbour.run, stop)
+    # The mocks and the neighbour run in processes of their own, as a fleet's
+    # backends and clients do: in this one, the mocks' generating for the
+    # attacker would hold up the neighbour's client in the same event loop.
+    mocks = await start_mock_processes(nursery, **mock)
+    router: RouterProcess = await start_router(nursery, tmp, [m.url for m in mocks], {"server.write_stall_timeout": stall, **(settings or {})})
+    neighbour = await start_neighbour_process(nursery, router.url, tmp)
     await trio.sleep(1.5)
-    baseline = Neighbour(router.url, latencies=list(neighbour.latencies))
     rss0, fds0, cpu0 = router.usage()
 
     attacker = await RawH2.open(router.port, window=window)
-    started = trio.current_time()
+    started, attack_at = trio.current_time(), time.monotonic()
     for i in range(streams):
         attacker.request(1 + 2 * i, body=completion(1_000_000, prompt=ATTACK_PROMPT))
     await attacker.flush()
@@ -70,34 +74,37 @@ async def _attack(nursery: trio.Nursery, tmp: Path, *, window: int | None, read:
             pass
         plateau = trio.current_time() - started
     rss1, _, _ = router.usage()
-    seen = len(neighbour.latencies)
+    plateau_at = time.monotonic()
     generated = await _generating(mocks, 2.0)
     rss2, fds2, _ = router.usage()
-    steady = Neighbour(router.url, latencies=neighbour.latencies[seen:])
+    steady_until = time.monotonic()
     cancelled_after = None
     with trio.move_on_after(stall + 4 + streams / 25 - (trio.current_time() - started)):
-        while sum(m.statistics().cancelled for m in mocks) < streams:
+        while await _cancelled(mocks) < streams:
             await trio.sleep(0.1)
         cancelled_after = trio.current_time() - started
     rss3, fds3, cpu3 = router.usage()
-    stop.set()
+    await neighbour.finish()
     await attacker.aclose()
     await trio.sleep(0.5)
-    _, fds4, _ = router.usage()
+    rss4, fds4, _ = router.usage()
+    before, steady = p99(neighbour.latencies(until=attack_at)), p99(neighbour.latencies(plateau_at, steady_until))
+    during, filling = p99(neighbour.latencies(since=attack_at)), p99(neighbour.latencies(attack_at, plateau_at))
     print(
         f"\n{streams} streams: plateau after {plateau} s, all {streams} backend requests cancelled after {cancelled_after} s;"
-        f" RSS {rss0:.0f} -> {rss1:.0f} -> {rss2:.0f} (2 s later) -> {rss3:.0f} MiB; fds {fds0} -> {fds2} -> {fds3} -> {fds4};"
+        f" RSS {rss0:.0f} -> {rss1:.0f} -> {rss2:.0f} (2 s later) -> {rss3:.0f} -> {rss4:.0f} MiB (closed);"
+        f" fds {fds0} -> {fds2} -> {fds3} -> {fds4};"
         f" router CPU {cpu3 - cpu0:.1f} s; backend events in those 2 s: {generated};"
-        f" neighbour {len(neighbour.latencies)} requests, {len(neighbour.errors)} errors,"
-        f" p99 {baseline.p99() * 1000:.0f} ms before, {steady.p99() * 1000:.0f} ms on the plateau,"
-        f" {Neighbour(router.url, latencies=neighbour.latencies[len(baseline.latencies):]).p99() * 1000:.0f} ms over the attack"
+        f" neighbour {len(neighbour.runs)} requests, {len(neighbour.errors())} errors,"
+        f" p99 {before * 1000:.0f} ms before, {filling * 1000:.0f} ms while the windows fill, {steady * 1000:.0f} ms on the plateau,"
+        f" {during * 1000:.0f} ms over the attack"
     )
     assert plateau is not None, "the backends never stopped generating"
     assert cancelled_after is not None, "the stalled streams' backend requests were not cancelled"
     assert rss2 - rss1 < 4, "the router's memory kept growing while the client read nothing"
     assert generated <= streams, "the backends kept generating for a client that reads nothing"
     assert rss3 - rss0 < 64
-    assert not neighbour.errors
+    assert not neighbour.errors()
     assert fds4 <= fds0 + 2
     if read:
         resets = of(attacker.events, h2.events.StreamReset)
