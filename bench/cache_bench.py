@@ -15,8 +15,10 @@ requests per second) it starts a fresh bed::
 and replays the same requests, streamed, through the router. Per policy and
 rate: the prefix-cache hit rate (cached prompt tokens / prompt tokens, from
 each answer's ``usage``), TTFT p50/p99, throughput (answers and prompt tokens
-per second), errors, and the max/avg requests per backend (from the router's
-/admin/backends). It also reports the policy's own prediction of what was
+per second), errors, and load balance two ways, max over mean across
+backends: of the requests each served (the router's /admin/backends counts)
+and of its time-averaged in-flight streams (sampled from /admin/backends
+every ``--sample-s``; the load bounded-load policies bound). It also reports the policy's own prediction of what was
 cached (``predicted_cached_tokens`` of kv_aware's statistics, when the
 router exposes them) beside what the backends reported.
 
@@ -84,6 +86,7 @@ def workload(args: argparse.Namespace, rate: float) -> tuple[list[Conversation],
     systems = [f"[tenant {g}] " + _text(rng, int(rng.uniform(*args.system_tokens) * chars_per_token))
                for g in range(args.groups)]
     q_chars = int(args.turn_tokens * chars_per_token)
+    a_chars = int((args.turn_tokens if args.answer_tokens is None else args.answer_tokens) * chars_per_token)
     count = max(1, math.ceil(args.duration * rate / args.turns))
     conversations, plan = [], []
     start = 0.0
@@ -93,7 +96,7 @@ def workload(args: argparse.Namespace, rate: float) -> tuple[list[Conversation],
         conversations.append(Conversation(
             group=g, system=systems[g],
             questions=[f"q{c}.{t}: " + _text(rng, q_chars) for t in range(args.turns)],
-            answers=[f"a{c}.{t}: " + _text(rng, q_chars) for t in range(args.turns)],
+            answers=[f"a{c}.{t}: " + _text(rng, a_chars) for t in range(args.turns)],
         ))
         for t in range(args.turns):
             plan.append(Planned(at=start + t * args.think_s, conversation=c, turn=t))
@@ -220,17 +223,43 @@ async def run_one(args: argparse.Namespace, policy: str, rate: float, logdir: Pa
         if args.model == "auto":  # whatever the backends serve
             async with httpx.AsyncClient(base_url=router.url, trust_env=False) as client:
                 args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        results, elapsed = await _replay(router.url, args, conversations, plan, f"{policy} @ {rate:g} req/s")
-        async with httpx.AsyncClient(base_url=await admin_url(router), trust_env=False) as client:
+        admin = await admin_url(router)
+        samples: dict[str, float] = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_sample_in_flight, admin, samples, args.sample_s)
+            results, elapsed = await _replay(router.url, args, conversations, plan, f"{policy} @ {rate:g} req/s")
+            nursery.cancel_scope.cancel()
+        async with httpx.AsyncClient(base_url=admin, trust_env=False) as client:
             listed = (await client.get("/admin/backends")).json()["data"]
             routing = await client.get("/admin/routing")
     per_backend = {b["name"]: b["requests"] for b in listed}
     row = {"policy": policy, "rate": rate, **summarize(results, elapsed, per_backend)}
+    count = samples.pop("", 0.0)
+    in_flight = {name: total / count for name, total in samples.items()} if count else {}
+    mean = statistics.mean(in_flight.values()) if in_flight else 0.0
+    row["in_flight_mean"] = in_flight
+    row["in_flight_max_over_avg"] = max(in_flight.values()) / mean if mean else None
     stats = routing.json()["data"][0]["statistics"] if routing.status_code == 200 else None
     if stats and stats.get("checked"):  # kv_aware: its prediction at each pick against what the backend reported
         row["predicted_agreement"] = stats["agreed"] / stats["checked"]
         row["predicted_checked"] = stats["checked"]
     return row
+
+
+async def _sample_in_flight(admin: str, samples: dict[str, float], every: float) -> None:
+    """Sum each backend's in-flight count from /admin/backends every
+    ``every`` seconds (the count of samples under ""), until cancelled: their
+    mean is the time-averaged in-flight load, the load bounded loads bound."""
+    async with httpx.AsyncClient(base_url=admin, trust_env=False) as client:
+        while True:
+            await trio.sleep(every)
+            try:
+                listed = (await client.get("/admin/backends")).json()["data"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            for b in listed:
+                samples[b["name"]] = samples.get(b["name"], 0.0) + b["in_flight"]
+            samples[""] = samples.get("", 0.0) + 1
 
 
 def at_slo(rows: list[dict[str, Any]], slo_ms: float) -> dict[str, dict[str, Any]]:
@@ -244,10 +273,10 @@ def at_slo(rows: list[dict[str, Any]], slo_ms: float) -> dict[str, dict[str, Any
 
 
 def row_line(r: dict[str, Any]) -> str:
-    mx = r["max_over_avg_load"]
+    mx, fl = r["max_over_avg_load"], r.get("in_flight_max_over_avg")
     return (f"{r['policy']:<13} {r['rate']:>6g} {r['hit_rate']:>6.1%} {r['ttft_p50_ms']:>9.1f} "
             f"{r['ttft_p99_ms']:>8.1f} {r['answers_per_s']:>7.1f} {r['prompt_tokens_per_s']:>8.0f} "
-            f"{(f'{mx:.2f}' if mx else '-'):>8} {r['errors']:>4}")
+            f"{(f'{mx:.2f}' if mx else '-'):>8} {(f'{fl:.2f}' if fl else '-'):>9} {r['errors']:>4}")
 
 
 def format_report(doc: dict[str, Any]) -> str:
@@ -255,7 +284,7 @@ def format_report(doc: dict[str, Any]) -> str:
     lines = [f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})",
              f"{doc['args']['backends']} x {doc['args']['kind']}, {doc['args']['groups']} groups, "
              f"{doc['args']['turns']} turns, SLO p99 TTFT {doc['args']['slo_ms']:g} ms",
-             f"{'policy':<13} {'rate':>6} {'hit':>6} {'TTFT p50':>9} {'p99':>8} {'ans/s':>7} {'ptok/s':>8} {'max/avg':>8} {'err':>4}"]
+             f"{'policy':<13} {'rate':>6} {'hit':>6} {'TTFT p50':>9} {'p99':>8} {'ans/s':>7} {'ptok/s':>8} {'req max/avg':>8} {'inflight':>9} {'err':>4}"]
     lines += [row_line(r) for r in doc["rows"]]
     agreed = [r for r in doc["rows"] if "predicted_agreement" in r]
     if agreed:
@@ -267,7 +296,8 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append("the simulator's prediction for the same requests (headrace simulate --trace):")
         for r in doc["simulated"]:
             lines.append(f"  {r['policy']:<13} {r['rate']:>6g} hit {r['hit_rate']:>6.1%} TTFT p50 {r['ttft_p50_ms']:>7.1f} "
-                         f"p99 {r['ttft_p99_ms']:>7.1f} ms, {r['answers_per_s']:.1f} ans/s, max/avg {r['max_over_avg_load']:.2f}")
+                         f"p99 {r['ttft_p99_ms']:>7.1f} ms, {r['answers_per_s']:.1f} ans/s, max/avg requests "
+                         f"{r['max_over_avg_load']:.2f}, in flight {r['in_flight_max_over_avg']:.2f}")
     if doc.get("at_slo"):
         lines.append("")
         lines.append("at the SLO (highest rate with p99 TTFT under it, no errors), against round_robin:")
@@ -320,6 +350,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--system-tokens", type=int, nargs=2, default=[1500, 2000])
     p.add_argument("--turn-tokens", type=int, default=60, help="tokens of each question and earlier answer")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="tokens of each earlier answer in the history (default: --turn-tokens)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--think-s", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
@@ -333,6 +365,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=500.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-s", type=float, default=0.1, help="how often in-flight counts are sampled")
     p.add_argument("--json", default=None)
     return p
 
@@ -357,14 +390,16 @@ def simulated(args: argparse.Namespace, rate: float, workdir: Path) -> list[dict
     argv = ["--trace", str(trace), "--backends", str(args.backends), "--block-size", "16",
             "--cache-blocks", str(args.cache_blocks), "--ttft-ms", f"{args.ttft_ms:g}",
             "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}", "--tpot-ms", f"{args.tpot_ms:g}",
-            "--batch-slope", "0", "--max-running", "0", "--json", str(out), "--quiet"]
+            "--batch-slope", "0", "--max-running", "0", "--backend-prefix", "backend-",
+            "--json", str(out), "--quiet"]
     for policy in args.policy:
         argv += ["--policy", policy]
     simulate(argv)
     results: list[dict[str, Any]] = json.loads(out.read_text())["results"]
     return [{"policy": r["label"], "rate": rate, "hit_rate": r["hit_rate"], "ttft_p50_ms": r["ttft_ms"]["p50"],
              "ttft_p99_ms": r["ttft_ms"]["p99"], "answers_per_s": r["throughput"]["req_s"],
-             "max_over_avg_load": r["load"]["served_max_over_mean"]} for r in results]
+             "max_over_avg_load": r["load"]["served_max_over_mean"],
+             "in_flight_max_over_avg": r["load"]["in_flight_max_over_mean"]} for r in results]
 
 
 async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:

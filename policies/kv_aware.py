@@ -14,8 +14,13 @@ continuous estimate, not a threshold switch::
 have not had their first token yet (or the router's count in the view when no
 feedback arrives). The two coefficients are the cost of one prefill token and
 how much each running sequence delays a new one (a decode step it shares).
-*Home* is where prefix_hash places the request (its key's first backend under
-its cap on the ring). Prefilling away from home copies a prefix into a cache
+*Home* is the backend the request's prefix key is homed on: a key seen for
+the first time is homed on the first backend along its prefix_hash ring walk
+that homes fewer than its share of the keys seen lately
+(``key_load_factor``; consistent hashing with bounded loads applied to the
+keys themselves, so 16 system prompts on 8 backends home 2 each instead of
+the 4,4,4,2,1,1,0,0 the ring alone gave), and stays there; a home over its
+in-flight cap sends that one request along the ring. Prefilling away from home copies a prefix into a cache
 that is not its home and evicts that cache's own prefixes, which costs later
 requests; the penalty prices that, so a backend that shares only a short
 common head with the request (a chat template's first block, a preamble
@@ -23,9 +28,13 @@ every tenant sends) does not pull every group onto itself, while one that
 holds most of the prompt still wins. Greedy TTFT alone (penalty 0) herds
 groups onto whichever backend cached anything first.
 
-The argmin wins, among candidates under the bounded-load cap of
-:mod:`policies.prefix_hash` (so a hot prefix spreads to more replicas instead
-of piling up). When no candidate holds any block of the request (a cold
+The argmin wins, among candidates under a bounded-load cap: that of
+:mod:`policies.prefix_hash`, ``ceil(load_factor x average in flight)``, but
+never below the average plus ``load_slack`` streams (so a hot prefix spreads
+to more replicas instead of piling up, while at low concurrency, where the
+plain cap is 1 or 2, the estimate decides rather than a threshold: a strict
+cap there sent conversations away from their caches, 74% hit rate against
+89% in the simulator on the cache benchmark's requests). When no candidate holds any block of the request (a cold
 start), or several tie, the order of ``prefix_hash`` decides: the same key
 lands on the same backend, so the next request with that prefix finds it
 cached.
@@ -34,7 +43,9 @@ cached.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -64,7 +75,14 @@ class KVAware:
     class Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         prefill_s_per_token: float = 2e-4  # seconds of prefill per uncached prompt token
         decode_s_per_seq: float = 2e-3  # delay a new request takes per sequence running there
-        load_factor: float = 1.25  # bounded-load cap, as prefix_hash
+        load_factor: float = 1.25  # bounded-load cap, as prefix_hash ...
+        # ... but never below the average plus this many streams: at low
+        # concurrency ceil(1.25 x average) is 1 or 2, and a cap that tight
+        # sends a conversation away from the cache that holds it while the
+        # estimate (which prices queued prefill and running sequences) says
+        # waiting there is cheaper; SGLang's cache-aware policy likewise
+        # ignores imbalance below an absolute difference (balance_abs_threshold).
+        load_slack: int = 8
         prefix_tokens: int = 256  # the prefix_hash key for cold starts and ties
         vnodes: int = 160
         max_blocks: int = 1_000_000  # the KV index bound (distinct block hashes)
@@ -74,12 +92,28 @@ class KVAware:
         # prefix_hash placement) cost this much more: they copy a prefix
         # into a cache that is not its home and evict what is at home there.
         off_home_penalty: float = 1.0
+        # Homes balanced by key (bounded loads on distinct prefix keys): a new
+        # key's home is the first backend on its ring walk homing fewer than
+        # ceil(key_load_factor x (K + 1) x w / W) of the K keys seen in the
+        # last key_ttl_s, and it stays there. Few keys (16 system prompts on
+        # 8 backends) hash unevenly (4,4,4,2,1,1,0,0 measured), and a backend
+        # homing 4 long prefixes thrashes its cache while others idle; 0 turns
+        # this off (homes are prefix_hash's ring order alone).
+        key_load_factor: float = 1.0
+        key_ttl_s: float = 300.0
+        max_keys: int = 100_000
 
         def __post_init__(self) -> None:
             if self.prefill_s_per_token < 0 or self.decode_s_per_seq < 0 or self.off_home_penalty < 0:
                 raise ValueError("costs must be non-negative")
-            if self.recent_ttl_s <= 0 or self.pending_ttl_s <= 0:
+            if self.recent_ttl_s <= 0 or self.pending_ttl_s <= 0 or self.key_ttl_s <= 0:
                 raise ValueError("TTLs must be positive")
+            if self.key_load_factor and self.key_load_factor < 1.0:
+                raise ValueError("key_load_factor must be 0 (off) or at least 1")
+            if self.load_slack < 0:
+                raise ValueError("load_slack must be non-negative")
+            if self.max_keys < 1:
+                raise ValueError("max_keys must be at least 1")
 
     def __init__(self, options: KVAware.Options | None = None) -> None:
         o = self.options = options or KVAware.Options()
@@ -100,6 +134,8 @@ class KVAware:
         self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
         self._predicted: dict[tuple[str, str], int] = {}  # (backend, request id) -> cached tokens predicted
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
+        self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
+        self._homed: dict[str, int] = {}  # backend -> keys it homes
 
     # ------------------------------------------------------------ decision
 
@@ -156,15 +192,20 @@ class KVAware:
         cached = self._cached(self._names_key, [c.kv_events for c in candidates], request, now)
         self._last_pick = (request, cached)
         o = self.options
-        scale = o.load_factor * (sum(flights) + 1) / sum(weights)
+        share = (sum(flights) + 1) / sum(weights)  # in flight per unit of weight, this request included
+        scale, slack = o.load_factor * share, o.load_slack
         w0 = weights[0]
         if weights.count(w0) == len(weights):
-            cap = math.ceil(scale * w0)
+            cap = max(math.ceil(scale * w0), math.ceil(share * w0) + slack)
             under = [f < cap for f in flights]
         else:
-            under = [f < math.ceil(scale * w) for f, w in zip(flights, weights, strict=True)]
+            under = [f < max(math.ceil(scale * w), math.ceil(share * w) + slack)
+                     for f, w in zip(flights, weights, strict=True)]
         key = request_key(request, o.prefix_tokens)
-        home = self.fallback.ring.first_index(key, position, under)
+        if o.key_load_factor:
+            home = self._key_home(key, names, weights, position, under, now)
+        else:
+            home = self.fallback.ring.first_index(key, position, under)
         if not cached:
             counts["cold"] += 1
             if home >= 0:
@@ -176,6 +217,44 @@ class KVAware:
             counts["hits"] += 1
             counts["predicted_cached_tokens"] += hit
         return best
+
+    def _key_home(self, key: int, names: list[str], weights: list[float], position: dict[str, int],
+                  under: list[bool], now: float) -> int:
+        """The position of the request's home (-1: none under its cap): its
+        key's assigned backend, or for a new key the first on the ring
+        homing fewer keys than its share allows (see ``key_load_factor``).
+        A home over its in-flight cap sends this pick along the ring as
+        prefix_hash does, without moving the key."""
+        keys, homed, ring = self._keys, self._homed, self.fallback.ring
+        o = self.options
+        while keys:  # forget keys not seen for key_ttl_s, or past max_keys
+            first = next(iter(keys.values()))
+            if first[1] + o.key_ttl_s > now and len(keys) <= o.max_keys:
+                break
+            old = keys.popitem(last=False)[1][0]
+            left = homed[old] - 1
+            if left:
+                homed[old] = left
+            else:
+                del homed[old]
+        entry = keys.get(key)
+        if entry is not None:
+            keys.move_to_end(key)
+            entry[1] = now
+            i = position.get(entry[0], -1)
+            if i >= 0 and under[i]:
+                return i
+            return ring.first_index(key, position, under)
+        scale = o.key_load_factor * (len(keys) + 1) / sum(weights)
+        get = homed.get
+        room = [u and get(n, 0) < math.ceil(scale * w) for n, w, u in zip(names, weights, under, strict=True)]
+        i = ring.first_index(key, position, room)
+        if i < 0:  # every backend under its in-flight cap homes its share already
+            i = ring.first_index(key, position, under)
+        if i >= 0:
+            keys[key] = [names[i], now]
+            homed[names[i]] = get(names[i], 0) + 1
+        return i
 
     def _cheapest(self, candidates: Sequence[BackendView], names: list[str], flights: list[int], under: list[bool],
                   home: int, key: int, request: RouteRequest, cached: dict[str, int]) -> str:

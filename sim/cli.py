@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="step time grows by this fraction per extra running sequence")
     m.add_argument("--max-running", type=int, default=cfg.max_running, help="0: no limit")
     m.add_argument("--no-kv-events", action="store_true", help="policies get no KV events")
+    m.add_argument("--backend-prefix", default=cfg.name_prefix,
+                   help="backends are named PREFIX0, PREFIX1, ... (the router's: backend-); ring placement follows names")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="OUT")
     o.add_argument("--plot", metavar="OUT.png")
@@ -92,6 +94,7 @@ def _model(args: argparse.Namespace) -> ModelConfig:
         "ttft_s": args.ttft_ms / 1000, "prefill_s_per_token": args.prefill_ms_per_token / 1000,
         "decode_step_s": args.tpot_ms / 1000, "batch_slope": args.batch_slope,
         "max_running": args.max_running, "kv_events": not args.no_kv_events,
+        "name_prefix": args.backend_prefix,
     }, ModelConfig)
 
 

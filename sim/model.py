@@ -70,6 +70,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     batch_slope: Annotated[float, Meta(ge=0)] = 0.002
     max_running: Annotated[int, Meta(ge=0)] = 64  # per backend; 0: no limit
     kv_events: bool = True  # publish KV events to policies that take them
+    name_prefix: str = "b"  # backends are named prefix + index (the router's are "backend-0", ...)
 
 
 class RequestRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -141,7 +142,7 @@ class _Backend:
 class _Sim:
     def __init__(self, policy: Any, config: ModelConfig, record: bool) -> None:
         self.policy, self.config = policy, config
-        self.backends = [_Backend(f"b{i}", config) for i in range(config.backends)]
+        self.backends = [_Backend(f"{config.name_prefix}{i}", config) for i in range(config.backends)]
         self.by_name = {b.name: b for b in self.backends}
         self.events: list[tuple[Any, ...]] = []
         self.tie = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -226,8 +227,9 @@ def test_a_short_shared_head_does_not_pull_a_group_off_its_home_but_most_of_the_
     """Every group's prompt starts with the same block (a chat template's
     header): greedy TTFT would send every group where that block is; the
     off-home price keeps each group at its ring home until another backend
-    holds most of its prompt."""
-    policy = KVAware(KVAware.Options(load_factor=1000))
+    holds most of its prompt. (Homes here are prefix_hash's ring order:
+    key_load_factor 0.)"""
+    policy = KVAware(KVAware.Options(load_factor=1000, key_load_factor=0))
     cands = [BackendView(name=f"b{i}", kv_events=True) for i in range(4)]
     head = 999
     homes = set()
@@ -242,3 +244,42 @@ def test_a_short_shared_head_does_not_pull_a_group_off_its_home_but_most_of_the_
     away = next(c.name for c in cands if c.name != home)
     policy.on_kv_events(away, [stored(1, head, *range(1100, 1125))], 0.0)  # 26 of 31 blocks
     assert policy.pick(cands, req(head, *range(1100, 1130), rid="x"), 0.0) == away
+
+
+def test_homes_are_balanced_by_key_so_few_system_prompts_spread_evenly() -> None:
+    """16 prefix keys on 8 backends: by the ring alone some backends home 3-4
+    and some none; with key-bounded homes each homes exactly 2, and a key
+    seen again keeps its home."""
+    cands = [BackendView(name=f"backend-{i}", kv_events=True) for i in range(8)]
+    policy = KVAware(KVAware.Options(load_factor=1000))
+    ring_only = KVAware(KVAware.Options(load_factor=1000, key_load_factor=0))
+    requests = [req(*range(g * 1000, g * 1000 + 20), rid=f"g{g}") for g in range(16)]
+    homes = {r.request_id: policy.pick(cands, r, float(i)) for i, r in enumerate(requests)}
+    counts = Counter(homes.values())
+    assert sorted(counts.values()) == [2] * 8
+    assert max(Counter(ring_only.pick(cands, r, 0.0) for r in requests).values()) > 2  # what the ring alone gives
+    for i, r in enumerate(requests):  # again, later: the same homes
+        assert policy.pick(cands, r, 100.0 + i) == homes[r.request_id]
+
+
+def test_a_key_not_seen_for_its_ttl_frees_its_home() -> None:
+    policy = KVAware(KVAware.Options(key_ttl_s=10.0))
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b")]
+    policy.pick(cands, req(1, 2, rid="x"), 0.0)
+    assert sum(policy._homed.values()) == 1
+    policy.pick(cands, req(7, 8, rid="y"), 11.0)  # x expired first
+    assert sum(policy._homed.values()) == 1 and len(policy._keys) == 1
+
+
+def test_a_busy_holder_keeps_its_conversation_below_the_load_slack_but_not_past_it() -> None:
+    """In flight 3, 0, 0, 0: ceil(1.25 x average) is 2, so a strict cap would
+    send the request away from the only backend holding its 100 blocks; with
+    load_slack 8 the estimate decides (it holds the prompt: it wins); with
+    load_slack 0 the cap binds."""
+    hashes = tuple(range(100))
+    cands = [BackendView(name="a", kv_events=True, in_flight=3)] + [
+        BackendView(name=n, kv_events=True) for n in ("b", "c", "d")]
+    for slack, expected in ((8, True), (0, False)):
+        policy = KVAware(KVAware.Options(load_slack=slack))
+        policy.on_kv_events("a", [stored(1, *hashes)], 0.0)
+        assert (policy.pick(cands, req(*hashes), 0.0) == "a") is expected
