@@ -18,7 +18,8 @@ token-id prompt, continues exactly). :meth:`~OpenAIHTTPBackend.kv_events`
 streams ``GET /v1/kv_events?since=SEQ`` (SSE: ``id: SEQ`` + ``data: <KVEvent>``)
 over a connection of its own, since it stays open for as long as the router runs.
 
-Every transport, TLS and JSON failure is translated here, once::
+Every transport, TLS and JSON failure is translated once (the mapping and the
+chunk parser are sans-I/O, in :mod:`backends.openai_wire`)::
 
     connect refused, DNS, reset before the response   BackendUnavailable
     HTTP 429 (+ Retry-After)                           UpstreamRateLimited(retry_after)
@@ -48,13 +49,11 @@ client request's id as ``x-request-id``, and the request's
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import os
 import re
 import ssl
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -70,28 +69,23 @@ from backends.base import (
     GenerateRequest,
     Health,
     KVEvent,
-    Logprob,
-    TopLogprob,
-    Usage,
 )
 from backends.errors import (
     BackendProtocolError,
     BackendStalled,
     BackendTimeout,
-    BackendUnavailable,
     BadRequest,
-    ClientError,
-    ContextLengthExceeded,
     HeadraceError,
-    MethodNotAllowed,
-    ModelNotFound,
-    PayloadTooLarge,
     StreamBroken,
-    Unauthorized,
-    UpstreamError,
-    UpstreamRateLimited,
 )
 from backends.h2client import H2Error, H2Pool, H2Response, H2Unsupported, RefusedStream
+from backends.openai_wire import (
+    ChunkParser,
+    KVEventParser,
+    engine_fields,
+    status_error,
+    transport_error,
+)
 from backends.tally import StreamTally
 from frontend import loop_lag
 from frontend.sse import SSEParser
@@ -123,260 +117,6 @@ class HTTPBackendStatistics(msgspec.Struct, frozen=True):
 
 
 # ---------------------------------------------------------------- SSE framing
-
-
-# ---------------------------------------------------------------- chunks -> events
-
-
-def _finish(reason: object) -> Literal["stop", "length", "abort"]:
-    return reason if reason in ("length", "abort") else "stop"
-
-
-def _int_list(value: object, what: str) -> list[int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
-        raise BackendProtocolError(f"{what} is not a list of token ids")
-    return value
-
-
-def _usage(obj: object) -> Usage | None:
-    if not isinstance(obj, dict):
-        return None
-    details = obj.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    gpu = obj.get("gpu_seconds")  # headrace's engine: this request's share of its steps
-    return Usage(
-        prompt_tokens=int(obj.get("prompt_tokens") or 0),
-        completion_tokens=int(obj.get("completion_tokens") or 0),
-        cached_tokens=int(cached or 0),
-        gpu_seconds=float(gpu) if isinstance(gpu, int | float) and gpu >= 0 else 0.0,
-    )
-
-
-def _bytes(value: object) -> bytes | None:
-    """A chat logprob's ``bytes`` (a list of byte values), or None."""
-    return bytes(value) if isinstance(value, list) else None
-
-
-def _logprobs(obj: object, ids: list[int]) -> list[Logprob] | None:
-    """Both OpenAI shapes: completions' parallel arrays, chat's ``content``."""
-    if not isinstance(obj, dict):
-        return None
-    try:
-        if isinstance(obj.get("content"), list):
-            entries = [
-                (
-                    e["token"],
-                    e["logprob"],
-                    _bytes(e.get("bytes")),
-                    [(t["token"], t["logprob"], _bytes(t.get("bytes"))) for t in e.get("top_logprobs") or []],
-                )
-                for e in obj["content"]
-            ]
-        else:
-            tops = obj.get("top_logprobs") or [None] * len(obj["tokens"])
-            entries = [
-                (tok, lp, None, [(k, v, None) for k, v in (top or {}).items()])
-                for tok, lp, top in zip(obj["tokens"], obj["token_logprobs"], tops, strict=True)
-            ]
-        # Upstream text offsets are not carried: the frontend counts them
-        # for the text it relays (a resumed stream restarts them upstream).
-        return [
-            Logprob(
-                ids[i] if i < len(ids) else -1,
-                float(lp),
-                str(tok),
-                [TopLogprob(-1, float(v), str(k), b) for k, v, b in top],
-                token_bytes=raw,
-            )
-            for i, (tok, lp, raw, top) in enumerate(entries)
-        ]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BackendProtocolError(f"malformed logprobs in chunk: {exc!r}") from None
-
-
-class _ChunkParser:
-    """OpenAI stream chunks -> Events. The event with ``finish_reason`` is
-    held until ``[DONE]`` (or :meth:`end`), so it leaves with usage. A stream
-    that ends without ``[DONE]`` is complete when the usage chunk came after
-    the finish reason (:attr:`complete`: :meth:`end` delivers the final
-    event); else :meth:`end` raises StreamBroken and the final event is never
-    delivered (the tokens in it are then regenerated by a resume, which keeps
-    resumes exact)."""
-
-    def __init__(self, chat: bool) -> None:
-        self.chat = chat
-        self.prompt_ids: list[int] | None = None
-        self.seed: int | None = None
-        self.final: Event | None = None
-        self.usage: Usage | None = None
-        self.events = 0
-        self.tokens = 0
-        self.saw_ids = False
-        self.done = False
-
-    def feed(self, data: str) -> list[Event]:
-        if data.strip() == "[DONE]":
-            self.done = True
-            return [self._final()]
-        if self.done:
-            raise BackendProtocolError("data after [DONE]")
-        try:
-            obj = msgspec.json.decode(data)
-        except msgspec.DecodeError:
-            raise BackendProtocolError(f"malformed chunk: {data[:200]!r}") from None
-        if not isinstance(obj, dict):
-            raise BackendProtocolError(f"chunk is not a JSON object: {data[:200]!r}")
-        if "error" in obj:
-            raise self._stream_error(obj["error"])
-        self._absorb(obj)
-        choices = obj.get("choices")
-        if not isinstance(choices, list):
-            raise BackendProtocolError(f"chunk without choices: {data[:200]!r}")
-        return [e for e in (self._choice(c) for c in choices) if e is not None]
-
-    def _absorb(self, obj: dict[str, Any]) -> None:
-        ids = _int_list(obj.get("prompt_token_ids"), "prompt_token_ids")
-        if ids is not None and self.prompt_ids is None:
-            self.prompt_ids = ids
-        if isinstance(obj.get("seed"), int) and self.seed is None:
-            self.seed = obj["seed"]
-        usage = _usage(obj.get("usage"))
-        if usage is not None:
-            self.usage = usage
-
-    def _choice(self, c: object) -> Event | None:
-        if not isinstance(c, dict) or c.get("index", 0) != 0:
-            raise BackendProtocolError(f"unexpected choice {c!r} (asked for one)")
-        self._absorb(c)
-        if self.final is not None:
-            raise BackendProtocolError("tokens after finish_reason")
-        ids = _int_list(c.get("token_ids"), "token_ids")
-        self.saw_ids = self.saw_ids or ids is not None
-        ids = ids or []
-        text = self._text(c)
-        event = Event(token_ids=ids, text=text, logprobs=_logprobs(c.get("logprobs"), ids))
-        self.tokens += len(ids)
-        if c.get("finish_reason") is not None:
-            event.finish_reason = _finish(c["finish_reason"])
-            self.final = event
-            return None
-        if not ids and not text:
-            return None  # a role-only or empty delta
-        return self._stamp(event)
-
-    def _text(self, c: dict[str, Any]) -> str:
-        value = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
-        if value is not None and not isinstance(value, str):
-            raise BackendProtocolError("chunk text is not a string")
-        return value or ""
-
-    def _stamp(self, event: Event) -> Event:
-        if self.events == 0:
-            event.prompt_token_ids, event.seed = self.prompt_ids, self.seed
-        self.events += 1
-        return event
-
-    @property
-    def complete(self) -> bool:
-        """The finish reason and the usage chunk have both come."""
-        return self.final is not None and self.usage is not None
-
-    def end(self) -> Event:
-        """The stream ended without ``[DONE]``: its final event when
-        :attr:`complete`, else :class:`StreamBroken`."""
-        if not self.complete:
-            missing = "its usage chunk" if self.final is not None else "its final event"
-            raise StreamBroken(f"stream ended without {missing} after {self.events} events")
-        self.done = True
-        return self._final()
-
-    def _final(self) -> Event:
-        if self.final is None:
-            raise BackendProtocolError("stream ended with [DONE] but no finish_reason")
-        usage = self.usage or Usage(len(self.prompt_ids or []), self.tokens)
-        self.final.usage = usage
-        return self._stamp(self.final)
-
-    def _stream_error(self, err: object) -> HeadraceError:
-        message, type_, code = _error_fields(err)
-        if type_ == "invalid_request_error":
-            return BadRequest(message, code=code)
-        if self.events:
-            return StreamBroken(f"backend failed mid-stream: {message}")
-        if code == "backend_unavailable":
-            return BackendUnavailable(message)
-        return UpstreamError(message)
-
-
-# ---------------------------------------------------------------- status codes
-
-
-def _error_fields(err: object) -> tuple[str, str | None, str | None]:
-    """(message, type, code) from OpenAI's ``{"error": {...}}``, vLLM's flat
-    ``{"object": "error", "message": ...}`` or anything else."""
-    if isinstance(err, dict) and isinstance(err.get("error"), dict):
-        err = err["error"]
-    if isinstance(err, dict):
-        code = err.get("code")
-        return (
-            str(err.get("message") or err),
-            err.get("type"),
-            code if isinstance(code, str) else None,
-        )
-    return str(err), None, None
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def status_error(status: int, body: bytes, retry_after: str | None = None) -> HeadraceError:
-    """The one mapping from a backend's non-200 answer to our error tree."""
-    try:
-        message, _, code = _error_fields(msgspec.json.decode(body))
-    except msgspec.DecodeError:
-        message, code = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}", None
-    if status == 429:  # healthy but throttling: the router cools it down and moves on
-        return UpstreamRateLimited(message, retry_after=_retry_after(retry_after))
-    if status == 503:
-        return BackendUnavailable(message, retry_after=_retry_after(retry_after))
-    if status == 400 and (code == "context_length_exceeded" or "context length" in message.lower()):
-        return ContextLengthExceeded(message)
-    known: dict[int, type[HeadraceError]] = {
-        400: BadRequest, 401: Unauthorized, 403: Unauthorized, 404: ModelNotFound, 405: MethodNotAllowed,
-        408: BackendTimeout, 413: PayloadTooLarge, 422: BadRequest, 504: BackendTimeout,
-    }  # fmt: skip
-    if status in known:
-        return known[status](message)
-    if 400 <= status < 500:
-        exc = ClientError(message)
-        exc.status = status
-        return exc
-    if status >= 500:
-        return UpstreamError(message)
-    return BackendProtocolError(f"unexpected HTTP {status}: {message}")
-
-
-def _transport_error(exc: BaseException, *, started: bool) -> HeadraceError:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(
-        exc, (httpx.ConnectTimeout, httpx.PoolTimeout)
-    ):
-        return BackendTimeout(f"backend timed out: {exc!r}")
-    if started:
-        return StreamBroken(f"backend stream broke: {exc!r}")
-    return BackendUnavailable(f"backend unreachable: {exc!r}")
 
 
 # ---------------------------------------------------------------- transports
@@ -732,7 +472,7 @@ class OpenAIHTTPBackend:
         except trio.TooSlowError:
             raise BackendTimeout(f"/v1/models: no answer within {self.health_timeout}s") from None
         except _ERRORS as exc:
-            raise _transport_error(exc, started=False) from exc
+            raise transport_error(exc, started=False) from exc
         if status != 200:
             raise status_error(status, content)
         try:
@@ -742,7 +482,7 @@ class OpenAIHTTPBackend:
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
             raise BackendProtocolError(f"malformed /v1/models answer: {content[:200]!r}") from None
         self._max_context = min(lengths) if lengths else None
-        self._engine = _engine_fields(data)
+        self._engine = engine_fields(data)
         return self.info()
 
     async def kv_events(self, since: int = -1) -> AsyncIterator[KVEvent]:
@@ -751,7 +491,7 @@ class OpenAIHTTPBackend:
         the request pool's, not the probes'). It never ends well: the server
         closing it is :class:`StreamBroken`; refused, :class:`BackendUnavailable`;
         a line that is not the engine's SSE, :class:`BackendProtocolError`."""
-        parser = _KVEventParser()
+        parser = KVEventParser()
         timeout = httpx.Timeout(connect=self._connect_timeout, read=None,
                                 write=self._connect_timeout, pool=self._connect_timeout)  # fmt: skip
         client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout,
@@ -761,7 +501,7 @@ class OpenAIHTTPBackend:
                 "GET", "/v1/kv_events", params={"since": since}, headers={"accept": "text/event-stream"}
             ) as response:
                 if response.status_code != 200:
-                    raise status_error(response.status_code, await _head_of(response),
+                    raise status_error(response.status_code, await _head(response.aiter_bytes()),
                                        response.headers.get("retry-after"))  # fmt: skip
                 content_type = response.headers.get("content-type", "")
                 if not content_type.startswith("text/event-stream"):
@@ -772,7 +512,7 @@ class OpenAIHTTPBackend:
         except HeadraceError:
             raise
         except _ERRORS as exc:
-            raise _transport_error(exc, started=parser.events > 0) from exc
+            raise transport_error(exc, started=parser.events > 0) from exc
         raise StreamBroken(f"/v1/kv_events ended after {parser.events} events")
 
     # The router may hand each stream a tighter stall timeout (its watchdog,
@@ -830,7 +570,7 @@ class OpenAIHTTPBackend:
         first event: migratable) from an unavailable backend (before it).
         Timeouts cover the waits only, never a ``yield`` (the consumer's
         time is not the backend's)."""
-        parser = _ChunkParser(chat=path.endswith("/chat/completions"))
+        parser = ChunkParser(chat=path.endswith("/chat/completions"))
         body = _json.encode(payload)
         stall = self.stall_timeout if stall is None else stall
         try:
@@ -888,13 +628,13 @@ class OpenAIHTTPBackend:
             if parser.done:
                 return  # broke after [DONE]: everything arrived
             if not parser.complete:
-                raise _transport_error(exc, started=parser.events > 0) from exc
+                raise transport_error(exc, started=parser.events > 0) from exc
             # broke after the final event and usage: complete but for [DONE]
         except Exception as exc:
             # Anything untranslated (a bug, an error type a library let
             # through): the stream did not end well, so say so.
             log.warning("backend %s: stream failed with %r", self.name, exc)
-            raise _transport_error(exc, started=parser.events > 0) from exc
+            raise transport_error(exc, started=parser.events > 0) from exc
         if not parser.done:
             yield parser.end()  # the final event, or StreamBroken without one
 
@@ -908,95 +648,12 @@ _SAMPLING_DEFAULTS = [
 ]
 
 
-def _engine_fields(data: list[Any]) -> dict[str, Any]:
-    """The engine's additions to ``/v1/models`` (the first entry that has
-    each, of the right type), as :class:`BackendInfo` fields. ``kv_events``
-    holds if any entry says so; ``token_ids`` and ``exact_resume`` only if
-    every entry that says either says true."""
-    found: dict[str, Any] = {}
-    for entry in data:
-        if not isinstance(entry, dict):
-            continue
-        block, kv, tok = entry.get("block_size"), entry.get("kv_events"), entry.get("tokenizer")
-        epoch = entry.get("kv_epoch")
-        for name in ("token_ids", "exact_resume"):
-            if isinstance(entry.get(name), bool):
-                found[name] = found.get(name, True) and entry[name]
-        if isinstance(epoch, str) and epoch:
-            found.setdefault("kv_epoch", epoch)
-        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
-            found.setdefault("block_size", block)
-        if isinstance(kv, bool):
-            found["kv_events"] = found.get("kv_events", False) or kv
-        if isinstance(tok, str) and tok:
-            found.setdefault("tokenizer", tok)
-    return found
-
-
-class _KVEventParser:
-    """``/v1/kv_events`` bytes -> :class:`KVEvent` (sans-I/O). Lines end in
-    LF (CRLF too); ``id:`` and ``data:`` fill an event, a blank line ends it,
-    ``:`` lines are comments, ``event:``/``retry:`` are ignored. Anything else,
-    JSON that is not a KVEvent, an ``id`` that is not its ``seq``, or a line
-    past 1 MiB is :class:`BackendProtocolError`."""
-
-    MAX_LINE = 1 << 20
-
-    def __init__(self) -> None:
-        self.events = 0
-        self._buffer = b""
-        self._id: str | None = None
-        self._data: list[bytes] = []
-
-    def feed(self, chunk: bytes) -> Iterator[KVEvent]:
-        """The events ``chunk`` completes, lazily: a bad line raises after the
-        events before it have been taken."""
-        lines = (self._buffer + chunk).split(b"\n")
-        self._buffer = lines.pop()
-        for raw in lines:
-            event = self._line(raw.removesuffix(b"\r"))
-            if event is not None:
-                yield event
-        if len(self._buffer) > self.MAX_LINE:
-            raise BackendProtocolError("/v1/kv_events: a line longer than 1 MiB")
-
-    def _line(self, line: bytes) -> KVEvent | None:
-        if not line:
-            return self._dispatch()
-        if line.startswith(b":"):
-            return None
-        name, colon, value = line.partition(b":")
-        value = value.removeprefix(b" ")
-        if name == b"data" and colon:
-            self._data.append(value)
-        elif name == b"id" and colon:
-            self._id = value.decode("ascii", "replace")
-        elif name not in (b"event", b"retry") or not colon:
-            raise BackendProtocolError(f"/v1/kv_events: not an SSE line: {line[:200]!r}")
-        return None
-
-    def _dispatch(self) -> KVEvent | None:
-        if not self._data:
-            self._id = None
-            return None
-        data, ident = b"\n".join(self._data), self._id
-        self._data, self._id = [], None
-        try:
-            event = msgspec.json.decode(data, type=KVEvent)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendProtocolError(f"/v1/kv_events: not a KV event ({exc}): {data[:200]!r}") from None
-        if ident is not None and ident != str(event.seq):
-            raise BackendProtocolError(f"/v1/kv_events: id {ident!r} is not the event's seq {event.seq}")
-        self.events += 1
-        return event
-
-
-async def _head_of(response: httpx.Response) -> bytes:
+async def _head(chunks: AsyncIterator[bytes]) -> bytes:
     """At most MAX_ERROR_BODY bytes of an error answer's body."""
     body = b""
     try:
         with trio.move_on_after(5.0):
-            async for chunk in response.aiter_bytes():
+            async for chunk in chunks:
                 body += chunk
                 if len(body) > MAX_ERROR_BODY:
                     break
@@ -1007,13 +664,4 @@ async def _head_of(response: httpx.Response) -> bytes:
 
 async def _status_error(reply: _Reply) -> HeadraceError:
     """The error for a non-200 answer, from (at most 64 KiB of) its body."""
-    body = b""
-    try:
-        with trio.move_on_after(5.0):
-            async for chunk in reply.chunks:
-                body += chunk
-                if len(body) > MAX_ERROR_BODY:
-                    break
-    except Exception:  # the status says enough
-        pass
-    return status_error(reply.status, body[:MAX_ERROR_BODY], reply.headers.get("retry-after"))
+    return status_error(reply.status, await _head(reply.chunks), reply.headers.get("retry-after"))

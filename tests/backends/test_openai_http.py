@@ -419,9 +419,9 @@ async def test_refresh_reads_token_ids_and_exact_resume_from_the_model_list(
 def test_engine_fields_take_exact_resume_only_as_a_bool_every_entry_agrees_on(
     entries: list[dict[str, object]], want: dict[str, object]
 ) -> None:
-    from backends.openai_http import _engine_fields
+    from backends.openai_wire import engine_fields
 
-    assert _engine_fields(entries) == want
+    assert engine_fields(entries) == want
 
 
 async def test_a_server_without_token_ids_streams_text_and_usage_and_says_so(

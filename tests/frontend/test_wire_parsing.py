@@ -24,7 +24,7 @@ from backends.errors import (
     UpstreamError,
     UpstreamRateLimited,
 )
-from backends.openai_http import _ChunkParser, status_error
+from backends.openai_wire import ChunkParser, status_error
 from frontend.sse import SSEParser
 from frontend.wire import (
     decode_request,
@@ -72,7 +72,7 @@ def _chunk(
 
 
 def test_parser_stamps_the_first_event_and_holds_the_final_one_for_usage() -> None:
-    parser = _ChunkParser(chat=False)
+    parser = ChunkParser(chat=False)
     first = parser.feed(_chunk(" a", [300], prompt_token_ids=[1, 2], seed=9))
     assert first[0].prompt_token_ids == [1, 2] and first[0].seed == 9
     assert parser.feed(_chunk(" b", [301], finish="length")) == []
@@ -89,7 +89,7 @@ def test_parser_stamps_the_first_event_and_holds_the_final_one_for_usage() -> No
 
 
 def test_parser_skips_role_only_chat_deltas_and_maps_unknown_finish_reasons_to_stop() -> None:
-    parser = _ChunkParser(chat=True)
+    parser = ChunkParser(chat=True)
     role = json.dumps(
         {"choices": [{"index": 0, "delta": {"role": "assistant"}}], "prompt_token_ids": [5]}
     )
@@ -115,13 +115,13 @@ def test_parser_skips_role_only_chat_deltas_and_maps_unknown_finish_reasons_to_s
 )
 def test_parser_rejects_chunks_that_are_not_the_openai_shape(data: str) -> None:
     with pytest.raises(BackendProtocolError):
-        _ChunkParser(chat=False).feed(data)
+        ChunkParser(chat=False).feed(data)
 
 
 def test_done_without_finish_reason_and_error_events_translate() -> None:
     with pytest.raises(BackendProtocolError):
-        _ChunkParser(chat=False).feed("[DONE]")
-    parser = _ChunkParser(chat=False)
+        ChunkParser(chat=False).feed("[DONE]")
+    parser = ChunkParser(chat=False)
     parser.feed(_chunk("a", [300]))
     error = json.dumps(
         {"error": {"message": "engine died", "type": "upstream_error", "code": None}}
@@ -129,7 +129,7 @@ def test_done_without_finish_reason_and_error_events_translate() -> None:
     with pytest.raises(StreamBroken, match="engine died"):
         parser.feed(error)
     with pytest.raises(UpstreamError):
-        _ChunkParser(chat=False).feed(error)
+        ChunkParser(chat=False).feed(error)
 
 
 @pytest.mark.parametrize(

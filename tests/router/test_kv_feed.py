@@ -24,7 +24,8 @@ from backends.base import BackendInfo, ChatMessage, Event, GenerateRequest, KVEv
 from backends.engine.backend import EngineBackend
 from backends.engine.server import run_server
 from backends.errors import BackendProtocolError, BackendUnavailable, StreamBroken
-from backends.openai_http import OpenAIHTTPBackend, _KVEventParser
+from backends.openai_http import OpenAIHTTPBackend
+from backends.openai_wire import KVEventParser
 from frontend.serving import ServeOptions
 from policies.base import KVEventView
 from router.actors import BackendActor
@@ -198,7 +199,7 @@ async def test_a_refused_kv_stream_is_backend_unavailable() -> None:
 
 def test_the_kv_sse_parser_reads_split_chunks_and_refuses_what_is_not_the_engines() -> None:
     good = b": kv events\n\nid: 0\ndata: {\"seq\":0,\"kind\":\"stored\",\"block_hashes\":[5]}\n\r\nid: 1\r\ndata: {\"seq\":1,\"kind\":\"cleared\"}\r\n\r\n"
-    parser = _KVEventParser()
+    parser = KVEventParser()
     events = [e for i in range(len(good)) for e in parser.feed(good[i : i + 1])]
     assert events == [KVEvent(seq=0, kind="stored", block_hashes=(5,)), KVEvent(seq=1, kind="cleared")]
     for bad in (b"data: {not json\n\n", b"id: 7\ndata: {\"seq\":8,\"kind\":\"stored\"}\n\n",
@@ -206,7 +207,7 @@ def test_the_kv_sse_parser_reads_split_chunks_and_refuses_what_is_not_the_engine
                 b"data: " + b"x" * (2 << 20)):  # fmt: skip
         taken: list[KVEvent] = []
         with pytest.raises(BackendProtocolError):
-            taken += _KVEventParser().feed(good + bad)
+            taken += KVEventParser().feed(good + bad)
         assert taken == events  # what came before the bad line is still delivered
 
 
@@ -421,10 +422,10 @@ async def test_a_restart_between_probes_is_seen_by_its_new_epoch_and_resubscribe
 
 
 def test_the_engine_and_the_mock_name_their_kv_epoch_in_v1_models() -> None:
-    from backends.openai_http import _engine_fields
+    from backends.openai_wire import engine_fields
 
-    assert _engine_fields([{"id": "m", "kv_epoch": "abc", "kv_events": True}])["kv_epoch"] == "abc"
-    assert "kv_epoch" not in _engine_fields([{"id": "m", "kv_epoch": 7}])  # wrong type: ignored
+    assert engine_fields([{"id": "m", "kv_epoch": "abc", "kv_events": True}])["kv_epoch"] == "abc"
+    assert "kv_epoch" not in engine_fields([{"id": "m", "kv_epoch": 7}])  # wrong type: ignored
 
 
 async def test_repeated_garbage_resets_once_logs_once_and_backs_off(
