@@ -20,7 +20,10 @@ that homes fewer than its share of the keys seen lately
 (``key_load_factor``; consistent hashing with bounded loads applied to the
 keys themselves, so 16 system prompts on 8 backends home 2 each instead of
 the 4,4,4,2,1,1,0,0 the ring alone gave), and stays there; a home over its
-in-flight cap sends that one request along the ring. Prefilling away from home copies a prefix into a cache
+in-flight cap sends that one request along the ring, and so does a home that
+took more than its share of the recent picks when the request continues no
+conversation seen before (``balance_factor``: new conversations spread, the
+turns of a conversation stay with its cache). Prefilling away from home copies a prefix into a cache
 that is not its home and evicts that cache's own prefixes, which costs later
 requests; the penalty prices that, so a backend that shares only a short
 common head with the request (a chat template's first block, a preamble
@@ -43,8 +46,9 @@ cached.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import msgspec
@@ -102,6 +106,19 @@ class KVAware:
         key_load_factor: float = 1.0
         key_ttl_s: float = 300.0
         max_keys: int = 100_000
+        # Conversations balanced across backends: a request that continues
+        # no conversation this policy has seen (none of its blocks ends a
+        # prompt sent before: a new conversation, or a new user of a shared
+        # system prompt) skips backends that took more than
+        # balance_factor x the average + balance_slack of the recent
+        # requests (counts decayed with a half-life of balance_half_life_s).
+        # Its home then moves along the ring for this request: a hot prefix
+        # is copied to a second backend, and that conversation's later turns
+        # follow it there. Continuing turns never move for this (their
+        # history is cached where they are). 0: off.
+        balance_factor: float = 1.25
+        balance_slack: float = 2.0
+        balance_half_life_s: float = 10.0
 
         def __post_init__(self) -> None:
             if self.prefill_s_per_token < 0 or self.decode_s_per_seq < 0 or self.off_home_penalty < 0:
@@ -110,6 +127,10 @@ class KVAware:
                 raise ValueError("TTLs must be positive")
             if self.key_load_factor and self.key_load_factor < 1.0:
                 raise ValueError("key_load_factor must be 0 (off) or at least 1")
+            if self.balance_factor and self.balance_factor < 1.0:
+                raise ValueError("balance_factor must be 0 (off) or at least 1")
+            if self.balance_slack < 0 or self.balance_half_life_s <= 0:
+                raise ValueError("balance_slack must be non-negative and balance_half_life_s positive")
             if self.load_slack < 0:
                 raise ValueError("load_slack must be non-negative")
             if self.max_keys < 1:
@@ -136,6 +157,9 @@ class KVAware:
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
         self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
         self._homed: dict[str, int] = {}  # backend -> keys it homes
+        self._recent_load: dict[str, tuple[float, float]] = {}  # backend -> (decayed picks, as of when)
+        self._ends: set[int] = set()  # the last block of each prompt prefilled lately
+        self._ends_order: deque[int] = deque()
 
     # ------------------------------------------------------------ decision
 
@@ -202,6 +226,8 @@ class KVAware:
             under = [f < max(math.ceil(scale * w), math.ceil(share * w) + slack)
                      for f, w in zip(flights, weights, strict=True)]
         key = request_key(request, o.prefix_tokens)
+        if o.balance_factor and request.block_hashes and self._ends.isdisjoint(request.block_hashes):
+            under = self._balanced(names, under, now)
         if o.key_load_factor:
             home = self._key_home(key, names, weights, position, under, now)
         else:
@@ -209,14 +235,32 @@ class KVAware:
         if not cached:
             counts["cold"] += 1
             if home >= 0:
-                return names[home]
-            return min(candidates, key=lambda v: v.in_flight / v.weight).name  # pragma: no cover - caps sum past the load
-        best = self._cheapest(candidates, names, flights, under, home, key, request, cached)
-        hit = cached.get(best, 0)
-        if hit:
-            counts["hits"] += 1
-            counts["predicted_cached_tokens"] += hit
+                best = names[home]
+            else:  # pragma: no cover - caps sum past the load
+                best = min(candidates, key=lambda v: v.in_flight / v.weight).name
+        else:
+            best = self._cheapest(candidates, names, flights, under, home, key, request, cached)
+            hit = cached.get(best, 0)
+            if hit:
+                counts["hits"] += 1
+                counts["predicted_cached_tokens"] += hit
+        if o.balance_factor:
+            load = self._recent_load
+            value, then = load.get(best, (0.0, now))
+            load[best] = (value * 0.5 ** ((now - then) / o.balance_half_life_s) + 1.0, now)
         return best
+
+    def _balanced(self, names: list[str], under: list[bool], now: float) -> list[bool]:
+        """``under`` without the backends that took more than their share of
+        the recent picks (see ``balance_factor``); unchanged if that would
+        leave none."""
+        o = self.options
+        load, half = self._recent_load, o.balance_half_life_s
+        zero = (0.0, now)
+        recent = [v * 0.5 ** ((now - t) / half) for v, t in map(load.get, names, repeat(zero))]
+        cap = o.balance_factor * sum(recent) / len(recent) + o.balance_slack
+        kept = [u and r <= cap for u, r in zip(under, recent, strict=True)]
+        return kept if any(kept) else under
 
     def _key_home(self, key: int, names: list[str], weights: list[float], position: dict[str, int],
                   under: list[bool], now: float) -> int:
@@ -342,6 +386,13 @@ class KVAware:
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
+            if self.options.balance_factor:  # a later turn of this conversation holds this block
+                end, ends = request.block_hashes[-1], self._ends
+                if end not in ends:
+                    ends.add(end)
+                    self._ends_order.append(end)
+                    if len(ends) > self.options.max_keys:
+                        ends.discard(self._ends_order.popleft())
 
     def on_complete(
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None

@@ -283,3 +283,23 @@ def test_a_busy_holder_keeps_its_conversation_below_the_load_slack_but_not_past_
         policy = KVAware(KVAware.Options(load_slack=slack))
         policy.on_kv_events("a", [stored(1, *hashes)], 0.0)
         assert (policy.pick(cands, req(*hashes), 0.0) == "a") is expected
+
+
+def test_a_new_conversation_skips_a_backend_with_more_than_its_share_of_recent_picks_but_a_later_turn_stays() -> None:
+    """One system prompt (blocks 0-9) on a; a has taken every recent pick.
+    A new conversation (no earlier prompt's last block in it) goes elsewhere,
+    copying the prompt; a later turn of a conversation a served stays on a."""
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b", "c", "d")]
+    policy = KVAware(KVAware.Options(load_factor=1000))
+    system = tuple(range(10))
+    policy.on_kv_events("a", [stored(1, *system)], 0.0)
+    first = req(*system, 100, 101, rid="c0.t0")
+    assert policy.pick(cands, first, 0.0) == "a"
+    policy.on_first_token("a", first, 0.1)  # conversation c0's first turn was prefilled on a
+    later = req(*system, 100, 101, 102, 103, rid="c0.t1")
+    for i in range(8):  # its later turns stay on a however many picks a has taken
+        assert policy.pick(cands, later, 0.2 + 0.1 * i) == "a"
+    assert policy.pick(cands, req(*system, 300, rid="new"), 1.0) != "a"
+    off = KVAware(KVAware.Options(load_factor=1000, balance_factor=0))
+    off.on_kv_events("a", [stored(1, *system)], 0.0)
+    assert all(off.pick(cands, req(*system, 200 + i, rid=f"x{i}"), 0.1 * i) == "a" for i in range(12))
