@@ -51,6 +51,7 @@ import trio
 from backends.base import Backend
 from backends.errors import NotFound, Unauthorized
 from frontend.context import Principal
+from frontend.heap import HeapTrimmer
 from frontend.loop_lag import LoopLag
 from frontend.server import (
     Authenticate,
@@ -270,6 +271,8 @@ class Router:
         services: list[Service] = list(self.actors)
         self.loop_lag = LoopLag()  # stretches the HTTP adapters' stall verdicts (frontend/loop_lag.py)
         services.append(self.loop_lag)
+        self.heap_trimmer = HeapTrimmer()  # RSS back down after buffers are freed (frontend/heap.py)
+        services.append(self.heap_trimmer)
         if self.shared_limits is not None:
             services.append(self.shared_limits)
         if self.queue is not None:
