@@ -15,9 +15,14 @@ Phases: every backend's prefix cache is warmed with the shared prompts; a
 warm-up load of ``--warmup`` s (no kills) fills the router's pools and
 drains; the router's RSS and open fds are read idle; ``--duration`` s of load
 with kills; the load drains (nothing is cancelled) and they are read idle
-again. Growth between the two idle readings is a leak. The router exposes no
-task count, so its in-flight gauges after the drain stand in for leaked
-streams.
+again. Growth between the two idle readings is a leak, or a warm-up: with
+``--phases N`` the chaos phase and its drain run N times, read idle after
+each, and a leak grows again in every phase where caches warming up do not.
+``--tracemalloc FRAMES`` starts the router under :mod:`tracemalloc` (a
+diagnostic run: tracing slows it) and diffs its heap between the idle
+readings (after a ``gc.collect``): the allocation sites that grew most. The
+router exposes no task count, so its in-flight gauges after the drain stand
+in for leaked streams.
 
 Requests: ``--cold-fraction`` of them carry a fresh prompt that no backend
 has seen, the others one of ``--prompts`` shared prompts (every live backend
@@ -45,11 +50,13 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import re
 import sys
 import tempfile
 import time
+import tracemalloc
 from array import array
 from collections import Counter
 from contextlib import AsyncExitStack
@@ -133,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a client waits after an error before its next request (a "
                         "closed loop that does not would turn an outage into thousands of 503s)")
     p.add_argument("--timeout", type=float, default=60.0, help="per stream, seconds")
+    p.add_argument("--phases", type=int, default=1,
+                   help="chaos phases (each --duration s and a drain), the router read idle after each: "
+                        "a leak grows in every phase, a warm-up only in the first")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="run the router under tracemalloc with this many frames and diff its heap "
+                        "between the idle readings (diagnostic: tracing slows the router several times, "
+                        "and its RSS then counts the snapshots' own memory); 0: off")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the kills")
     p.add_argument("--out", "--json", dest="out", default=DEFAULT_OUT, help="JSON report path")
     p.add_argument("--plot", dest="plot_path", help="PNG path (default: beside the JSON)")
@@ -394,6 +408,70 @@ def _mock_argv(args: argparse.Namespace, *, oracle: bool = False) -> list[str]:
             "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}"]
 
 
+# The router under tracemalloc: a thread takes a snapshot (after gc.collect)
+# whenever a LABEL.want file appears in the directory, as LABEL.snap, then
+# renames the request LABEL.done. argv: frames, directory, the router's argv.
+_TRACED = """
+import gc, os, runpy, sys, threading, time, tracemalloc
+frames, where = int(sys.argv[1]), sys.argv[2]
+tracemalloc.start(frames)
+def watch():
+    while True:
+        for name in sorted(os.listdir(where)):
+            if name.endswith('.want'):
+                label = name[:-5]
+                gc.collect()
+                tracemalloc.take_snapshot().dump(os.path.join(where, label + '.snap'))
+                os.replace(os.path.join(where, name), os.path.join(where, label + '.done'))
+        time.sleep(0.2)
+threading.Thread(target=watch, daemon=True, name='tracemalloc-snapshots').start()
+sys.argv = ['router.cli', *sys.argv[3:]]
+runpy.run_module('router.cli', run_name='__main__', alter_sys=True)
+"""
+
+
+def traced_argv(frames: int, where: Path, argv: list[str]) -> list[str]:
+    """``python -m router.cli ...`` (``argv``) run under tracemalloc, snapshots on request in ``where``."""
+    assert argv[1:3] == ["-m", "router.cli"], argv
+    return [argv[0], "-c", _TRACED, str(frames), str(where), *argv[3:]]
+
+
+async def heap_snapshot(where: Path, label: str, patience: float = 120.0) -> Path:
+    """Ask the traced router for a snapshot; its path once written."""
+    (where / f"{label}.want").touch()
+    with trio.move_on_after(patience):
+        while True:
+            if (where / f"{label}.done").exists():
+                return where / f"{label}.snap"
+            await trio.sleep(0.2)
+    raise BackendUnavailable(f"the router wrote no heap snapshot {label!r} within {patience:g} s")
+
+
+_NOISE = (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+          tracemalloc.Filter(False, "<unknown>"))
+
+
+def heap_diff(before: Path, after: Path, top: int = 20) -> dict[str, Any]:
+    """The traced heap's growth from ``before`` to ``after``: totals, the
+    sites (innermost frame) that grew most, and the tracebacks of the
+    largest growths (their 8 innermost frames, the innermost last)."""
+    a = tracemalloc.Snapshot.load(str(before)).filter_traces(_NOISE)
+    b = tracemalloc.Snapshot.load(str(after)).filter_traces(_NOISE)
+
+    def total(snap: tracemalloc.Snapshot) -> tuple[int, int]:
+        stats = snap.statistics("filename")
+        return sum(x.size for x in stats), sum(x.count for x in stats)
+
+    (size_a, count_a), (size_b, count_b) = total(a), total(b)
+    by_line = [{"site": str(d.traceback[0]), "growth_kib": d.size_diff / 1024, "size_kib": d.size / 1024,
+                "count_growth": d.count_diff} for d in b.compare_to(a, "lineno")[:top]]
+    by_trace = [{"growth_kib": d.size_diff / 1024, "count_growth": d.count_diff,
+                 "traceback": [str(f) for f in d.traceback][-8:]}
+                for d in b.compare_to(a, "traceback")[: top // 2]]
+    return {"before_mib": size_a / 2**20, "after_mib": size_b / 2**20, "growth_kib": (size_b - size_a) / 1024,
+            "blocks_before": count_a, "blocks_after": count_b, "top_sites": by_line, "top_tracebacks": by_trace}
+
+
 def router_config(args: argparse.Namespace, slots: list[Slot]) -> str:
     """Each mock twice: ``mockI`` serves the route ``mock``, ``mockI-cold`` the
     route ``cold`` (so the router's per-backend histograms split by it)."""
@@ -465,11 +543,12 @@ def _client(args: argparse.Namespace, url: str) -> Client:
 
 
 async def _chaos(args: argparse.Namespace, slots: list[Slot], log: list[dict[str, Any]],
-                 until: float, t0: float, logdir: Path) -> None:
-    """Kill a random backend every U(--interval) s, restart it after --down s;
-    no kill whose restart would come after ``until``."""
-    rng = random.Random(f"chaos-kills:{args.seed}")
-    at = t0 + rng.uniform(*args.interval)
+                 until: float, t0: float, logdir: Path, start: float | None = None, phase: int = 0) -> None:
+    """Kill a random backend every U(--interval) s from ``start`` (default
+    ``t0``), restart it after --down s; no kill whose restart would come after
+    ``until``. Times are logged from ``t0``."""
+    rng = random.Random(f"chaos-kills:{args.seed}" + (f":{phase}" if phase else ""))
+    at = (t0 if start is None else start) + rng.uniform(*args.interval)
     while args.max_kills is None or len(log) < args.max_kills:
         if at + args.down >= until:
             return
@@ -679,9 +758,9 @@ async def _check_oracle(args: argparse.Namespace, load: Load, slot: Slot) -> boo
     return result.error is None and "".join(timer.parts) == await load.reference(shape)
 
 
-async def _phase(load: Load, args: argparse.Namespace, url: str, seconds: float, t0: float) -> None:
+async def _phase(load: Load, args: argparse.Namespace, url: str, until: float, t0: float) -> None:
     async with _client(args, url) as client:
-        await load.run(client, t0 + seconds, t0)
+        await load.run(client, until, t0)
 
 
 async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
@@ -696,6 +775,10 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         config = logdir / "router.toml"
         config.write_text(router_config(args, slots))
         serve = _python("router.cli", "serve", "--config", str(config), "--port", "0", "--log-level", "WARNING")
+        heaps = logdir / "heap"
+        if args.tracemalloc:
+            heaps.mkdir()
+            serve = traced_argv(args.tracemalloc, heaps, serve)
         started: list[Server] = []
 
         async def servers() -> None:  # the ports are fixed: the router need not wait for the mocks
@@ -722,34 +805,58 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 
         print(f"headrace bench chaos: bed up, references and caches ready in {trio.current_time() - began:.1f} s "
               f"(logs: {logdir}); warm-up: {args.warmup:g} s of load without kills", file=sys.stderr)
-        await _phase(load, args, router.url, args.warmup, trio.current_time())
+        now = trio.current_time()
+        await _phase(load, args, router.url, now + args.warmup, now)
         doc["warmup"] = {"streams": len(load.outcomes), "identical": load.identical}
         await trio.sleep(1.0)
-        doc["router"] = {"idle_before": process_sample(router.pid)}
+        doc["router"] = {"idle_before": process_sample(router.pid), "idle_after_phase": []}
+        snaps = [await heap_snapshot(heaps, "before")] if args.tracemalloc else []
 
         load.reset()
         base = await _scrape(metrics_url)
-        timeline: list[dict[str, Any]] = doc["timeline"]
+        scraped = [base]
         t0 = trio.current_time()
-        until = t0 + args.duration
-        meter = CpuMeter(router, slots)
+        doc["loadavg"] = {"start": os.getloadavg()}
         try:
-            async with trio.open_nursery() as outer:
-                outer.start_soon(_monitor, load, router, metrics_url, doc["kills"], timeline, t0, args.duration)
-                async with trio.open_nursery() as inner:
-                    inner.start_soon(_chaos, args, slots, doc["kills"], until, t0, logdir)
-                    inner.start_soon(_phase, load, args, router.url, args.duration, t0)
-                    inner.start_soon(_read_at, until, meter, doc)
-                outer.cancel_scope.cancel()
-            doc["drained_s"] = trio.current_time() - until
-            await trio.sleep(1.0)
-            metrics = await _scrape(metrics_url)
-            await trio.sleep(0.5)
-            doc["router"]["idle_after"] = process_sample(router.pid)
-            doc["metrics"] = metrics_delta(metrics, base)
+            for phase in range(args.phases):
+                start = trio.current_time()
+                until = start + args.duration
+                await _chaos_phase(args, load, router, metrics_url, slots, doc, phase, start, until, t0, logdir)
+                if phase == 0:
+                    doc["drained_s"] = trio.current_time() - until
+                await trio.sleep(1.0)
+                scraped.append(await _scrape(metrics_url))
+                if phase == 0:
+                    doc["metrics"] = metrics_delta(scraped[1], base)
+                else:  # the later phases' gaps and TTFT, each phase alone (the report's figures are the first's)
+                    doc.setdefault("later_phases", []).append(_gap_summary(metrics_delta(scraped[-1], scraped[-2])))
+                await trio.sleep(0.5)
+                idle = process_sample(router.pid)
+                doc["router"]["idle_after_phase"].append(idle)
+                if phase == 0:
+                    doc["router"]["idle_after"] = idle
+                if args.tracemalloc:
+                    snaps.append(await heap_snapshot(heaps, f"after{phase + 1}"))
+                    doc.setdefault("heap", []).append(heap_diff(snaps[-2], snaps[-1]))
+            doc["loadavg"]["end"] = os.getloadavg()
         finally:
             doc["streams"] = summarize_streams(load)
             doc["samples"] = _samples(load)
+
+
+async def _chaos_phase(args: argparse.Namespace, load: Load, router: Server, metrics_url: str, slots: list[Slot],
+                       doc: dict[str, Any], phase: int, start: float, until: float, t0: float, logdir: Path) -> None:
+    """One chaos phase: load and kills from ``start`` to ``until``, then the
+    drain (nothing cancelled); the cores used are read in the first."""
+    meter = CpuMeter(router, slots)
+    async with trio.open_nursery() as outer:
+        outer.start_soon(_monitor, load, router, metrics_url, doc["kills"], doc["timeline"], t0, args.phases * args.duration)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(_chaos, args, slots, doc["kills"], until, t0, logdir, start, phase)
+            inner.start_soon(_phase, load, args, router.url, until, t0)
+            if phase == 0:
+                inner.start_soon(_read_at, until, meter, doc)
+        outer.cancel_scope.cancel()
 
 
 def summarize_streams(load: Load) -> dict[str, Any]:
@@ -799,6 +906,10 @@ def _router_health(doc: dict[str, Any]) -> None:
     if before and after:
         router["rss_growth_pct"] = 100.0 * (after["rss_mib"] - before["rss_mib"]) / before["rss_mib"]
         router["fds_growth"] = after["fds"] - before["fds"]
+        # Each phase's growth over the one before it, in % of the idle RSS before any chaos.
+        idle = [before, *router.get("idle_after_phase", [])]
+        router["rss_growth_per_phase_pct"] = [100.0 * (b["rss_mib"] - a["rss_mib"]) / before["rss_mib"]
+                                              for a, b in itertools.pairwise(idle)]
     loaded = [r for r in doc.get("timeline", []) if 1.0 <= r["t_s"] <= doc["config"]["duration"]]
     if len(loaded) >= 2:
         router["loaded_start"], router["loaded_end"] = loaded[0], loaded[-1]
@@ -807,6 +918,17 @@ def _router_health(doc: dict[str, Any]) -> None:
                        "after the load drained) stands in for leaked streams")
     if doc.get("metrics"):
         router["in_flight_after_drain"] = doc["metrics"]["gauges"]
+
+
+def _series(metrics: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    gaps, ttft = metrics["histograms"].get(RESUME, {}), metrics["histograms"].get(TTFT, {})
+    return {"resume_gap_held": gaps.get("held", []), "resume_gap_not_held": gaps.get(COLD, []),
+            "resume_gap_all": _merged(gaps), "ttft_cold": ttft.get(COLD, []), "ttft_shared": ttft.get("held", [])}
+
+
+def _gap_summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A later phase: its migrations, and its resume gaps and TTFT (ms)."""
+    return {"migrations": metrics["migrations"], "router_ms": {k: hist_ms(b) for k, b in _series(metrics).items()}}
 
 
 def _migrations(doc: dict[str, Any]) -> None:
@@ -819,9 +941,7 @@ def _migrations(doc: dict[str, Any]) -> None:
         "inexact": counters.get("headrace_migration_inexact", 0),
         "retries_refused": counters.get("headrace_dispatch_retries_refused", 0),
     }
-    gaps, ttft = metrics["histograms"].get(RESUME, {}), metrics["histograms"].get(TTFT, {})
-    series = {"resume_gap_held": gaps.get("held", []), "resume_gap_not_held": gaps.get(COLD, []),
-              "resume_gap_all": _merged(gaps), "ttft_cold": ttft.get(COLD, []), "ttft_shared": ttft.get("held", [])}
+    series = _series(metrics)
     doc["router_ms"] = {name: hist_ms(b) for name, b in series.items()}
     # For the plot: cumulative fractions at the finite bucket bounds.
     doc["cdf"] = {name: [(le, c / b[-1][1]) for le, c in b if not math.isinf(le)] for name, b in series.items()
@@ -853,6 +973,9 @@ def conclude(doc: dict[str, Any]) -> None:
         # A pool may keep one more idle connection per backend entry than before; a leak
         # (a socket per broken stream) would be hundreds.
         "router fds not grown (<= 1 per backend entry)": router.get("fds_growth", math.inf) <= 2 * doc["config"]["backends"],
+        **({"router RSS growth in each later phase <= 10% (a leak grows again, a warm-up does not)":
+            all(g <= 10.0 for g in router["rss_growth_per_phase_pct"][1:])}
+           if len(router.get("rss_growth_per_phase_pct", [])) > 1 else {}),
         "resume gap <= 1x cold TTFT (p50, p99)": under("resume_gap_all_p50_over_cold_ttft_p50", 1.0)
         and under("resume_gap_all_p99_over_cold_ttft_p99", 1.0),
         "resume gap, prefix held, <= 0.3x cold TTFT (p50, p99)": under("resume_gap_held_p50_over_cold_ttft_p50", 0.3)
@@ -894,6 +1017,10 @@ def format_report(doc: dict[str, Any]) -> str:
             ("inter-token latency (client)", s.get("itl_ms", {}))]
     for label, d in rows:
         lines.append(f"{label:<36} {_f(d.get('p50')):>9} {_f(d.get('p99')):>9} {d.get('n', 0):>6}")
+    for i, later in enumerate(doc.get("later_phases", []), start=2):
+        g, t = later["router_ms"]["resume_gap_all"], later["router_ms"]["ttft_cold"]
+        lines.append(f"phase {i} alone: resume gap p50/p99 {_f(g.get('p50'))}/{_f(g.get('p99'))} ms (n={g.get('n', 0)}), "
+                     f"cold TTFT p50/p99 {_f(t.get('p50'))}/{_f(t.get('p99'))} ms (n={t.get('n', 0)})")
     lines.append("router figures: p50/p99 interpolated inside the histogram's buckets (.., 50, 100, 250, 500 ms, ..)")
     lines.append("* by every backend but one restarted since it last served that prompt (its cache starts empty)")
     lines.append("")
@@ -902,11 +1029,21 @@ def format_report(doc: dict[str, Any]) -> str:
     if before and after:
         lines += ["", f"router idle before / after: RSS {before['rss_mib']:.1f} / {after['rss_mib']:.1f} MiB "
                       f"({_f(router.get('rss_growth_pct'), '+.1f')} %), fds {before['fds']:.0f} / {after['fds']:.0f}"]
+    if len(router.get("idle_after_phase", [])) > 1:
+        lines.append("router idle after each phase: " + " / ".join(f"{x['rss_mib']:.1f}" for x in router["idle_after_phase"])
+                     + " MiB; growth per phase: " + " / ".join(f"{g:+.1f}" for g in router["rss_growth_per_phase_pct"]) + " %")
     if "loaded_rss_growth_pct" in router:
         lines.append(f"router RSS under load, start / end: {router['loaded_start']['rss_mib']:.1f} / "
                      f"{router['loaded_end']['rss_mib']:.1f} MiB ({router['loaded_rss_growth_pct']:+.1f} %)")
     if "in_flight_after_drain" in router:
         lines.append(f"in-flight gauges after the drain: {router['in_flight_after_drain']} ({router['tasks'].split(';')[0]})")
+    if "loadavg" in doc:
+        lines.append("load average (1, 5, 15 min) at the chaos start / end: "
+                     + " / ".join(", ".join(f"{x:.2f}" for x in doc["loadavg"][k]) for k in ("start", "end") if k in doc["loadavg"]))
+    for i, heap in enumerate(doc.get("heap", [])):
+        lines.append(f"traced heap (after gc.collect), {'idle before' if i == 0 else f'after phase {i}'} -> after phase {i + 1}: "
+                     f"{heap['before_mib']:.1f} -> {heap['after_mib']:.1f} MiB ({heap['growth_kib']:+.0f} KiB); top sites:")
+        lines += [f"    {s['growth_kib']:+9.1f} KiB {s['count_growth']:+7d} blocks  {s['site']}" for s in heap["top_sites"][:10]]
     used = doc.get("cpu_cores_used")
     if used:
         lines.append(f"cores used under load: router {used['router']:.2f}, mocks {used['mocks']:.2f}, "
@@ -967,8 +1104,10 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
 def _check(args: argparse.Namespace) -> None:
     from backends.errors import ClientError
 
-    if args.backends < 2 or args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
-        raise ClientError("--backends >= 2, --concurrency >= 1, --duration > 0, --warmup >= 0")
+    if args.backends < 2 or args.concurrency < 1 or args.duration <= 0 or args.warmup < 0 or args.phases < 1:
+        raise ClientError("--backends >= 2, --concurrency >= 1, --duration > 0, --warmup >= 0, --phases >= 1")
+    if args.tracemalloc < 0:
+        raise ClientError("--tracemalloc FRAMES >= 0")
     if not 0 < args.interval[0] <= args.interval[1] or args.down < 0:
         raise ClientError("--interval MIN MAX with 0 < MIN <= MAX, --down >= 0")
     if not 1 <= args.max_tokens[0] <= args.max_tokens[1]:

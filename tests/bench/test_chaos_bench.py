@@ -16,13 +16,16 @@ from bench.chaos_bench import (
     Slot,
     Workload,
     _parser,
+    _router_health,
     fleet_codes,
+    heap_diff,
     histogram_quantile,
     judge,
     main,
     metrics_delta,
     parse_metrics,
     router_config,
+    traced_argv,
 )
 from router.config import decode_config
 
@@ -147,3 +150,37 @@ def test_the_fleet_is_one_letter_per_backend_of_the_shared_route() -> None:
         {"name": "mock6", "up": True, "state": "half_open", "breaker": None},
     ]
     assert "".join(fleet_codes(listing).values()) == "UEDHUEH"
+
+
+def test_the_traced_router_runs_router_cli_under_tracemalloc_and_answers_snapshot_requests() -> None:
+    argv = traced_argv(5, Path("/tmp/heap"), ["/usr/bin/python3", "-m", "router.cli", "serve", "--port", "0"])
+    assert argv[:2] == ["/usr/bin/python3", "-c"] and "tracemalloc.start(frames)" in argv[2]
+    assert argv[3:] == ["5", "/tmp/heap", "serve", "--port", "0"]
+    with pytest.raises(AssertionError):
+        traced_argv(5, Path("/tmp/heap"), ["python", "-m", "bench.cli"])
+
+
+def test_a_heap_diff_names_the_site_that_grew(tmp_path: Path) -> None:
+    import tracemalloc
+
+    tracemalloc.start(4)
+    try:
+        tracemalloc.take_snapshot().dump(str(tmp_path / "a.snap"))
+        kept = [bytearray(1000) for _ in range(300)]  # ~300 KB from this line
+        tracemalloc.take_snapshot().dump(str(tmp_path / "b.snap"))
+    finally:
+        tracemalloc.stop()
+    diff = heap_diff(tmp_path / "a.snap", tmp_path / "b.snap")
+    top = diff["top_sites"][0]
+    assert "test_chaos_bench.py" in top["site"] and top["growth_kib"] >= 290 and top["count_growth"] >= 300
+    assert diff["growth_kib"] >= 290 and diff["top_tracebacks"][0]["traceback"][-1] == top["site"]
+    assert len(kept) == 300
+
+
+def test_rss_growth_is_reported_per_phase_against_the_idle_rss_before_the_chaos() -> None:
+    doc = {"config": {"duration": 10.0, "backends": 2}, "timeline": [],
+           "router": {"idle_before": {"rss_mib": 100.0, "fds": 20}, "idle_after": {"rss_mib": 108.0, "fds": 20},
+                      "idle_after_phase": [{"rss_mib": 108.0, "fds": 20}, {"rss_mib": 109.0, "fds": 21}]}}
+    _router_health(doc)
+    assert doc["router"]["rss_growth_pct"] == pytest.approx(8.0)
+    assert doc["router"]["rss_growth_per_phase_pct"] == pytest.approx([8.0, 1.0])  # a warm-up, not a leak
