@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a client waits after an error before its next request (a "
                         "closed loop that does not would turn an outage into thousands of 503s)")
     p.add_argument("--timeout", type=float, default=60.0, help="per stream, seconds")
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="seconds idle before each idle reading of the router (its heap trimmer runs every "
+                        "2 s; runs before this option read after 1-1.5 s)")
     p.add_argument("--phases", type=int, default=1,
                    help="chaos phases (each --duration s and a drain), the router read idle after each: "
                         "a leak grows in every phase, a warm-up only in the first")
@@ -808,7 +811,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         now = trio.current_time()
         await _phase(load, args, router.url, now + args.warmup, now)
         doc["warmup"] = {"streams": len(load.outcomes), "identical": load.identical}
-        await trio.sleep(1.0)
+        await trio.sleep(args.settle)
         doc["router"] = {"idle_before": process_sample(router.pid), "idle_after_phase": []}
         snaps = [await heap_snapshot(heaps, "before")] if args.tracemalloc else []
 
@@ -830,7 +833,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
                     doc["metrics"] = metrics_delta(scraped[1], base)
                 else:  # the later phases' gaps and TTFT, each phase alone (the report's figures are the first's)
                     doc.setdefault("later_phases", []).append(_gap_summary(metrics_delta(scraped[-1], scraped[-2])))
-                await trio.sleep(0.5)
+                await trio.sleep(max(0.5, args.settle - 1.0))
                 idle = process_sample(router.pid)
                 doc["router"]["idle_after_phase"].append(idle)
                 if phase == 0:
@@ -1106,8 +1109,8 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.backends < 2 or args.concurrency < 1 or args.duration <= 0 or args.warmup < 0 or args.phases < 1:
         raise ClientError("--backends >= 2, --concurrency >= 1, --duration > 0, --warmup >= 0, --phases >= 1")
-    if args.tracemalloc < 0:
-        raise ClientError("--tracemalloc FRAMES >= 0")
+    if args.tracemalloc < 0 or args.settle < 0:
+        raise ClientError("--tracemalloc FRAMES >= 0, --settle >= 0")
     if not 0 < args.interval[0] <= args.interval[1] or args.down < 0:
         raise ClientError("--interval MIN MAX with 0 < MIN <= MAX, --down >= 0")
     if not 1 <= args.max_tokens[0] <= args.max_tokens[1]:

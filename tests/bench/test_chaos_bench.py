@@ -101,7 +101,7 @@ def test_a_short_run_with_one_kill_counts_every_stream_and_all_are_identical(
     """Two mocks, ten streams, one SIGKILL: the streams on the victim migrate
     and, the mock resuming exactly, every answer equals its reference."""
     out = tmp_path / "chaos.json"
-    rc = main(["--backends", "2", "--concurrency", "10", "--warmup", "0.5", "--duration", "2.5",
+    rc = main(["--backends", "2", "--concurrency", "10", "--warmup", "0.5", "--settle", "1", "--duration", "2.5",
                "--interval", "1", "1", "--max-kills", "1", "--tpot-ms", "10", "--max-tokens", "50", "100",
                "--prompts", "2", "--seeds", "2", "--cold-fraction", "0.1", "--out", str(out)])
     assert rc == 0
