@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 import msgspec
@@ -58,6 +57,8 @@ from policies.kv_index import IndexStatistics, KVIndex, RecentlySent
 from policies.prefix_hash import TEXT_BLOCK_TOKENS, PrefixHash, request_key
 
 __all__ = ["KVAware", "KVAwareStatistics"]
+
+_KEY_PROBES = 8  # distinct backends a new key's home is looked for among
 
 
 class KVAwareStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,7 +158,9 @@ class KVAware:
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
         self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
         self._homed: dict[str, int] = {}  # backend -> keys it homes
-        self._recent_load: dict[str, tuple[float, float]] = {}  # backend -> (decayed picks, as of when)
+        self._recent_load: dict[str, float] = {}  # backend -> decayed picks, scaled to _epoch (see _charge)
+        self._epoch = 0.0
+        self._loads: list[float] | None = None  # _recent_load of the last candidates, in their order
         self._ends: set[int] = set()  # the last block of each prompt prefilled lately
         self._ends_order: deque[int] = deque()
 
@@ -212,6 +215,7 @@ class KVAware:
             self._ring_names, self._ring_weights = names, weights
             self._names_key = tuple(names)
             self._position = {n: i for i, n in enumerate(names)}
+            self._loads = None
         position = self._position
         cached = self._cached(self._names_key, [c.kv_events for c in candidates], request, now)
         self._last_pick = (request, cached)
@@ -245,21 +249,45 @@ class KVAware:
                 counts["hits"] += 1
                 counts["predicted_cached_tokens"] += hit
         if o.balance_factor:
-            load = self._recent_load
-            value, then = load.get(best, (0.0, now))
-            load[best] = (value * 0.5 ** ((now - then) / o.balance_half_life_s) + 1.0, now)
+            self._charge(best, now)
         return best
+
+    # Recent picks per backend, decayed with a half-life: kept scaled to an
+    # epoch (a pick at time t adds 2^((t - epoch) / half-life)), so that
+    # comparing backends needs no per-backend decay; the value now is the
+    # scaled one over 2^((now - epoch) / half-life).
+
+    def _charge(self, name: str, now: float) -> None:
+        growth = (now - self._epoch) / self.options.balance_half_life_s
+        if growth > 256:  # rescale before the numbers grow past a float's range
+            shrink = 0.5 ** growth
+            self._recent_load = {n: v * shrink for n, v in self._recent_load.items()}
+            self._epoch, growth = now, 0.0
+            self._loads = None  # rebuilt from the rescaled values
+        add = 2.0 ** growth
+        self._recent_load[name] = self._recent_load.get(name, 0.0) + add
+        loads = self._loads
+        if loads is not None:  # the candidates' scaled loads stay right without a rebuild
+            i = self._position.get(name, -1)
+            if i >= 0:
+                loads[i] += add
+            else:
+                self._loads = None
 
     def _balanced(self, names: list[str], under: list[bool], now: float) -> list[bool]:
         """``under`` without the backends that took more than their share of
         the recent picks (see ``balance_factor``); unchanged if that would
         leave none."""
         o = self.options
-        load, half = self._recent_load, o.balance_half_life_s
-        zero = (0.0, now)
-        recent = [v * 0.5 ** ((now - t) / half) for v, t in map(load.get, names, repeat(zero))]
-        cap = o.balance_factor * sum(recent) / len(recent) + o.balance_slack
-        kept = [u and r <= cap for u, r in zip(under, recent, strict=True)]
+        loads = self._loads
+        if loads is None:  # the candidates' scaled loads, in their order (recomputed after a pick)
+            get = self._recent_load.get
+            loads = self._loads = [get(n, 0.0) for n in names]
+        threshold = o.balance_factor * sum(loads) / len(loads) + o.balance_slack * 2.0 ** (
+            (now - self._epoch) / o.balance_half_life_s)
+        if max(loads) <= threshold:
+            return under
+        kept = [u and v <= threshold for u, v in zip(under, loads, strict=True)]
         return kept if any(kept) else under
 
     def _key_home(self, key: int, names: list[str], weights: list[float], position: dict[str, int],
@@ -291,9 +319,22 @@ class KVAware:
             return ring.first_index(key, position, under)
         scale = o.key_load_factor * (len(keys) + 1) / sum(weights)
         get = homed.get
-        room = [u and get(n, 0) < math.ceil(scale * w) for n, w, u in zip(names, weights, under, strict=True)]
-        i = ring.first_index(key, position, room)
-        if i < 0:  # every backend under its in-flight cap homes its share already
+        # The first backend along the ring with room for one more key; past
+        # _KEY_PROBES distinct backends without room, the least homed of
+        # those (a walk bounded like a power-of-d choice: at 64 backends with
+        # most of them at their share, an unbounded walk is the pick's cost).
+        i, fewest = -1, math.inf
+        for name in ring.walk(key, _KEY_PROBES):
+            j = position.get(name, -1)
+            if j < 0 or not under[j]:
+                continue
+            held = get(name, 0)
+            if held < math.ceil(scale * weights[j]):
+                i = j
+                break
+            if held / weights[j] < fewest:
+                i, fewest = j, held / weights[j]
+        if i < 0:  # none of them under its in-flight cap
             i = ring.first_index(key, position, under)
         if i >= 0:
             keys[key] = [names[i], now]

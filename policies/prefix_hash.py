@@ -122,33 +122,37 @@ class HashRing:
                 best, best_gap = name, gap
         return best
 
-    def first_index(self, key: int, position: dict[str, int], ok: list[bool]) -> int:
+    def first_index(self, key: int, position: dict[str, int], ok: list[bool], also: list[bool] | None = None) -> int:
         """The position of the first backend clockwise from ``key`` that is
-        in ``position`` with ``ok[position[name]]`` true, or -1 (the walk
-        without a generator: a pick usually stops at the first point)."""
+        in ``position`` with ``ok[position[name]]`` true (and ``also[...]``,
+        when given), or -1 (the walk without a generator: a pick usually
+        stops at the first point)."""
         points, owners = self._points, self._owners
         n = len(owners)
         start = bisect.bisect_left(points, key)
         get = position.get
+        if also is not None:
+            ok = [a and b for a, b in zip(ok, also, strict=True)]
         for step in range(n):
             i = get(owners[(start + step) % n], -1)
             if i >= 0 and ok[i]:
                 return i
         return -1
 
-    def walk(self, key: int) -> Iterator[str]:
-        """Every backend once, in ring order clockwise from ``key`` (lazily:
-        a pick usually stops at the first)."""
+    def walk(self, key: int, limit: int = 0) -> Iterator[str]:
+        """Every backend once (the first ``limit`` when given), in ring order
+        clockwise from ``key`` (lazily: a pick usually stops at the first)."""
         start = bisect.bisect_left(self._points, key)
         seen: set[str] = set()
         owners = self._owners
         n = len(owners)
+        stop = min(limit, len(self._members)) if limit else len(self._members)
         for i in range(n):
             name = owners[(start + i) % n]
             if name not in seen:
                 seen.add(name)
                 yield name
-                if len(seen) == len(self._members):
+                if len(seen) == stop:
                     return
 
 
