@@ -257,14 +257,21 @@ class KVAware:
     # comparing backends needs no per-backend decay; the value now is the
     # scaled one over 2^((now - epoch) / half-life).
 
-    def _charge(self, name: str, now: float) -> None:
+    def _growth(self, now: float) -> float:
+        """(now - epoch) / half-life, the epoch moved to ``now`` (and every
+        value rescaled) first when that is out of [-64, 64]: on the first
+        call (the router's clock is not near 0), and every ~640 s after."""
         growth = (now - self._epoch) / self.options.balance_half_life_s
-        if growth > 256:  # rescale before the numbers grow past a float's range
-            shrink = 0.5 ** growth
-            self._recent_load = {n: v * shrink for n, v in self._recent_load.items()}
-            self._epoch, growth = now, 0.0
-            self._loads = None  # rebuilt from the rescaled values
-        add = 2.0 ** growth
+        if -64.0 <= growth <= 64.0:
+            return growth
+        shrink = 0.5 ** min(growth, 2048.0) if growth > 0 else 1.0  # time going back: keep the values
+        self._recent_load = {n: v * shrink for n, v in self._recent_load.items()}
+        self._epoch = now
+        self._loads = None  # rebuilt from the rescaled values
+        return 0.0
+
+    def _charge(self, name: str, now: float) -> None:
+        add = 2.0 ** self._growth(now)
         self._recent_load[name] = self._recent_load.get(name, 0.0) + add
         loads = self._loads
         if loads is not None:  # the candidates' scaled loads stay right without a rebuild
@@ -279,12 +286,12 @@ class KVAware:
         the recent picks (see ``balance_factor``); unchanged if that would
         leave none."""
         o = self.options
+        growth = self._growth(now)
         loads = self._loads
-        if loads is None:  # the candidates' scaled loads, in their order (recomputed after a pick)
+        if loads is None:  # the candidates' scaled loads, in their order (kept up to date by _charge)
             get = self._recent_load.get
             loads = self._loads = [get(n, 0.0) for n in names]
-        threshold = o.balance_factor * sum(loads) / len(loads) + o.balance_slack * 2.0 ** (
-            (now - self._epoch) / o.balance_half_life_s)
+        threshold = o.balance_factor * sum(loads) / len(loads) + o.balance_slack * 2.0 ** growth
         if max(loads) <= threshold:
             return under
         kept = [u and v <= threshold for u, v in zip(under, loads, strict=True)]

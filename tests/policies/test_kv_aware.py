@@ -303,3 +303,12 @@ def test_a_new_conversation_skips_a_backend_with_more_than_its_share_of_recent_p
     off = KVAware(KVAware.Options(load_factor=1000, balance_factor=0))
     off.on_kv_events("a", [stored(1, *system)], 0.0)
     assert all(off.pick(cands, req(*system, 200 + i, rid=f"x{i}"), 0.1 * i) == "a" for i in range(12))
+
+
+def test_balancing_works_on_a_clock_far_from_zero_and_over_long_gaps() -> None:
+    """The router's clock reads thousands of seconds, and hours may pass
+    between picks: the decayed counts neither overflow nor stick."""
+    cands = [BackendView(name=n, kv_events=True) for n in ("a", "b")]
+    policy = KVAware()
+    for i, now in enumerate((45_000.0, 45_000.5, 60_000.0, 60_000.1, 1e9, 10.0)):
+        assert policy.pick(cands, req(i * 10, i * 10 + 1, rid=str(i)), now) in ("a", "b")
