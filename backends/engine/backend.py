@@ -57,6 +57,7 @@ from backends.base import (
     Usage,
 )
 from backends.engine.config import EngineConfig
+from backends.engine.dense import drop_dense, ensure_dense
 from backends.engine.engine import LLMEngine, StepFailed, StepOutput
 from backends.engine.generation_config import ResolvedSampling, resolve_sampling_defaults
 from backends.engine.loader import LoadedModel, load_model
@@ -104,10 +105,16 @@ def build_engine(
     runner = ModelRunner(
         loaded.model, num_blocks, config.block_size, device=device, dtype=dtype,
         batch_invariant=config.batch_invariant,
+        kv_idle_blocks=config.resolve_kv_idle_blocks(per_block, num_blocks),
     )
     if config.packed_weights and loaded.q4:
+        ensure_dense(runner.model)  # an earlier engine over this model may have dropped them
         attach_q4(runner.model, loaded.q4)
-        runner.model.native_plan()  # compile and lay out the native kernels now, not mid-request
+        plan = runner.model.native_plan()  # compile and lay out the native kernels now
+        if plan is not None and config.batch_invariant and runner.device.type == "cpu":
+            # every step runs natively: the layers' dense copies are never read (dense.py)
+            drop_dense(runner.model, loaded.path)
+            plan.rewatch()
     engine = make_engine(config, runner, loaded.tokenizer, spec)
     release_free_heap()  # the loader's float32 staging tensors, freed in heap-sized pieces
     log.info("engine %s: %s", loaded.name, runner.memory().line())

@@ -15,6 +15,11 @@ Torch-free: this module only hands out block ids; the runner owns the tensors.
   of free cached blocks, so a later request can still hit it. New blocks come
   from never-cached free blocks first, then from the LRU head (evicting the hash).
   A sequence is freed tail first, so its tail is evicted before its head.
+- **Compact ids.** Never-cached free blocks are handed out lowest id first, so the
+  blocks in use and cached stay at the low ids and the KV cache the runner made
+  resident (zeroed up to the highest id touched) stays as small as the load. When
+  the engine goes idle, :meth:`trim` evicts the free cached blocks past a budget, so
+  the runner can hand the memory above it back (``ModelRunner.release_kv``).
 - **KV events.** Registration and eviction are recorded as
   :class:`backends.base.KVEvent` with a monotonically increasing ``seq`` for
   KV-aware routers (``drain_events``).
@@ -25,6 +30,7 @@ per-step cost does not grow with sequence length.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -76,7 +82,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.record_events = record_events
         self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> 0, 1, ...
+        self._free_plain: list[int] = list(range(num_blocks))  # a min-heap: lowest id first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: head evicted first
         self._cache: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
@@ -171,7 +177,7 @@ class BlockManager:
 
     def _new_block(self) -> int:
         if self._free_plain:
-            bid = self._free_plain.pop()
+            bid = heapq.heappop(self._free_plain)
         else:
             bid, _ = self._free_cached.popitem(last=False)
             self._evict(self._blocks[bid])
@@ -203,7 +209,7 @@ class BlockManager:
                 if b.block_hash is not None:
                     self._free_cached[bid] = None
                 else:
-                    self._free_plain.append(bid)
+                    heapq.heappush(self._free_plain, bid)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Roll ``seq`` back to its first ``num_tokens`` tokens (speculative
@@ -278,12 +284,24 @@ class BlockManager:
         while self._free_cached:
             bid, _ = self._free_cached.popitem(last=False)
             self._evict(self._blocks[bid])
-            self._free_plain.append(bid)
+            heapq.heappush(self._free_plain, bid)
             n += 1
         if self.record_events:
             self._event_seq += 1
             self._events.append(KVEvent(seq=self._event_seq, kind="cleared"))
         return n
+
+    def trim(self, keep: int) -> int:
+        """Evict the free cached blocks with ids from ``keep`` on (the prefix cache kept
+        to the blocks below it); returns the high-water mark after: one past the
+        highest block id still in use or cached (0 when none is). The blocks from the
+        mark on hold nothing anyone can read, so their memory can go."""
+        for bid in [b for b in self._free_cached if b >= keep]:
+            del self._free_cached[bid]
+            self._evict(self._blocks[bid])
+            heapq.heappush(self._free_plain, bid)
+        live = [b.block_id for b in self._blocks if b.ref_cnt or b.block_hash is not None]
+        return 1 + max(live) if live else 0
 
     def statistics(self) -> BlockManagerStatistics:
         used = self.num_blocks - self.num_free_blocks

@@ -22,6 +22,8 @@ _GiB = 1 << 30
 # Default KV budget cap when neither num_kv_blocks nor kv_cache_gb is given.
 _DEFAULT_CAP_BYTES = {"cpu": 1 * _GiB}
 _DEFAULT_CAP_BYTES_ACCEL = 8 * _GiB
+# Default KV cache kept resident at idle, when nothing sized the cache explicitly.
+_DEFAULT_IDLE_BYTES = 64 << 20
 
 
 class SamplingDefaults(
@@ -69,6 +71,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_size: Pos = 16
     num_kv_blocks: Pos | None = None
     kv_cache_gb: PosFloat | None = None
+    # The KV cache kept resident while the engine is idle (resolve_kv_idle_blocks):
+    # the prefix cache's blocks past it are evicted and their memory handed back
+    # when the last request finishes. None: 64 MiB, or the whole cache where
+    # num_kv_blocks or kv_cache_gb sized it.
+    kv_idle_gb: PosFloat | None = None
     max_num_seqs: Pos = 32
     max_num_batched_tokens: Pos = 512
     max_model_len: Pos | None = None  # None: the model's context
@@ -98,6 +105,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "kv_cache_gb": self.kv_cache_gb,
+            "kv_idle_gb": self.kv_idle_gb,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
@@ -133,3 +141,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return max(1, int(self.kv_cache_gb * _GiB) // bytes_per_block)
         cap = _DEFAULT_CAP_BYTES.get(device_type, _DEFAULT_CAP_BYTES_ACCEL) // bytes_per_block
         return max(per_seq, min(self.max_num_seqs * per_seq, cap))
+
+    def resolve_kv_idle_blocks(self, bytes_per_block: int, num_blocks: int) -> int:
+        """How many KV blocks stay resident while the engine is idle (at most
+        ``num_blocks``; the runner grows the cache past them on demand while serving).
+
+        ``kv_idle_gb`` wins; else the whole cache where ``num_kv_blocks`` or
+        ``kv_cache_gb`` sized it (what was asked for stays, prefix cache included);
+        else 64 MiB: the default cache is sized for ``max_num_seqs`` full-length
+        sequences (1 GiB on CPU), which a short load touches a fraction of, and
+        the prefix cache would otherwise keep every block it touched resident."""
+        if bytes_per_block <= 0:
+            raise BadRequest("bytes_per_block must be > 0", param="bytes_per_block")
+        if self.kv_idle_gb is not None:
+            budget = int(self.kv_idle_gb * _GiB)
+        elif self.num_kv_blocks is not None or self.kv_cache_gb is not None:
+            return num_blocks
+        else:
+            budget = _DEFAULT_IDLE_BYTES
+        return min(num_blocks, max(1, budget // bytes_per_block))

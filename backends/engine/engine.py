@@ -236,7 +236,9 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         started = time.perf_counter()  # the step's wall time, scheduling included (a plan with work only)
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.is_empty:  # e.g. the last request aborted (a stop string): idle now
+            if not self.scheduler.has_unfinished():
+                self._release_idle_kv()
             return outputs
         due = len(outputs)
         try:
@@ -249,7 +251,25 @@ class LLMEngine:
         for out in outputs[due:]:
             if out.finished:
                 self._settle(out)
+        if not self.scheduler.has_unfinished():
+            self._release_idle_kv()
         return outputs
+
+    def _kv_runners(self) -> list[Any]:
+        """The runners holding a KV cache over this engine's block ids."""
+        return [self.runner]
+
+    def _release_idle_kv(self) -> None:
+        """Idle: keep the KV cache resident up to the runners' ``kv_idle_blocks`` (the
+        prefix cache's blocks past it evicted), the rest handed back (release_kv).
+        Nothing to do while the cache is within it, or for a runner that cannot."""
+        runners = self._kv_runners()
+        keep = min(getattr(r, "kv_idle_blocks", self.num_kv_blocks) for r in runners)
+        if keep >= self.num_kv_blocks or all(getattr(r, "kv_ready", 0) <= keep for r in runners):
+            return
+        mark = max(keep, self.block_manager.trim(keep))
+        for r in runners:
+            r.release_kv(mark)
 
     def _charge(self, plan: SchedulerOutput, started: float) -> None:
         """The step's wall time to its sequences, by the tokens each computed (a failed step's too)."""

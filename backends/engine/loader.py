@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ __all__ = [
     "default_model_path",
     "load_model",
     "read_checkpoint",
+    "read_gguf_weights",
     "read_tokenizer",
 ]
 
@@ -161,8 +162,6 @@ def _gguf_metadata(reader: Any) -> dict[str, Any]:
 
 
 def _read_gguf(path: Path) -> Checkpoint:
-    import gguf
-
     reader = _gguf_reader(path)
     meta = _gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -179,13 +178,7 @@ def _read_gguf(path: Path) -> Checkpoint:
         ours = _gguf_name(tensor.name)
         if ours is None:
             continue
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ModelLoadError(
-                f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})"
-            ) from exc
-        state[ours] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
+        state[ours] = _dequantize(path, tensor)
         # rotate-half q/k rows, as Hugging Face's (their 4-bit codes would not match)
         if arch in families.NEOX_GGUF and _permute_qk(state, ours, args):
             continue
@@ -193,6 +186,36 @@ def _read_gguf(path: Path) -> Checkpoint:
         if q4 is not None and ours.endswith(".weight") and state[ours].dim() == 2:
             codes[ours] = q4
     return Checkpoint(args, state, Tokenizer.from_gguf_metadata(meta), name=path.stem, q4=codes)
+
+
+def _dequantize(path: Path, tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as float32, in torch order: the one conversion every load uses."""
+    import gguf
+
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ModelLoadError(
+            f"{path}: cannot dequantise {tensor.tensor_type.name} ({tensor.name})"
+        ) from exc
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))
+
+
+def read_gguf_weights(path: str, names: Collection[str]) -> dict[str, torch.Tensor]:
+    """Some weights of a GGUF file again (our names), float32 on the CPU, exactly as
+    :func:`load_model` read them: for weights with 4-bit codes (never permuted),
+    which dense.py drops where nothing reads them and rebuilds here on demand."""
+    reader = _gguf_reader(Path(path))
+    wanted = set(names)
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        ours = _gguf_name(tensor.name)
+        if ours in wanted:
+            out[ours] = _dequantize(Path(path), tensor)
+    missing = wanted - set(out)
+    if missing:
+        raise ModelLoadError(f"{path}: weights missing from checkpoint: {sorted(missing)[:5]}")
+    return out
 
 
 def _permute_qk(state: dict[str, torch.Tensor], name: str, args: ModelArgs) -> bool:

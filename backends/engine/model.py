@@ -36,6 +36,7 @@ from backends.engine.attention import (
     split_decodes,
     write_kv,
 )
+from backends.engine.dense import ensure_dense
 from backends.engine.families import extended_attention, softcap, windowed_blocks
 from backends.engine.native import AMX_FEW_SEQS, NativeDecode, NotApplicable
 from backends.engine.quant import (
@@ -712,6 +713,7 @@ class Transformer(nn.Module):
         if fast is not None:
             x = fast(x, rope, kv_caches, meta)
         else:
+            ensure_dense(self)  # the modules read the dense weights (dense.py)
             ropes = self._layer_ropes(positions) if self.layer_ropes else [rope] * len(kv_caches)
             for layer, kv_cache, r in zip(self.layers, kv_caches, ropes, strict=True):
                 x = layer(x, r, kv_cache, meta)
@@ -735,6 +737,7 @@ class Transformer(nn.Module):
         if native is not None:
             x = native(x, rope, kv_caches, meta, batched=True)
         else:
+            ensure_dense(self)  # the modules read the dense weights (dense.py)
             if meta.key_blocks is None:  # once for every layer
                 blocks = row_key_blocks(meta, *kv_caches[0][0].shape[1:3])
                 meta = dataclasses.replace(meta, key_blocks=blocks)
@@ -796,6 +799,7 @@ class Transformer(nn.Module):
             int4 = False
         else:
             return None
+        ensure_dense(self)  # FastDecode reads the dense weights (dense.py)
         cache: dict[object, FastDecode] = self.__dict__.setdefault("_fast", {})
         plan = cache.get(int4)
         if plan is None or not plan.valid():

@@ -309,6 +309,12 @@ class NativeDecode:
             layer.qkv, layer.out, layer.gate_up, layer.down = (t.data_ptr() for t in blocks)
         self._groups = None
 
+    def rewatch(self) -> None:
+        """Watch the weights as they are now: after dense.drop_dense emptied the dense
+        copies, which the kernels never read (the codes, norms and layouts here are
+        unchanged)."""
+        self.watch = ParamWatch(self.watch.owners, self.watch.hooked_modules)
+
     def valid(self) -> bool:
         """Every weight still the one the kernels were built from, nothing hooked."""
         return self.watch.unchanged()

@@ -32,6 +32,9 @@ reads or writes a block id past the blocks made ready so far, the runner zeroes 
 blocks up to it in chunks of :data:`KV_GROW_BYTES` (masked slots must hold finite
 numbers). Block ids stay what the block manager hands out (lowest first), so a
 step's data pointers never move, and the resident part never passes the limit.
+When the engine goes idle it keeps ``kv_idle_blocks`` resident (the prefix cache
+trimmed below them, block_manager.trim) and :meth:`ModelRunner.release_kv` hands the
+pages past them back to the OS; they are zeroed again when a step next reaches them.
 :meth:`ModelRunner.memory` reports weights, KV reserved / resident and workspace.
 """
 
@@ -39,7 +42,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -127,6 +131,27 @@ def release_free_heap() -> bool:
     return True
 
 
+_MADV_DONTNEED = 4  # Linux: private anonymous pages read back as zeros, not resident
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_madvise_fn: list[Callable[..., int] | None] = []
+
+
+def _madvise() -> Callable[..., int] | None:
+    """libc's ``madvise`` on Linux, else None."""
+    if not _madvise_fn:
+        fn = None
+        name = ctypes.util.find_library("c")
+        if name and os.uname().sysname == "Linux":
+            try:
+                fn = ctypes.CDLL(name, use_errno=True).madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _madvise_fn.append(fn)
+    return _madvise_fn[0]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -137,6 +162,7 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         *,
         batch_invariant: bool = True,
+        kv_idle_blocks: int | None = None,
     ) -> None:
         weight = model.tok_embeddings.weight
         self.device = torch.device(device) if device is not None else weight.device
@@ -165,6 +191,38 @@ class ModelRunner:
         self.kv_grow_blocks = max(1, KV_GROW_BYTES // per_block)
         self.kv_ready = 0
         self._ensure_kv(1)  # block 0 pads the decode block tables
+        # The most blocks kept resident at idle (release_kv), in whole chunks; all where
+        # pages cannot go back (not a CPU tensor, no libc madvise).
+        grow = self.kv_grow_blocks
+        idle = num_kv_blocks if kv_idle_blocks is None else -(-max(1, kv_idle_blocks) // grow) * grow
+        idle = min(idle, num_kv_blocks)
+        self.kv_idle_blocks = idle if self.device.type == "cpu" and _madvise() else num_kv_blocks
+
+    def release_kv(self, blocks: int) -> int:
+        """Hand the memory of block ids from ``blocks`` on back to the OS (madvise
+        ``MADV_DONTNEED`` on each layer's K and V pages past them; the part of a page
+        shared with a kept block stays): the caller knows no sequence reads them. They
+        are zeroed again when a step next reaches them, so the resident part shrinks
+        to ``blocks`` rounded up to whole chunks. Returns the blocks ready after."""
+        grow = self.kv_grow_blocks
+        keep = max(grow, -(-blocks // grow) * grow)  # block 0's chunk always stays
+        if keep >= self.kv_ready or self.kv_idle_blocks >= self.num_kv_blocks:
+            return self.kv_ready
+        madvise = _madvise()
+        if madvise is None:  # kv_idle_blocks says it is there
+            return self.kv_ready
+        page = _PAGE
+        # kv: [L, 2, NB, ...] contiguous, so each (layer, K/V) holds its blocks in one run
+        run = self.kv[0, 0].numel() * self.kv.element_size()  # bytes of one run
+        per_block = run // self.num_kv_blocks
+        base = self.kv.data_ptr()
+        for i in range(self.kv.shape[0] * 2):
+            start = -(-(base + i * run + keep * per_block) // page) * page
+            end = (base + i * run + self.kv_ready * per_block) // page * page
+            if end > start:
+                madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        self.kv_ready = keep
+        return keep
 
     def _ensure_kv(self, blocks: int) -> None:
         """Make block ids ``[0, blocks)`` ready (zeroed), growing in whole chunks."""

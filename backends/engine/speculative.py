@@ -259,6 +259,10 @@ class SpeculativeEngine(LLMEngine):
 
     # -- the loop -------------------------------------------------------------
 
+    def _kv_runners(self) -> list[Any]:
+        draft = getattr(self.draft, "runner", None)
+        return [self.runner] if draft is None else [self.runner, draft]
+
     def _run(self, plan: SchedulerOutput, outputs: list[StepOutput]) -> None:
         if self.spec.method == "off":
             super()._run(plan, outputs)
@@ -624,6 +628,7 @@ def build_draft_proposer(
         target_runner.dtype,
         # a layer-skip draft shares the target's modules: the same kernels for both
         batch_invariant=getattr(target_runner, "batch_invariant", True),
+        kv_idle_blocks=getattr(target_runner, "kv_idle_blocks", None),
     )
     return DraftProposer(runner)
 

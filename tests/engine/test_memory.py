@@ -118,13 +118,11 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-# The issue's target for the default model with default flags is <= 0.8 GB at
-# idle. Measured 0.77 GB in one checkout and 0.86 GB in a clean CI clone (the
-# same 396 MiB of weights and layouts; the rest is the heap and torch), so the
-# target is not met reliably yet (issue 19 item 3 stays open). This bound
-# guards what was done, against the 2.16 GB before it: a regression of a
-# resident KV cache (1 GiB) or a second weight copy fails it.
-IDLE_RSS_BOUND_BYTES = 1_000_000_000
+# The issue's target for the default model with default flags: <= 0.8 GB at idle
+# (measured 0.57 GB: 193 MiB of weights and layouts, the rest the heap and torch),
+# and back within it after a short load (measured 0.67 GB: the KV cache kept at
+# idle is 64 MiB).
+IDLE_RSS_BOUND_BYTES = 800_000_000
 
 
 @pytest.mark.slow
@@ -153,6 +151,13 @@ def test_default_model_engine_is_small_at_idle() -> None:
         time.sleep(1.0)  # idle
         rss = _rss_kib(proc.pid) * 1024
         assert rss <= IDLE_RSS_BOUND_BYTES, f"idle RSS {rss / 1e9:.3f} GB; {''.join(lines)}"
+        # A short load (32 requests of varied prompts, 8 at a time), then idle again:
+        # the KV cache it made resident goes back but for the idle budget.
+        url = lines[-1].split(" on ")[-1].strip()
+        memory = _short_load(url, 32)
+        assert memory["kv_resident"] <= (64 << 20) + (4 << 20), memory  # a chunk past 64 MiB
+        rss = _rss_kib(proc.pid) * 1024
+        assert rss <= IDLE_RSS_BOUND_BYTES, f"RSS after load {rss / 1e9:.3f} GB; {memory}"
     finally:
         proc.terminate()
         try:
@@ -160,6 +165,44 @@ def test_default_model_engine_is_small_at_idle() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _short_load(url: str, n: int) -> dict[str, int]:
+    """``n`` completions of varied prompts and lengths, 8 at a time, against the
+    engine at ``url``; returns /v1/models' memory report after."""
+    import http.client
+    import json
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+
+    def call(method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
+        try:
+            conn.request(method, path, None if body is None else json.dumps(body),
+                         {"content-type": "application/json"})
+            reply = conn.getresponse()
+            data = reply.read()
+            assert reply.status == 200, (reply.status, data[:500])
+            out: dict[str, object] = json.loads(data)
+            return out
+        finally:
+            conn.close()
+
+    model = call("GET", "/v1/models")["data"][0]["id"]  # type: ignore[index]
+    words = ["the", "a", "river", "mountain", "city", "of", "light", "dark", "engine", "token",
+             "router", "cache", "block"]
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(words) for _ in range(20 + 15 * (i % 8))) for i in range(n)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: call("POST", "/v1/completions", {
+            "model": model, "prompt": prompts[i], "max_tokens": 64 + 16 * (i % 5),
+            "temperature": 0}), range(n)))
+    time.sleep(1.0)  # idle
+    memory: dict[str, int] = call("GET", "/v1/models")["data"][0]["memory"]  # type: ignore[index]
+    return memory
 
 
 def test_models_route_reports_the_runner_memory(tiny_gguf: Path) -> None:
@@ -209,3 +252,171 @@ def test_with_amx_the_integer_layout_is_built_only_when_a_step_reads_it(
     else:  # the few-sequence integer kernel: laid out at its first step
         assert plan._groups is None and plan.layers[0].qkv
         assert engine.runner.memory().packed > before
+
+
+# -- the dense weights the native kernels never read (dense.py) --------------------------
+
+
+def _q4_model(tmp_path: Path) -> Path:
+    import gguf
+
+    from tests.engine import tiny
+
+    return tiny.write_gguf(tiny.hf_model(hidden=128, heads=2, kv_heads=1), tmp_path / "q4.gguf",
+                           qtype=gguf.GGMLQuantizationType.Q4_1)
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+def test_dense_weights_are_dropped_where_every_step_runs_natively_and_read_back_on_demand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.engine import backend as backend_module
+    from backends.engine import dense
+
+    path = _q4_model(tmp_path)
+    config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=LIMIT, block_size=BLOCK)
+    engine, _, _ = build_engine(config)
+    model = engine.runner.model
+    assert model.native_plan() is not None
+    linears = _linears(model)
+    assert linears and all(lin.weight.shape[0] == 0 for lin in linears.values())
+    assert dense.dropped(model) == list(linears.values())
+    got = _run(engine, PROMPTS, max_tokens=12)
+    assert dense.dropped(model)  # the native steps never read them back
+
+    # The same tokens as an engine that kept its dense weights beside the codes.
+    with monkeypatch.context() as m:
+        m.setattr(backend_module, "drop_dense", lambda model, path: 0)
+        kept, _, _ = build_engine(config)
+    assert all(lin.weight.shape[0] for lin in _linears(kept.runner.model).values())
+    assert kept.runner.memory().weights > engine.runner.memory().weights
+    assert _run(kept, PROMPTS, max_tokens=12) == got
+
+    # A torch path (the native kernels off) reads them back from the GGUF file: the
+    # very weights a fresh load has, so the same tokens as an engine that never
+    # dropped them.
+    engine, _, _ = build_engine(config)
+    model = engine.runner.model
+    assert dense.dropped(model)
+    model.native_decode = False
+    torch_tokens = _run(engine, PROMPTS, max_tokens=12)
+    assert not dense.dropped(model)
+    fresh = load_model(str(path), dtype=torch.bfloat16)
+    fresh.model.native_decode = False  # no native plan: nothing dropped
+    reference, _, _ = build_engine(config, fresh)
+    assert not dense.dropped(fresh.model)
+    reference_linears = _linears(fresh.model)
+    assert all(torch.equal(lin.weight, reference_linears[name].weight)
+               for name, lin in _linears(model).items())
+    assert _run(reference, PROMPTS, max_tokens=12) == torch_tokens
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+def test_dense_weights_stay_where_a_configuration_reads_them(tmp_path: Path) -> None:
+    path = _q4_model(tmp_path)
+    base = {"model": str(path), "dtype": "bfloat16", "num_kv_blocks": LIMIT, "block_size": BLOCK}
+    # not batch-invariant: prefill rows run through the dense weights
+    engine, _, _ = build_engine(EngineConfig(**base, batch_invariant=False))  # type: ignore[arg-type]
+    assert all(lin.weight.shape[0] for lin in _linears(engine.runner.model).values())
+
+
+# -- the KV cache kept at idle --------------------------------------------------------
+
+
+def test_kv_idle_budget_resolves_from_the_sizing() -> None:
+    per_block = 1 << 20
+    assert EngineConfig().resolve_kv_idle_blocks(per_block, 1024) == 64
+    assert EngineConfig().resolve_kv_idle_blocks(per_block, 10) == 10
+    assert EngineConfig(kv_cache_gb=0.5).resolve_kv_idle_blocks(per_block, 512) == 512
+    assert EngineConfig(num_kv_blocks=99).resolve_kv_idle_blocks(per_block, 99) == 99
+    assert EngineConfig(num_kv_blocks=99, kv_idle_gb=0.01).resolve_kv_idle_blocks(
+        per_block, 99) == 10
+
+
+def test_block_ids_are_handed_out_lowest_first_and_trim_keeps_the_cache_below_the_budget() -> None:
+    from backends.engine.block_manager import BlockManager
+    from backends.engine.sequence import Sequence
+
+    bm = BlockManager(20, 2)
+    seqs = [Sequence(f"s{i}", [10 * i + j for j in range(6)], SamplingParams()) for i in range(3)]
+    for s in seqs:
+        assert bm.allocate(s, 6)
+        s.num_computed_tokens = 6
+        bm.register_computed(s)
+    assert [s.block_table for s in seqs] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    bm.free(seqs[0])
+    again = Sequence("t", [99] * 4, SamplingParams())
+    assert bm.allocate(again, 4) and again.block_table == [9, 10]  # uncached blocks first
+    bm.free(again)  # uncached: back to the pool
+    late = Sequence("u", [98] * 2, SamplingParams())
+    assert bm.allocate(late, 2) and late.block_table == [9]  # the lowest free id
+    bm.free(late)
+    bm.free(seqs[1])
+    assert bm.trim(4) == 9  # seqs[2] (blocks 6-8) still runs; cached 4 and 5 evicted
+    assert [bm.block_hash_of(b) is not None for b in range(9)] == [True] * 4 + [False] * 2 + [True] * 3
+    bm.free(seqs[2])
+    assert bm.trim(4) == 4 and bm.statistics().num_cached == 4
+    assert bm.lookup(Sequence("v", [*range(6), 1], SamplingParams())) == [0, 1, 2]
+
+
+def test_idle_engine_keeps_its_kv_budget_resident_and_hands_the_rest_back(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_model(str(tiny_gguf))
+    per_block = kv_bytes_per_block(loaded.args, BLOCK, torch.float32)
+    monkeypatch.setattr(runner_module, "KV_GROW_BYTES", CHUNK * per_block)
+    keep = 2 * CHUNK
+    config = EngineConfig(model=str(tiny_gguf), num_kv_blocks=LIMIT, block_size=BLOCK,
+                          max_num_seqs=8, kv_idle_gb=keep * per_block / (1 << 30) + 1e-12)
+    engine, _, _ = build_engine(config, loaded)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner) and runner.kv_idle_blocks == keep
+    ready: list[int] = []
+    got = _run(engine, PROMPTS, max_tokens=20, watch=ready)
+    assert max(ready) == LIMIT  # the load grew the cache to its limit
+    assert runner.kv_ready == keep  # idle: back to the budget
+    assert runner.memory().kv_resident == keep * per_block
+    cached = [b for b in range(LIMIT) if engine.block_manager.block_hash_of(b) is not None]
+    assert cached and max(cached) < keep  # the prefix cache kept below it
+    # Released blocks are zeroed again before a step reads them: poisoned, the same
+    # tokens again (some of the prompts' blocks hit the cache kept, the rest recompute).
+    runner.kv[:, :, runner.kv_ready :] = float("nan")
+    again = _run(engine, PROMPTS, max_tokens=20)
+    assert again == got
+    assert engine.block_manager.statistics().prefix_hit_tokens > 0
+    # The last request aborted (a stop string, a client gone): the next step trims too.
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", prompt * 3, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert runner.kv_ready > keep
+    for i in range(len(PROMPTS)):
+        engine.abort(f"a{i}")
+    engine.step()
+    assert not engine.has_unfinished() and runner.kv_ready == keep
+    # An engine that keeps everything (num_kv_blocks sized it) gives the same tokens.
+    whole, _, _ = build_engine(EngineConfig(model=str(tiny_gguf), num_kv_blocks=LIMIT,
+                                            block_size=BLOCK, max_num_seqs=8), loaded)
+    assert whole.runner.kv_idle_blocks == LIMIT
+    assert _run(whole, PROMPTS, max_tokens=20) == got
+    assert whole.runner.kv_ready == LIMIT
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux) for VmRSS")
+def test_release_kv_hands_the_pages_back(tiny_gguf: Path) -> None:
+    loaded = load_model(str(tiny_gguf))
+    per_block = kv_bytes_per_block(loaded.args, BLOCK, torch.float32)
+    blocks = (64 << 20) // per_block  # 64 MiB: far past the heap's mmap threshold
+    runner = ModelRunner(loaded.model, blocks, BLOCK, kv_idle_blocks=1)
+    before = _rss_kib(os.getpid())
+    runner._ensure_kv(blocks)
+    grown = _rss_kib(os.getpid())
+    assert grown - before > 48 << 10  # KiB: most of the 64 MiB now resident
+    runner.release_kv(1)
+    assert runner.kv_ready == runner.kv_grow_blocks
+    assert grown - _rss_kib(os.getpid()) > 48 << 10
+    assert not runner.kv[:, :, : runner.kv_ready].any()  # what stays ready is untouched
