@@ -63,6 +63,14 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit, ``+dirty`` where its tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True,
+                              text=True, check=False).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+
+
 def _has_flag(python: str, checkout: Path, flag: str) -> bool:
     out = subprocess.run([python, "-m", "router.cli", "engine", "--help"], cwd=checkout,
                          capture_output=True, text=True, check=False)
@@ -140,7 +148,8 @@ async def _run(args: argparse.Namespace) -> int:
     cpu = cpu_info()
     cpu.pop("flags", None)
     summary = {"kind": "engine_paths", "cpu": cpu, "command": " ".join(sys.argv),
-               "rows": rows, "checkouts": {lb: str(w) for lb, w in checkouts}}
+               "rows": rows, "checkouts": {lb: str(w) for lb, w in checkouts},
+               "commits": {lb: _commit(w) for lb, w in checkouts}}
     (outdir / "engine_paths.json").write_text(json.dumps(summary, indent=2))
     print(f"\nCPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})")  # type: ignore[arg-type]
     print(f"wrote {outdir / 'engine_paths.json'}")

@@ -54,24 +54,30 @@ class Table:
 
 _ISSUE19 = "bench/results/issue19"
 
+_PATHS = f"{_ISSUE19}/paths"
+_BEFORE, _AFTER = "before issue 19 (7a39462)", "after (b899d86)"
+
 TABLES: dict[str, Table] = {
     "engine": Table(
         name="engine",
         kind="engine",
-        # three back-to-back pairs on one busy 2-core box: the spread is the box's
+        # `python -m bench.engine_paths --checkout before=WORKTREE --checkout after=.`: every
+        # kernel path, the two builds interleaved path by path, one run on a quiet box
         rows=(
-            Row("headrace, default flags (5d28288), pair 1",
-                f"{_ISSUE19}/engine_after.json"),
-            Row("before issue 19's memory work (ca4e4e7), pair 1",
-                f"{_ISSUE19}/engine_before.json"),
-            Row("headrace, default flags (5d28288), pair 2",
-                f"{_ISSUE19}/engine_after_2.json"),
-            Row("before issue 19's memory work (ca4e4e7), pair 2",
-                f"{_ISSUE19}/engine_before_2.json"),
-            Row("headrace, default flags (5d28288), pair 3",
-                f"{_ISSUE19}/engine_after_3.json"),
-            Row("before issue 19's memory work (ca4e4e7), pair 3",
-                f"{_ISSUE19}/engine_before_3.json"),
+            Row(f"native bf16 (the default), {_BEFORE}", f"{_PATHS}/engine_before_native_bf16.json"),
+            Row(f"native bf16 (the default), {_AFTER}", f"{_PATHS}/engine_after_native_bf16.json"),
+            Row(f"native bf16 without AMX, {_BEFORE}", f"{_PATHS}/engine_before_native_bf16_no_AMX.json"),
+            Row(f"native bf16 without AMX, {_AFTER}", f"{_PATHS}/engine_after_native_bf16_no_AMX.json"),
+            Row(f"torch bf16, {_BEFORE}", f"{_PATHS}/engine_before_torch_bf16.json"),
+            Row(f"torch bf16, {_AFTER}", f"{_PATHS}/engine_after_torch_bf16.json"),
+            Row(f"float32, {_BEFORE}", f"{_PATHS}/engine_before_float32.json"),
+            Row(f"float32, {_AFTER}", f"{_PATHS}/engine_after_float32.json"),
+            Row(f"native bf16, --no-batch-invariant, {_AFTER}",
+                f"{_PATHS}/engine_after_native_bf16_no-batch-invariant.json"),
+            Row(f"torch bf16, --no-batch-invariant, {_AFTER}",
+                f"{_PATHS}/engine_after_torch_bf16_no-batch-invariant.json"),
+            Row(f"float32, --no-batch-invariant, {_AFTER}",
+                f"{_PATHS}/engine_after_float32_no-batch-invariant.json"),
         ),
         levels=(1, 16),
     ),

@@ -4,6 +4,7 @@ model, through the whole harness (start, idle RSS, the bench, RSS, stop, table, 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ def test_one_path_from_one_checkout_gives_tok_s_and_rss(tmp_path: Path, capsys: 
     assert rc == 0
     summary = json.loads((tmp_path / "engine_paths.json").read_text())
     assert summary["kind"] == "engine_paths" and summary["cpu"]["model"]
+    assert summary["commits"]["here"].split("+")[0] == subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     (row,) = summary["rows"]
     assert (row["checkout"], row["path"]) == ("here", "float32")
     assert row["tok_s"]["1"] > 0
