@@ -66,7 +66,6 @@ from backends.engine.runner import (
     TORCH_DTYPES,
     ModelRunner,
     kv_bytes_per_block,
-    release_free_heap,
     resolve_device,
 )
 from backends.engine.sequence import SamplingParams, Sequence
@@ -81,6 +80,7 @@ from backends.errors import (
     HeadraceError,
     StreamBroken,
 )
+from frontend.heap import release_free_heap
 
 __all__ = ["BackendStatistics", "EngineBackend", "build_engine", "open_engine_backend"]
 

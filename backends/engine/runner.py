@@ -59,7 +59,6 @@ __all__ = [
     "MemoryFootprint",
     "ModelRunner",
     "kv_bytes_per_block",
-    "release_free_heap",
     "resolve_device",
 ]
 
@@ -114,21 +113,6 @@ class MemoryFootprint(msgspec.Struct, frozen=True, kw_only=True):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def release_free_heap() -> bool:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``): loading
-    frees hundreds of MB of float32 staging tensors in pieces too small for ``mmap``,
-    which the heap would otherwise keep resident. False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is None:
-        return False
-    trim(ctypes.c_size_t(0))
-    return True
 
 
 _MADV_DONTNEED = 4  # Linux: private anonymous pages read back as zeros, not resident
