@@ -315,6 +315,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-gb", type=float)
+    p.add_argument("--kv-idle-gb", type=float,
+                   help="KV cache kept resident at idle (prefix cache included; default 64 MiB, "
+                        "or all of it where --kv-cache-gb sized it)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-kv-events", action="store_true", help="do not record KV events")
@@ -399,6 +402,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             block_size=args.block_size,
             kv_cache_gb=args.kv_cache_gb,
+            kv_idle_gb=args.kv_idle_gb,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,

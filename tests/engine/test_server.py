@@ -315,6 +315,17 @@ def test_cli_speculative_flags_build_a_spec_config_and_bad_values_are_client_err
         _spec_config(parser.parse_args(["--num-speculative-tokens", "0"]))
 
 
+def test_the_idle_kv_budget_is_a_flag_and_a_bad_one_is_a_clear_error() -> None:
+    from backends.engine.server import _config, _parser
+    from backends.errors import BadRequest
+
+    assert _config(_parser().parse_args(["--dtype", "float32"])).kv_idle_gb is None  # the 64 MiB default
+    config = _config(_parser().parse_args(["--dtype", "float32", "--kv-idle-gb", "0.25"]))
+    assert config.kv_idle_gb == 0.25 and config.resolve_kv_idle_blocks(1 << 20, 4096) == 256
+    with pytest.raises(BadRequest, match="kv_idle_gb must be > 0"):  # `headrace engine` exits 2 with it
+        _config(_parser().parse_args(["--dtype", "float32", "--kv-idle-gb", "0"]))
+
+
 def test_batch_invariance_is_on_by_default_and_can_be_turned_off() -> None:
     from backends.engine.server import _config, _parser
 
