@@ -45,6 +45,7 @@ from backends.errors import (
     UpstreamError,
 )
 from policies.base import BackendView
+from policies.kv_aware import KVAware
 
 __all__ = [
     "REASONS",
@@ -201,11 +202,11 @@ def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequ
     )
 
 
-# kv_aware's default coefficients (policies/kv_aware.py): the seconds of
-# prefill one uncached prompt token costs, and the delay each sequence
-# running on a backend adds to a new one's first token.
-RESUME_PREFILL_S_PER_TOKEN = 2e-4
-RESUME_DECODE_S_PER_SEQ = 2e-3
+# kv_aware's default coefficients, read from its options (policies/kv_aware.py):
+# the seconds of prefill one uncached prompt token costs, and the delay each
+# sequence running on a backend adds to a new one's first token.
+RESUME_PREFILL_S_PER_TOKEN = KVAware.Options().prefill_s_per_token
+RESUME_DECODE_S_PER_SEQ = KVAware.Options().decode_s_per_seq
 
 
 def resume_placement(
