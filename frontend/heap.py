@@ -22,7 +22,16 @@ from typing import Any
 import msgspec
 import trio
 
-__all__ = ["HeapTrimmer", "HeapTrimmerStatistics", "free_heap_bytes", "release_free_heap", "resident_bytes"]
+__all__ = [
+    "PAGE_SIZE",
+    "HeapTrimmer",
+    "HeapTrimmerStatistics",
+    "can_release_pages",
+    "free_heap_bytes",
+    "release_free_heap",
+    "release_pages",
+    "resident_bytes",
+]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -40,11 +49,16 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _TRIM = getattr(_LIBC, "malloc_trim", None)
 _INFO = getattr(_LIBC, "mallinfo2", None)
 if _INFO is not None:
     _INFO.restype = _MallInfo2
+_MADVISE = getattr(_LIBC, "madvise", None) if os.uname().sysname == "Linux" else None
+if _MADVISE is not None:
+    _MADVISE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _MADVISE.restype = ctypes.c_int
+_MADV_DONTNEED = 4  # Linux: private anonymous pages read back as zeros, not resident
 
 
 def free_heap_bytes() -> int | None:
@@ -56,9 +70,23 @@ def resident_bytes() -> int | None:
     """This process's resident memory (VmRSS), or None without /proc."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+            return int(f.read().split()[1]) * PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return None
+
+
+def can_release_pages() -> bool:
+    """Whether :func:`release_pages` can work here (Linux, libc's ``madvise``)."""
+    return _MADVISE is not None
+
+
+def release_pages(address: int, length: int) -> bool:
+    """``madvise(MADV_DONTNEED)`` on ``[address, address + length)`` (page-aligned):
+    the pages leave the resident set and read back as zeros. False where it cannot."""
+    if _MADVISE is None or length <= 0:
+        return False
+    _MADVISE(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED)
+    return True
 
 
 def release_free_heap() -> bool:

@@ -40,10 +40,7 @@ pages past them back to the OS; they are zeroed again when a step next reaches t
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -52,6 +49,7 @@ from backends.engine.attention import AttentionMetadata, PrefillSpan
 from backends.engine.model import ModelArgs, Transformer
 from backends.engine.quant import packed_rows
 from backends.engine.scheduler import ScheduledSeq
+from frontend.heap import PAGE_SIZE, can_release_pages, release_pages
 
 __all__ = [
     "KV_GROW_BYTES",
@@ -115,27 +113,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_MADV_DONTNEED = 4  # Linux: private anonymous pages read back as zeros, not resident
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_madvise_fn: list[Callable[..., int] | None] = []
-
-
-def _madvise() -> Callable[..., int] | None:
-    """libc's ``madvise`` on Linux, else None."""
-    if not _madvise_fn:
-        fn = None
-        name = ctypes.util.find_library("c")
-        if name and os.uname().sysname == "Linux":
-            try:
-                fn = ctypes.CDLL(name, use_errno=True).madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                fn.restype = ctypes.c_int
-            except (OSError, AttributeError):
-                fn = None
-        _madvise_fn.append(fn)
-    return _madvise_fn[0]
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -180,7 +157,7 @@ class ModelRunner:
         grow = self.kv_grow_blocks
         idle = num_kv_blocks if kv_idle_blocks is None else -(-max(1, kv_idle_blocks) // grow) * grow
         idle = min(idle, num_kv_blocks)
-        self.kv_idle_blocks = idle if self.device.type == "cpu" and _madvise() else num_kv_blocks
+        self.kv_idle_blocks = idle if self.device.type == "cpu" and can_release_pages() else num_kv_blocks
 
     def release_kv(self, blocks: int) -> int:
         """Hand the memory of block ids from ``blocks`` on back to the OS (madvise
@@ -192,10 +169,7 @@ class ModelRunner:
         keep = max(grow, -(-blocks // grow) * grow)  # block 0's chunk always stays
         if keep >= self.kv_ready or self.kv_idle_blocks >= self.num_kv_blocks:
             return self.kv_ready
-        madvise = _madvise()
-        if madvise is None:  # kv_idle_blocks says it is there
-            return self.kv_ready
-        page = _PAGE
+        page = PAGE_SIZE
         # kv: [L, 2, NB, ...] contiguous, so each (layer, K/V) holds its blocks in one run
         run = self.kv[0, 0].numel() * self.kv.element_size()  # bytes of one run
         per_block = run // self.num_kv_blocks
@@ -204,7 +178,7 @@ class ModelRunner:
             start = -(-(base + i * run + keep * per_block) // page) * page
             end = (base + i * run + self.kv_ready * per_block) // page * page
             if end > start:
-                madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+                release_pages(start, end - start)
         self.kv_ready = keep
         return keep
 
