@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,21 +236,30 @@ def of(events: list[h2.events.Event], kind: type) -> list[Any]:
     return [e for e in events if isinstance(e, kind)]
 
 
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else float("nan")
+
+
 @dataclass
 class Neighbour:
     """A well-behaved client on its own connection from another address:
-    short streamed completions one after another; latencies and errors."""
+    short streamed completions one after another; latencies and errors, and
+    when each request began (``time.monotonic()``, one clock for every
+    process on the machine)."""
 
     url: str
     max_tokens: int = 4
     latencies: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
 
     async def run(self, until: trio.Event) -> None:
         transport = httpx.AsyncHTTPTransport(local_address=NEIGHBOUR_ADDRESS)
         async with httpx.AsyncClient(base_url=self.url, transport=transport, timeout=10) as client:
             while not until.is_set():
                 start = trio.current_time()
+                self.starts.append(time.monotonic())
                 try:
                     r = await client.post("/v1/completions", content=completion(self.max_tokens))
                     if r.status_code != 200 or not r.text.rstrip().endswith("data: [DONE]"):
@@ -260,5 +270,4 @@ class Neighbour:
                 await trio.sleep(0.02)
 
     def p99(self) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else float("nan")
+        return p99(self.latencies)

@@ -5,10 +5,9 @@ In one test process, the mocks generating for an attacker's 100 streams (some
 neighbour then measures that loop's lag, not the router's. Here each mock
 is ``python -m tests.hardening.procs mock CONFIG`` (a :class:`CountingMock`
 served over HTTP/2 like the in-process ones, its counters at ``GET /counts``),
-and the neighbour ``python -m tests.hardening.procs neighbour URL OUT``: it
-sends short streamed completions one after another from 127.0.0.2 until
-SIGTERM, then writes each one's start (``time.monotonic()``, one clock for
-every process on the machine), latency and error to ``OUT`` as JSON.
+and the neighbour ``python -m tests.hardening.procs neighbour URL OUT``: the
+harness's :class:`Neighbour` until SIGTERM, then what it measured (each
+request's start and latency, and the errors) to ``OUT`` as JSON.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import trio
 from backends.mock import MockConfig
 from frontend.server import HTTPRequest, OpenAIServer, Response, json_response
 from frontend.serving import ServeOptions, serve, wait_for_signal
-from tests.hardening.harness import NEIGHBOUR_ADDRESS, REPO, CountingMock, completion
+from tests.hardening.harness import REPO, CountingMock, Neighbour
 
 __all__ = ["MockProcess", "NeighbourProcess", "start_mock_processes", "start_neighbour_process"]
 
@@ -51,38 +49,21 @@ async def _mock(config: dict[str, Any]) -> None:
         print(f"mock listening on {url}", flush=True)
 
 
-async def _neighbour(url: str, max_tokens: int) -> list[dict[str, Any]]:
-    runs: list[dict[str, Any]] = []
-    stop = trio.Event()
-
-    async def client() -> None:
-        transport = httpx.AsyncHTTPTransport(local_address=NEIGHBOUR_ADDRESS)
-        async with httpx.AsyncClient(base_url=url, transport=transport, timeout=10) as http:
-            print("neighbour running", flush=True)
-            while not stop.is_set():
-                began = time.monotonic()
-                error = None
-                try:
-                    r = await http.post("/v1/completions", content=completion(max_tokens))
-                    if r.status_code != 200 or not r.text.rstrip().endswith("data: [DONE]"):
-                        error = f"{r.status_code} {r.text[-200:]}"
-                except httpx.HTTPError as exc:
-                    error = repr(exc)
-                runs.append({"at": began, "s": time.monotonic() - began, "error": error})
-                await trio.sleep(0.02)
-
+async def _neighbour(url: str, max_tokens: int) -> dict[str, Any]:
+    neighbour, stop = Neighbour(url, max_tokens), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client)
+        nursery.start_soon(neighbour.run, stop)
+        print("neighbour running", flush=True)
         await wait_for_signal(stop)
-    return runs
+    return {"starts": neighbour.starts, "latencies": neighbour.latencies, "errors": neighbour.errors}
 
 
 def main(argv: list[str]) -> None:
     if argv[0] == "mock":
         trio.run(_mock, json.loads(argv[1]))
     elif argv[0] == "neighbour":
-        runs = trio.run(_neighbour, argv[1], int(argv[3]) if len(argv) > 3 else 4)
-        Path(argv[2]).write_text(json.dumps(runs))
+        done = trio.run(_neighbour, argv[1], int(argv[3]) if len(argv) > 3 else 4)
+        Path(argv[2]).write_text(json.dumps(done))
     else:
         raise SystemExit(f"unknown role {argv[0]!r}")
 
@@ -131,35 +112,32 @@ async def start_mock_processes(nursery: trio.Nursery, n: int = 2, **config: Any)
 
 @dataclass
 class NeighbourProcess:
-    """The neighbour's process; :meth:`finish` stops it and reads its runs."""
+    """The neighbour's process; :meth:`finish` stops it and reads what it measured."""
 
     process: trio.Process
     out: Path
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[tuple[float, float]] = field(default_factory=list)  # (start, latency)
+    failures: list[str] = field(default_factory=list)
 
-    async def finish(self) -> list[dict[str, Any]]:
+    async def finish(self) -> None:
         self.process.terminate()
         with trio.fail_after(15):
             await self.process.wait()
-        self.runs = json.loads(self.out.read_text())
-        return self.runs
+        done = json.loads(self.out.read_text())
+        self.runs = list(zip(done["starts"], done["latencies"], strict=True))
+        self.failures = done["errors"]
 
     def latencies(self, since: float = float("-inf"), until: float = float("inf")) -> list[float]:
-        return [r["s"] for r in self.runs if since <= r["at"] < until]
+        return [s for at, s in self.runs if since <= at < until]
 
     def errors(self) -> list[str]:
-        return [r["error"] for r in self.runs if r["error"]]
+        return self.failures
 
 
 async def start_neighbour_process(nursery: trio.Nursery, url: str, tmp: Path) -> NeighbourProcess:
     out = tmp / "neighbour.json"
     process, _ = await _child(nursery, ["neighbour", url, str(out)], b"neighbour running")
     return NeighbourProcess(process, out)
-
-
-def p99(latencies: list[float]) -> float:
-    ordered = sorted(latencies)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else float("nan")
 
 
 if __name__ == "__main__":

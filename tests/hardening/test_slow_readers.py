@@ -28,10 +28,11 @@ from tests.hardening.harness import (
     RouterProcess,
     completion,
     of,
+    p99,
     start_mocks,
     start_router,
 )
-from tests.hardening.procs import MockProcess, p99, start_mock_processes, start_neighbour_process
+from tests.hardening.procs import MockProcess, start_mock_processes, start_neighbour_process
 
 STALL = 10.0
 MOCK: dict[str, Any] = {"vocab": ("x" * 4000,), "tpot_s": 0.002, "max_tokens": 1_000_000, "max_context": 2_000_000}
