@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,34 +30,34 @@ import trio
 
 from bench.procs import cpu_info, start_server
 
-__all__ = ["PATHS", "Path_", "main"]
+__all__ = ["PATHS", "KernelPath", "main"]
 
 
 @dataclass(frozen=True)
-class Path_:
+class KernelPath:
     name: str
     env: dict[str, str]
     flags: tuple[str, ...]
     needs: str = ""  # a flag the checkout's `headrace engine --help` must list
 
 
-PATHS: tuple[Path_, ...] = (
-    Path_("native bf16", {}, ("--dtype", "bfloat16")),
-    Path_("native bf16, no AMX", {"HEADRACE_NATIVE_AMX": "0"}, ("--dtype", "bfloat16")),
-    Path_("torch bf16", {"HEADRACE_NATIVE": "0"}, ("--dtype", "bfloat16")),
-    Path_("float32", {}, ("--dtype", "float32")),
-    Path_("native bf16, --no-batch-invariant", {}, ("--dtype", "bfloat16", "--no-batch-invariant"),
+PATHS: tuple[KernelPath, ...] = (
+    KernelPath("native bf16", {}, ("--dtype", "bfloat16")),
+    KernelPath("native bf16, no AMX", {"HEADRACE_NATIVE_AMX": "0"}, ("--dtype", "bfloat16")),
+    KernelPath("torch bf16", {"HEADRACE_NATIVE": "0"}, ("--dtype", "bfloat16")),
+    KernelPath("float32", {}, ("--dtype", "float32")),
+    KernelPath("native bf16, --no-batch-invariant", {}, ("--dtype", "bfloat16", "--no-batch-invariant"),
           needs="--no-batch-invariant"),
-    Path_("torch bf16, --no-batch-invariant", {"HEADRACE_NATIVE": "0"},
+    KernelPath("torch bf16, --no-batch-invariant", {"HEADRACE_NATIVE": "0"},
           ("--dtype", "bfloat16", "--no-batch-invariant"), needs="--no-batch-invariant"),
-    Path_("float32, --no-batch-invariant", {}, ("--dtype", "float32", "--no-batch-invariant"),
+    KernelPath("float32, --no-batch-invariant", {}, ("--dtype", "float32", "--no-batch-invariant"),
           needs="--no-batch-invariant"),
 )
 
 
 def _rss(pid: int) -> int:
     try:
-        return sum(p.memory_info().rss for p in [psutil.Process(pid)])
+        return int(psutil.Process(pid).memory_info().rss)
     except psutil.Error:
         return 0
 
@@ -77,20 +76,13 @@ def _has_flag(python: str, checkout: Path, flag: str) -> bool:
     return flag in out.stdout
 
 
-async def _one(label: str, checkout: Path, path: Path_, args: argparse.Namespace,
+async def _one(label: str, checkout: Path, path: KernelPath, args: argparse.Namespace,
                outdir: Path) -> dict[str, object]:
     python = sys.executable
-    env_before = dict(os.environ)
-    os.environ.update(path.env)
-    os.environ["PYTHONPATH"] = str(checkout)
-    try:
-        server = await start_server(
-            f"engine-{label}-{path.name}".replace(" ", "_").replace(",", ""),
-            [python, "-m", "router.cli", "engine", "--port", "0", *path.flags],
-            outdir, patience=300.0, cwd=checkout)
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
+    server = await start_server(
+        f"engine-{label}-{path.name}".replace(" ", "_").replace(",", ""),
+        [python, "-m", "router.cli", "engine", "--port", "0", *path.flags],
+        outdir, patience=300.0, cwd=checkout, env={**path.env, "PYTHONPATH": str(checkout)})
     try:
         await trio.sleep(args.settle)
         idle = _rss(server.pid)

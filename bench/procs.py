@@ -83,16 +83,18 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 async def start_server(name: str, argv: list[str], logdir: Path, *,
-                       patience: float = 60.0, cwd: Path | None = None) -> Server:
-    """Start ``argv`` (in ``cwd``: ``python -m`` then imports that checkout) and
-    wait (``patience`` s at most) for its ``listening on URL`` line."""
+                       patience: float = 60.0, cwd: Path | None = None,
+                       env: dict[str, str] | None = None) -> Server:
+    """Start ``argv`` (in ``cwd``: ``python -m`` then imports that checkout; ``env``:
+    variables set beside this process's) and wait (``patience`` s at most) for its
+    ``listening on URL`` line."""
     log = logdir / f"{name}.log"
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(
             argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches the bench; it stops these
             cwd=cwd,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     server = Server(name, process, "", log)
     try:
         with trio.move_on_after(patience):
