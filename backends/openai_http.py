@@ -363,6 +363,7 @@ class OpenAIHTTPBackend:
         headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         tls = url.scheme == "https"
         self._headers, self._verify, self._connect_timeout = headers, verify, connect_timeout
+        self._kv_ssl: ssl.SSLContext | None = None  # built on the first subscription (see kv_events)
         # Both transports while ``auto`` has not heard back; the one that
         # answered once it has.
         self._transports: dict[str, _Transport] = {}
@@ -494,8 +495,14 @@ class OpenAIHTTPBackend:
         parser = KVEventParser()
         timeout = httpx.Timeout(connect=self._connect_timeout, read=None,
                                 write=self._connect_timeout, pool=self._connect_timeout)  # fmt: skip
+        # One SSLContext per backend for every (re)subscription: httpx would
+        # build one per client, loading the CA bundle with the event loop
+        # held (25-35 ms each, more on the first), at every reconnect to a
+        # restarted backend, just when its broken streams are migrating.
+        if self._kv_ssl is None:
+            self._kv_ssl = httpx.create_ssl_context(verify=_tls_context(self._verify), trust_env=False)
         client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout,
-                                   verify=_tls_context(self._verify), trust_env=False)  # fmt: skip
+                                   verify=self._kv_ssl, trust_env=False)  # fmt: skip
         try:
             async with client, client.stream(
                 "GET", "/v1/kv_events", params={"since": since}, headers={"accept": "text/event-stream"}

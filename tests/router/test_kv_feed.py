@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
@@ -194,6 +195,31 @@ async def test_a_refused_kv_stream_is_backend_unavailable() -> None:
     with pytest.raises(BackendUnavailable):
         async for _ in adapter.kv_events(-1):
             pass
+    await adapter.aclose()
+
+
+async def test_resubscribing_builds_no_new_tls_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attempt used to build an httpx client with a fresh SSLContext,
+    loading the CA bundle with the event loop held (25-35 ms each), at each
+    reconnect to a restarted backend: now one context serves every attempt."""
+    loads: list[object] = []
+    real = ssl.SSLContext.load_verify_locations
+
+    def counted(self: ssl.SSLContext, *args: object, **kwargs: object) -> None:
+        loads.append(args or kwargs)
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    await listeners[0].aclose()  # refused: each attempt fails at once
+    adapter = OpenAIHTTPBackend(f"http://127.0.0.1:{port}", http="1.1", connect_timeout=2.0)
+    before = len(loads)  # the request pool's own context, built once
+    for _ in range(5):
+        with pytest.raises(BackendUnavailable):
+            async for _ in adapter.kv_events(-1):
+                pass
+    assert len(loads) - before <= 1
     await adapter.aclose()
 
 
