@@ -124,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
                         "concurrency / N connections, as from many clients (hypercorn's "
                         "HTTP/2 scheduling costs grow with the streams on one connection)")
     p.add_argument("--policy", default=None, help="routing policy (default: the router's)")
+    p.add_argument("--upstream-priority", choices=("higher_first", "off"), default="higher_first",
+                   help="[[backends]] options.priority: the mocks order their prefill lane by it, as the "
+                        "engine's scheduler does, so a resumed stream (priority raised by one) waits "
+                        "behind no fresh prompt's prefill; off: every request in arrival order")
     p.add_argument("--backend-concurrency", type=int, default=256,
                    help="admission slots per backend ([[backends]] max_concurrency)")
     p.add_argument("--workers", type=int, default=1, help="router processes")
@@ -132,8 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                         "imports) does not take the router's core on a small box; 0: off")
     p.add_argument("--health-interval", type=float, default=0.5)
     p.add_argument("--max-ejection-fraction", type=float, default=0.25,
-                   help="[breaker] max_ejection_fraction; the router lists each mock twice, so the "
-                        "default 0.25 of its entries is the default 0.5 of the mocks")
+                   help="[breaker] max_ejection_fraction, of each route's backends (one entry per "
+                        "mock): the default 0.25 ejects at most one of 4 mocks at once")
     p.add_argument("--breaker", action=argparse.BooleanOptionalAction, default=True,
                    help="the router's circuit breakers ([breaker] enabled)")
     p.add_argument("--error-pause", type=float, default=1.0,
@@ -485,9 +489,9 @@ def router_config(args: argparse.Namespace, slots: list[Slot]) -> str:
     for slot in slots:
         for name in (slot.name, f"{slot.name}-{COLD}"):
             lines += ["[[backends]]", 'kind = "openai"', f'url = "{slot.url}"', f'name = "{name}"',
-                      f"max_concurrency = {args.backend_concurrency}"]
-    # The breakers' fleet rule counts the router's backends, not a route's: over the 2N
-    # entries, a quarter is what half of the N processes would be in a plain fleet.
+                      f"max_concurrency = {args.backend_concurrency}",
+                      f'options = {{ priority = "{args.upstream_priority}" }}']
+    # The breakers' fleet rule is per route (model group): the fraction is of its N entries.
     lines += ["[breaker]", f"enabled = {'true' if args.breaker else 'false'}",
               f"options = {{ max_ejection_fraction = {args.max_ejection_fraction} }}"]
     for route, suffix in ((MODEL, ""), (COLD, f"-{COLD}")):
