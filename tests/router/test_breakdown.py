@@ -6,8 +6,10 @@ and ``headrace top --once`` (a process of its own) against it."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -66,6 +68,32 @@ def test_the_breakdown_keeps_a_window_per_backend_with_quantiles_rates_and_error
     assert rows["idle"]["requests"] == 0 and rows["idle"]["phases"] == {}
     table = render(snap, "http://admin")
     assert "PREFILL p50/p99" in table and "51.0/100" in table
+
+
+def test_the_ring_keeps_the_last_samples_as_rows_of_one_array() -> None:
+    """A full ring overwrites its oldest rows, and what it keeps is rows of
+    doubles (64 bytes a request), not a tuple, a dict and floats per request
+    (about 350 bytes): those outlived every other allocation of their
+    request and pinned heap pages long after the load had gone."""
+    b = Breakdown(samples=50, window=1e9, rate_window=1e9)
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(10_000):
+            phases = {"ingress": i / 1e6, "queue": 0.0, "connect": 0.001, "prefill": (i % 50 + 1) / 1000,
+                      "decode": 0.25, "egress": 0.002}
+            b.add("a", 100.0 + i, phases, i % 5 == 0)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert kept < 50 * 64 * 2 + 1024  # the ring's 50 rows, its over-allocation and the entry
+    row = b.snapshot(20_000.0, {})["backends"][0]
+    assert row["requests"] == 10_000 and row["errors"] == 2_000
+    # The last 50 requests only: prefill 1..50 ms once each, every fifth failed.
+    assert row["phases"]["prefill"] == {"p50": 26.0, "p99": 50.0, "n": 50}
+    assert row["phases"]["decode"]["n"] == 50 and row["phases"]["egress"]["p50"] == 2.0
+    assert row["error_rate"] == pytest.approx(0.2)
 
 
 async def serve_both(nursery: trio.Nursery, router: Router, config: RouterConfig) -> tuple[str, str]:
