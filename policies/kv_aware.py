@@ -153,14 +153,19 @@ class KVAware:
         self._ring_weights: list[float] = []
         self._names_key: tuple[str, ...] = ()  # the same names as a tuple, which the indexes know by identity
         self._position: dict[str, int] = {}
+        self._weight_sum = 0.0  # of _ring_weights
+        self._uniform = True  # _ring_weights all equal
         self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
         self._predicted: dict[tuple[str, str], int] = {}  # (backend, request id) -> cached tokens predicted
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
         self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
         self._homed: dict[str, int] = {}  # backend -> keys it homes
+        self._first_key = 0  # the oldest of _keys ...
+        self._first_seen: float | None = None  # ... and when it was last seen (None: unknown)
         self._recent_load: dict[str, float] = {}  # backend -> decayed picks, scaled to _epoch (see _charge)
         self._epoch = 0.0
         self._loads: list[float] | None = None  # _recent_load of the last candidates, in their order
+        self._loads_max = 0.0  # max(_loads)
         self._ends: set[int] = set()  # the last block of each prompt prefilled lately
         self._ends_order: deque[int] = deque()
 
@@ -184,11 +189,14 @@ class KVAware:
             found = self.recent.match(hashes, [n for n, e in zip(names, events, strict=True) if not e], now)
             if any(events):
                 found.update(self.index.match(hashes, [n for n, e in zip(names, events, strict=True) if e]))
-        for name, n in found.items():
-            if n > blocks.get(name, 0):
-                blocks[name] = n
         if not blocks:
-            return blocks
+            blocks = found
+        else:
+            for name, n in found.items():
+                if n > blocks.get(name, 0):
+                    blocks[name] = n
+        if not blocks:
+            return {}
         if request.block_size:
             per_block = float(request.block_size)
         else:  # text blocks: each is its share of the prompt
@@ -211,27 +219,23 @@ class KVAware:
         flights = [c.in_flight for c in candidates]
         weights = [c.weight for c in candidates]
         if names != self._ring_names or weights != self._ring_weights:
-            self.fallback.ring.update(candidates)
-            self._ring_names, self._ring_weights = names, weights
-            self._names_key = tuple(names)
-            self._position = {n: i for i, n in enumerate(names)}
-            self._loads = None
+            self._new_candidates(candidates, names, weights)
         position = self._position
         cached = self._cached(self._names_key, [c.kv_events for c in candidates], request, now)
         self._last_pick = (request, cached)
         o = self.options
-        share = (sum(flights) + 1) / sum(weights)  # in flight per unit of weight, this request included
+        share = (sum(flights) + 1) / self._weight_sum  # in flight per unit of weight, this request included
         scale, slack = o.load_factor * share, o.load_slack
-        w0 = weights[0]
-        if weights.count(w0) == len(weights):
+        if self._uniform:
+            w0 = weights[0]
             cap = max(math.ceil(scale * w0), math.ceil(share * w0) + slack)
             under = [f < cap for f in flights]
         else:
             under = [f < max(math.ceil(scale * w), math.ceil(share * w) + slack)
                      for f, w in zip(flights, weights, strict=True)]
         key = request_key(request, o.prefix_tokens)
-        if o.balance_factor and request.block_hashes and self._ends.isdisjoint(request.block_hashes):
-            under = self._balanced(names, under, now)
+        if o.balance_factor and request.block_hashes:
+            under = self._balanced(names, under, request.block_hashes, now)
         if o.key_load_factor:
             home = self._key_home(key, names, weights, position, under, now)
         else:
@@ -252,6 +256,16 @@ class KVAware:
             self._charge(best, now)
         return best
 
+    def _new_candidates(self, candidates: Sequence[BackendView], names: list[str], weights: list[float]) -> None:
+        """What only changes with the candidate set (names and weights), kept between picks."""
+        self.fallback.ring.update(candidates)
+        self._ring_names, self._ring_weights = names, weights
+        self._names_key = tuple(names)
+        self._position = {n: i for i, n in enumerate(names)}
+        self._weight_sum = sum(weights)
+        self._uniform = weights.count(weights[0]) == len(weights)
+        self._loads = None
+
     # Recent picks per backend, decayed with a half-life: kept scaled to an
     # epoch (a pick at time t adds 2^((t - epoch) / half-life)), so that
     # comparing backends needs no per-backend decay; the value now is the
@@ -271,28 +285,40 @@ class KVAware:
         return 0.0
 
     def _charge(self, name: str, now: float) -> None:
-        add = 2.0 ** self._growth(now)
+        growth = (now - self._epoch) / self.options.balance_half_life_s
+        if not -64.0 <= growth <= 64.0:
+            growth = self._growth(now)
+        add = 2.0 ** growth
         self._recent_load[name] = self._recent_load.get(name, 0.0) + add
         loads = self._loads
         if loads is not None:  # the candidates' scaled loads stay right without a rebuild
             i = self._position.get(name, -1)
             if i >= 0:
                 loads[i] += add
+                if loads[i] > self._loads_max:  # loads only grow between rebuilds
+                    self._loads_max = loads[i]
             else:
                 self._loads = None
 
-    def _balanced(self, names: list[str], under: list[bool], now: float) -> list[bool]:
+    def _balanced(self, names: list[str], under: list[bool], hashes: tuple[int, ...], now: float) -> list[bool]:
         """``under`` without the backends that took more than their share of
-        the recent picks (see ``balance_factor``); unchanged if that would
-        leave none."""
+        the recent picks (see ``balance_factor``) if the request continues no
+        conversation seen lately (none of ``hashes`` ends a prompt prefilled
+        lately); unchanged if that would leave none. The loads are compared
+        first: they usually leave ``under`` as it is, and then the request's
+        blocks need no look-up in the (large, cache-missing) set of ends."""
         o = self.options
-        growth = self._growth(now)
+        growth = (now - self._epoch) / o.balance_half_life_s  # _growth's common case, inline
+        if not -64.0 <= growth <= 64.0:
+            growth = self._growth(now)
         loads = self._loads
         if loads is None:  # the candidates' scaled loads, in their order (kept up to date by _charge)
             get = self._recent_load.get
             loads = self._loads = [get(n, 0.0) for n in names]
+            self._loads_max = max(loads)
         threshold = o.balance_factor * sum(loads) / len(loads) + o.balance_slack * 2.0 ** growth
-        if max(loads) <= threshold:
+        # From the last block back: where a continued conversation's previous prompt ended.
+        if self._loads_max <= threshold or not self._ends.isdisjoint(reversed(hashes)):
             return under
         kept = [u and v <= threshold for u, v in zip(under, loads, strict=True)]
         return kept if any(kept) else under
@@ -306,9 +332,69 @@ class KVAware:
         prefix_hash does, without moving the key."""
         keys, homed, ring = self._keys, self._homed, self.fallback.ring
         o = self.options
-        while keys:  # forget keys not seen for key_ttl_s, or past max_keys
-            first = next(iter(keys.values()))
+        seen = self._first_seen  # when the oldest key was last seen (None: look it up)
+        if seen is None or not seen + o.key_ttl_s > now or len(keys) > o.max_keys:
+            self._expire_keys(now)
+        entry = keys.get(key)
+        if entry is not None:
+            if key == self._first_key:  # the oldest is the oldest no more
+                self._first_seen = None
+            keys.move_to_end(key)
+            entry[1] = now
+            i = position.get(entry[0], -1)
+            if i >= 0 and under[i]:
+                return i
+            return ring.first_index(key, position, under)
+        scale = o.key_load_factor * (len(keys) + 1) / self._weight_sum
+        get = homed.get
+        # The first backend along the ring with room for one more key; past
+        # _KEY_PROBES distinct backends without room, the least homed of
+        # those (a walk bounded like a power-of-d choice: at 64 backends with
+        # most of them at their share, an unbounded walk is the pick's cost).
+        i, fewest = -1, math.inf
+        if self._uniform:  # one room and one divisor for all
+            w0 = weights[0]
+            room = math.ceil(scale * w0)
+            for name in ring.leading(key, _KEY_PROBES):
+                j = position.get(name, -1)
+                if j < 0 or not under[j]:
+                    continue
+                held = get(name, 0)
+                if held < room:
+                    i = j
+                    break
+                if held / w0 < fewest:
+                    i, fewest = j, held / w0
+        else:
+            for name in ring.leading(key, _KEY_PROBES):
+                j = position.get(name, -1)
+                if j < 0 or not under[j]:
+                    continue
+                held = get(name, 0)
+                if held < math.ceil(scale * weights[j]):
+                    i = j
+                    break
+                if held / weights[j] < fewest:
+                    i, fewest = j, held / weights[j]
+        if i < 0:  # none of them under its in-flight cap
+            i = ring.first_index(key, position, under)
+        if i >= 0:
+            if not keys:
+                self._first_seen = None
+            keys[key] = [names[i], now]
+            homed[names[i]] = get(names[i], 0) + 1
+        return i
+
+    def _expire_keys(self, now: float) -> None:
+        """Forget keys not seen for key_ttl_s, or past max_keys, oldest
+        first; then note the oldest (the next pick needs no look-up in the
+        keys to know none expired)."""
+        keys, homed, o = self._keys, self._homed, self.options
+        self._first_seen = None
+        while keys:
+            key, first = next(iter(keys.items()))
             if first[1] + o.key_ttl_s > now and len(keys) <= o.max_keys:
+                self._first_key, self._first_seen = key, first[1]
                 break
             old = keys.popitem(last=False)[1][0]
             left = homed[old] - 1
@@ -316,37 +402,6 @@ class KVAware:
                 homed[old] = left
             else:
                 del homed[old]
-        entry = keys.get(key)
-        if entry is not None:
-            keys.move_to_end(key)
-            entry[1] = now
-            i = position.get(entry[0], -1)
-            if i >= 0 and under[i]:
-                return i
-            return ring.first_index(key, position, under)
-        scale = o.key_load_factor * (len(keys) + 1) / sum(weights)
-        get = homed.get
-        # The first backend along the ring with room for one more key; past
-        # _KEY_PROBES distinct backends without room, the least homed of
-        # those (a walk bounded like a power-of-d choice: at 64 backends with
-        # most of them at their share, an unbounded walk is the pick's cost).
-        i, fewest = -1, math.inf
-        for name in ring.walk(key, _KEY_PROBES):
-            j = position.get(name, -1)
-            if j < 0 or not under[j]:
-                continue
-            held = get(name, 0)
-            if held < math.ceil(scale * weights[j]):
-                i = j
-                break
-            if held / weights[j] < fewest:
-                i, fewest = j, held / weights[j]
-        if i < 0:  # none of them under its in-flight cap
-            i = ring.first_index(key, position, under)
-        if i >= 0:
-            keys[key] = [names[i], now]
-            homed[names[i]] = get(names[i], 0) + 1
-        return i
 
     def _cheapest(self, candidates: Sequence[BackendView], names: list[str], flights: list[int], under: list[bool],
                   home: int, key: int, request: RouteRequest, cached: dict[str, int]) -> str:
@@ -417,11 +472,12 @@ class KVAware:
             views = [BackendView(name=backend, kv_events=self.index.follows(backend))]
             cached = self.cached_tokens(views, request, now).get(backend, 0)
         self._last_pick = None
-        if request.request_id:
-            self._predicted[(backend, request.request_id)] = cached
-        owed = max(request.prompt_tokens - cached, 0)
-        if owed and request.request_id:
-            key = (backend, request.request_id)
+        if not request.request_id:
+            return
+        key = (backend, request.request_id)
+        self._predicted[key] = cached
+        owed = request.prompt_tokens - cached
+        if owed > 0:
             self._owed[key] = self._owed.get(key, 0) + owed
             self._queued[backend] = self._queued.get(backend, 0) + owed
 

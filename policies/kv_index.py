@@ -24,6 +24,7 @@ the blocks of each request sent to a backend, for ``ttl`` seconds.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
@@ -176,6 +177,9 @@ class KVIndex:
         return backend in self._seq
 
     def match(self, hashes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
+        if hashes and hashes[0] not in self._owners:  # a cold prompt: nobody holds its first block
+            self._slots.mask(names)  # (the names get their bits as in a full match)
+            return {}
         found = _match(self._owners, self._slots, hashes, names)
         if found:
             # Matched chains are hot: their ends and heads move to the young
@@ -250,6 +254,7 @@ class RecentlySent:
         self.width = ttl / generations
         self._slots = _Slots()
         self._gens: deque[tuple[float, dict[int, int]]] = deque()  # (start, hash -> mask), oldest first
+        self._expiry = math.inf  # when the oldest generation goes (a look-up per match without touching it)
         self._entries = 0
 
     def record(self, backend: str, hashes: Iterable[int], now: float) -> None:
@@ -264,11 +269,19 @@ class RecentlySent:
         self._entries += len(gen) - before
         while self._entries > self.max_entries and len(self._gens) > 1:
             self._entries -= len(self._gens.popleft()[1])
+        self._oldest_changed()
 
     def expire(self, now: float) -> None:
+        if self._expiry > now:
+            return
         gens = self._gens
         while gens and gens[0][0] + self.width + self.ttl <= now:
             self._entries -= len(gens.popleft()[1])
+        self._oldest_changed()
+
+    def _oldest_changed(self) -> None:
+        gens = self._gens
+        self._expiry = gens[0][0] + self.width + self.ttl if gens else math.inf
 
     def forget(self, backend: str) -> None:
         bit = self._slots.bit.get(backend)
@@ -284,6 +297,14 @@ class RecentlySent:
 
     def match(self, hashes: Sequence[int], names: Sequence[str], now: float) -> dict[str, int]:
         self.expire(now)
+        if hashes:  # a prompt whose first block was sent nowhere lately matches nothing
+            head = hashes[0]
+            for _, gen in self._gens:
+                if head in gen:
+                    break
+            else:
+                self._slots.mask(names)
+                return {}
         gens = [g for _, g in self._gens if g]
         if not gens:
             return {}

@@ -56,9 +56,9 @@ def request_key(request: RouteRequest, prefix_tokens: int) -> int:
     block hashes its token ids or text."""
     hashes = request.block_hashes
     if hashes:
-        per_block = request.block_size or TEXT_BLOCK_TOKENS
-        k = max(1, prefix_tokens // per_block)
-        return mix(hashes[min(k, len(hashes)) - 1])
+        k = prefix_tokens // (request.block_size or TEXT_BLOCK_TOKENS)
+        n = len(hashes)
+        return mix(hashes[(k if k < n else n) - 1 if k > 1 else 0])  # block min(max(1, k), n)
     if request.prompt_token_ids is not None:
         ids = request.prompt_token_ids[:prefix_tokens]
         return stable_hash(b"ids:" + ",".join(map(str, ids)).encode())
@@ -75,6 +75,7 @@ class HashRing:
         self._points: list[int] = []
         self._owners: list[str] = []
         self._by_owner: dict[str, list[int]] = {}  # each backend's points, sorted
+        self._leading: dict[int, dict[int, tuple[str, ...]]] = {}  # limit -> start point -> leading()
 
     def update(self, candidates: Sequence[BackendView]) -> None:
         """Make the ring hold (at least) these backends with these weights.
@@ -100,6 +101,7 @@ class HashRing:
         self._points = [p for p, _ in ring]
         self._owners = [n for _, n in ring]
         self._by_owner = {name: [p for p, n in ring if n == name] for name, _ in members}
+        self._leading = {}
 
     def first(self, key: int, wanted: Collection[str]) -> str | None:
         """The first of ``wanted`` clockwise from ``key`` (what :meth:`walk`
@@ -138,6 +140,20 @@ class HashRing:
             if i >= 0 and ok[i]:
                 return i
         return -1
+
+    def leading(self, key: int, limit: int) -> tuple[str, ...]:
+        """The first ``limit`` backends :meth:`walk` yields from ``key``, as a
+        tuple kept per starting point until the ring changes (a ring has
+        ``vnodes x backends`` starting points, so a busy router soon knows
+        them all, and a walk becomes one bisection and one look-up)."""
+        known = self._leading.get(limit)
+        if known is None:
+            known = self._leading[limit] = {}
+        start = bisect.bisect_left(self._points, key)
+        names = known.get(start)
+        if names is None:
+            names = known[start] = tuple(self.walk(key, limit))
+        return names
 
     def walk(self, key: int, limit: int = 0) -> Iterator[str]:
         """Every backend once (the first ``limit`` when given), in ring order

@@ -104,6 +104,23 @@ def test_recently_sent_keeps_a_send_between_ttl_and_ttl_plus_a_generation() -> N
     assert len(recent) == 0
 
 
+def test_a_prompt_whose_first_block_is_held_nowhere_matches_nothing_in_either_record() -> None:
+    """The first block decides a cold prompt (one look-up), whatever later
+    blocks are held; a first block held only in the older generation of the
+    record still matches."""
+    index = KVIndex()
+    assert index.apply("a", [stored(1, 2, 3)])
+    assert index.match([1, 2, 3], ["a", "b"]) == {}
+    assert index.match([2, 3], ["a", "b"]) == {"a": 2}
+    recent = RecentlySent(ttl=10.0, generations=2)  # generations 5 s wide
+    recent.record("a", [1, 2], now=0.0)
+    recent.record("b", [7, 8], now=6.0)  # a second generation
+    assert recent.match([3, 1, 2], ["a", "b"], now=6.0) == {}
+    assert recent.match([1, 2, 9], ["a", "b"], now=6.0) == {"a": 2}
+    assert recent.match([7, 8], ["a", "b"], now=14.9) == {"b": 2}
+    assert recent.match([1, 2], ["a", "b"], now=15.0) == {}  # the first generation went at ttl + its width
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 30), st.floats(0, 5)), max_size=40), st.integers(1, 50))
 def test_recently_sent_stays_within_its_bound(sends: list[tuple[str, int, float]], bound: int) -> None:

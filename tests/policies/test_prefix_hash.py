@@ -127,3 +127,19 @@ def test_bad_options_are_policy_errors_naming_the_option() -> None:
         create_policy("prefix_hash", options={"load_factor": 0.5})
     with pytest.raises(PolicyError, match="nope"):
         create_policy("prefix_hash", options={"nope": 1})
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(0, (1 << 63) - 1), min_size=1, max_size=20), st.integers(1, 10))
+def test_leading_is_the_start_of_the_walk_and_follows_the_ring_when_it_changes(n: int, keys: list[int], limit: int) -> None:
+    """``leading`` (kept per starting point) names what ``walk`` yields first,
+    before and after a backend joins the ring."""
+    policy = PrefixHash()
+    ring = policy.ring
+    ring.update(backends(n))
+    for key in keys + keys:  # the second time from what it kept
+        assert ring.leading(key, limit) == tuple(ring.walk(key, limit))
+    ring.update([*backends(n), BackendView(name="joined")])
+    for key in keys:
+        assert ring.leading(key, limit) == tuple(ring.walk(key, limit))
+        assert len(ring.leading(key, limit)) == min(limit, n + 1)
