@@ -28,21 +28,25 @@ class RoundRobin:
 
     def __init__(self) -> None:
         self._score: dict[str, float] = {}
+        self._names: list[str] = []  # the last call's candidates: the scores' keys are exactly these
 
     def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
         if not candidates:
             return None
-        names = {c.name for c in candidates}
-        # Forget backends that left, so a returning one starts fresh.
-        self._score = {n: s for n, s in self._score.items() if n in names}
-        total = 0.0
-        for c in candidates:
-            self._score[c.name] = self._score.get(c.name, 0.0) + c.weight
-            total += c.weight
+        names = [c.name for c in candidates]
+        score = self._score
+        if names != self._names:  # forget backends that left, so a returning one starts fresh
+            keep = set(names)
+            score = self._score = {n: s for n, s in score.items() if n in keep}
+            self._names = names
+        weights = [c.weight for c in candidates]
+        get = score.get
+        for n, w in zip(names, weights, strict=True):
+            score[n] = get(n, 0.0) + w
+        scores = [score[n] for n in names]
         # Highest score wins; on a tie the earlier candidate does.
-        best = max(range(len(candidates)), key=lambda i: (self._score[candidates[i].name], -i))
-        name = candidates[best].name
-        self._score[name] -= total
+        name = names[scores.index(max(scores))]
+        score[name] -= sum(weights, 0.0)
         return name
 
 

@@ -98,3 +98,36 @@ def test_power_of_two_replays_with_a_seed_and_never_takes_the_busiest() -> None:
     assert "b4" not in counts  # the less loaded of any two is never the busiest
     assert counts["b0"] > counts["b1"] > counts["b2"] > counts["b3"] > 0  # P(b_i) = (4 - i) / 10
     assert PowerOfTwo().pick(cands[:1], REQ, 0.0) == "b0" and PowerOfTwo().pick([], REQ, 0.0) is None
+
+
+class _RoundRobinBefore:
+    """RoundRobin as it was before its pick was made faster (a dict rebuilt
+    and a keyed max per call), kept to check the new one decides the same."""
+
+    def __init__(self) -> None:
+        self._score: dict[str, float] = {}
+
+    def pick(self, candidates: list[BackendView]) -> str:
+        names = {c.name for c in candidates}
+        self._score = {n: s for n, s in self._score.items() if n in names}
+        total = 0.0
+        for c in candidates:
+            self._score[c.name] = self._score.get(c.name, 0.0) + c.weight
+            total += c.weight
+        best = max(range(len(candidates)), key=lambda i: (self._score[candidates[i].name], -i))
+        name = candidates[best].name
+        self._score[name] -= total
+        return name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([0.5, 1.0, 2.0, 3.0])),
+                         min_size=1, max_size=8), min_size=1, max_size=40))
+def test_round_robin_picks_as_before_for_any_sequence_of_candidate_sets(calls: list[list[tuple[str, float]]]) -> None:
+    """Candidate sets that change, shrink, reorder, repeat a name or change a
+    weight: the same pick as the previous implementation at every call."""
+    new, old = RoundRobin(), _RoundRobinBefore()
+    for call in calls:
+        cands = [BackendView(name=n, weight=w) for n, w in call]
+        for _ in range(3):
+            assert new.pick(cands, REQ, 0.0) == old.pick(cands)
