@@ -171,7 +171,7 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class RoutingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "round_robin"  # a routing policy's name in policies.registry
+    policy: str = "kv_aware"  # a routing policy's name in policies.registry
     # Keyword arguments for the policy's factory ([routing.options]); the
     # policy validates them (policies.registry.create).
     options: dict[str, Any] = {}

@@ -30,7 +30,8 @@ async def start_router(nursery: trio.Nursery, backends: list[Any], **config: Any
 @pytest.fixture
 async def mocks(nursery: trio.Nursery) -> AsyncIterator[tuple[Router, httpx.AsyncClient]]:
     backends = [MockBackend(MockConfig(name=f"mock-{i}", models=("mock", f"only-{i}"))) for i in range(2)]
-    router, client = await start_router(nursery, backends)
+    # Round robin: the first request lands on mock-0 (the default, kv_aware, would go by its prefix).
+    router, client = await start_router(nursery, backends, routing={"policy": "round_robin"})
     async with client:
         yield router, client
 

@@ -229,7 +229,8 @@ async def test_a_group_whose_backends_are_ejected_or_drained_is_503_with_the_soo
     clock = FakeClock()
     breaker = {"options": {"consecutive_failures": 1, "failure_rate": 2.0, "base_ejection": 30, "max_ejection_fraction": 0.5}}
     router, url = await start(nursery, clock, {"a": status(503), "b": status(503), "c": [], "d": []}, breaker=breaker,
-                              models=[{"name": "m", "backends": ["a", "b"]}, {"name": "n", "backends": ["c", "d"], "upstream_model": "m"}])  # fmt: skip
+                              models=[{"name": "m", "backends": ["a", "b"], "policy": "round_robin"},
+                                      {"name": "n", "backends": ["c", "d"], "upstream_model": "m"}])  # fmt: skip
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         assert (await client.post("/v1/completions", json=BODY)).status_code == 503  # a then b: a is ejected
         # b is the group's last: its trip is refused, whatever c and d do

@@ -76,7 +76,9 @@ async def test_backend_sigkilled_mid_stream_never_ends_a_cut_answer_with_done(
         reference = _text((await direct.post("/v1/completions", json=BODY)).text)
     assert len(reference) > 300
     backends = [NamedBackend(f"b{i}", OpenAIHTTPBackend(url, name=f"b{i}", http=http)) for i, (_, url) in enumerate(mocks)]  # type: ignore[arg-type]
-    router = Router(decode_config({"health": {"interval": 0.2}, "migration": {"enabled": migrate}}), backends)
+    # Round robin: the identical streams split over both mocks, so the victim holds half of them.
+    config = {"health": {"interval": 0.2}, "migration": {"enabled": migrate}, "routing": {"policy": "round_robin"}}
+    router = Router(decode_config(config), backends)
     url = await serve_router(nursery, router)
     outcomes: list[str] = []
     texts: list[str] = []

@@ -98,7 +98,8 @@ async def two_mock_servers(nursery: trio.Nursery) -> AsyncIterator[list[str]]:
 
 async def test_openai_sdk_chat_through_router_to_two_mock_servers(nursery: trio.Nursery, two_mock_servers: list[str]) -> None:
     backends = [NamedBackend(f"b{i}", OpenAIHTTPBackend(u, name=f"b{i}")) for i, u in enumerate(two_mock_servers)]
-    router = Router(decode_config({"auth": {"keys": {"sk-test": "team"}}}), backends)
+    # Round robin: the two identical requests go one to each server.
+    router = Router(decode_config({"auth": {"keys": {"sk-test": "team"}}, "routing": {"policy": "round_robin"}}), backends)
     url = await serve_router(nursery, router)
 
     def use_sdk() -> tuple[str, str, int, str]:

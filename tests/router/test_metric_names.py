@@ -176,7 +176,9 @@ async def test_retries_and_migrations_are_counted_per_backend() -> None:
         MockBackend(MockConfig(name="cut", faults=(Fault(kind="cut", after=2),))),
         MockBackend(MockConfig(name="good")),
     ]
-    router = Router(decode_config({"breaker": {"enabled": False}}), [NamedBackend(b.info().name, b) for b in backends])
+    # Round robin: the six identical requests visit all three (kv_aware would keep them on one).
+    config = decode_config({"breaker": {"enabled": False}, "routing": {"policy": "round_robin"}})
+    router = Router(config, [NamedBackend(b.info().name, b) for b in backends])
     async with trio.open_nursery() as nursery, httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
         await nursery.start(router.run)
         for _ in range(6):

@@ -337,7 +337,7 @@ async def test_each_group_has_its_own_policy_instance() -> None:
     policies = router.dispatcher.routes.policies()
     assert len({id(p) for p, _ in policies}) == 3
     assert [(type(p).__name__, group) for p, group in policies] == [
-        ("RoundRobin", None), ("RoundRobin", ("a",)), ("LeastLoaded", ("b",)),
+        ("KVAware", None), ("KVAware", ("a",)), ("LeastLoaded", ("b",)),
     ]  # fmt: skip
 
 

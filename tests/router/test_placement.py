@@ -123,18 +123,18 @@ async def test_batch_items_sharing_a_prompt_prefix_land_on_one_backend_under_pre
 
 
 async def test_a_batchs_items_stay_on_one_backend_under_round_robin(nursery: trio.Nursery, tmp_path: Path) -> None:
-    """The default policy spreads requests; a batch's items carry the batch
-    id as their affinity key (router/dispatch.py), so its 12 items, one at a
-    time (per_tenant = 1), all go to one backend, where their shared prefix
-    is cached; a second batch gets a home of its own, by round robin."""
+    """Round robin spreads requests; a batch's items carry the batch id as
+    their affinity key (router/dispatch.py), so its 12 items, one at a time
+    (per_tenant = 1), all go to one backend, where their shared prefix is
+    cached; a second batch gets a home of its own, by round robin."""
     mock = MockConfig(name="m", models=("mock",))
     served = [await serve_mock(nursery, mock) for _ in range(2)]
     config = decode_config({
         "backends": [{"kind": "mock", "name": "a"}, {"kind": "mock", "name": "b"}],
         "health": {"interval": 30},
         "jobs": {"path": str(tmp_path / "jobs.db"), "poll_interval": 0.05, "per_tenant": 1},
+        "routing": {"policy": "round_robin"},
     })  # fmt: skip
-    assert config.routing.policy == "round_robin"
     router = Router(config, [NamedBackend(n, OpenAIHTTPBackend(s.url, name=n)) for n, s in zip("ab", served, strict=True)])
     url = await serve_router(nursery, router)
     prefix = "You are a careful legal assistant. " * 12

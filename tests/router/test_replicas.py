@@ -60,8 +60,9 @@ async def _wait_up(client: httpx.AsyncClient, names: set[str]) -> None:
 
 async def test_serve_without_backends_runs_two_engine_replicas(tmp_path: Path) -> None:
     model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
+    # Round robin, so that two identical requests reach both replicas (the default, kv_aware, keeps them together).
     cmd = [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--port", "0", "--drain-timeout", "2",
-           "--engine-args", f"--model {model} --max-num-seqs 4"]
+           "--engine-args", f"--model {model} --max-num-seqs 4", "--set", "routing.policy=round_robin"]
     seen: list[str] = []
     async with trio.open_nursery() as nursery:
         proc: trio.Process = await nursery.start(
@@ -130,7 +131,7 @@ async def test_engines_warm_pool_scale_up_takes_the_warm_replica_and_refills(tmp
     model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
     (config := tmp_path / "headrace.toml").write_text(
         f'[[engines]]\nmodel = "{model}"\nname = "tiny"\nreplicas = 1\nwarm = 1\nargs = ["--max-num-seqs", "4", "--kv-cache-gb", "0.01"]\n'
-        '[health]\ninterval = 0.2\n')  # fmt: skip
+        '[health]\ninterval = 0.2\n[routing]\npolicy = "round_robin"\n')  # fmt: skip
     cmd = [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--port", "0", "--drain-timeout", "2", "--config", str(config)]
     seen: list[str] = []
     async with trio.open_nursery() as nursery:

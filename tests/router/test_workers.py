@@ -186,7 +186,9 @@ async def test_the_supervisor_starts_the_engine_replicas_once_and_gives_them_to_
 
     held = reserve_port("127.0.0.1")  # the admin port every worker binds (headrace serve's supervisor holds one so)
     admin = f"http://127.0.0.1:{held.getsockname()[1]}"
-    config = decode_config({"server": {"port": 0, "drain_timeout": 1, "admin_port": held.getsockname()[1]}, "health": {"interval": 0.2}})
+    # Round robin: identical requests reach both replicas (the default, kv_aware, keeps them on one).
+    config = decode_config({"server": {"port": 0, "drain_timeout": 1, "admin_port": held.getsockname()[1]}, "health": {"interval": 0.2},
+                            "routing": {"policy": "round_robin"}})  # fmt: skip
     shutdown = trio.Event()
     done = trio.Event()
 
