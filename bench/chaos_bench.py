@@ -636,9 +636,12 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | 
     return lower
 
 
-def _group(backend: str) -> str:
-    """``cold`` for the entries of the fresh-prompt route, else ``held``."""
-    return COLD if backend.endswith(f"-{COLD}") else "held"
+def _group(backend: str, prefix: str | None = None) -> str:
+    """``cold`` for the entries of the fresh-prompt route, else ``held``; then
+    ``/`` and the router's ``prefix`` label where the series has one (the
+    resume gap's: held, missed or unknown by the continuation's usage)."""
+    route = COLD if backend.endswith(f"-{COLD}") else "held"
+    return route if prefix is None else f"{route}/{prefix}"
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
@@ -650,7 +653,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if family.type == "histogram" and s.name.endswith("_bucket"):
-                per = hist.setdefault(family.name, {}).setdefault(_group(s.labels.get("backend", "")), {})
+                group = _group(s.labels.get("backend", ""), s.labels.get("prefix"))
+                per = hist.setdefault(family.name, {}).setdefault(group, {})
                 le = float(s.labels["le"])
                 per[le] = per.get(le, 0.0) + s.value
             elif family.name == "headrace_migrations" and s.name.endswith("_total"):
@@ -928,8 +932,14 @@ def _router_health(doc: dict[str, Any]) -> None:
 
 
 def _series(metrics: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """The resume gaps of the shared prompts whose new backend held the prompt
+    (by the router's ``prefix`` label; a router without it: all of the shared
+    route's), of the other shared ones, and of the fresh prompts; the TTFTs."""
     gaps, ttft = metrics["histograms"].get(RESUME, {}), metrics["histograms"].get(TTFT, {})
-    return {"resume_gap_held": gaps.get("held", []), "resume_gap_not_held": gaps.get(COLD, []),
+    shared = {k: v for k, v in gaps.items() if k.split("/")[0] == "held"}
+    held = {k: v for k, v in shared.items() if k == "held/held" or "/" not in k}
+    return {"resume_gap_held": _merged(held), "resume_gap_shared_missed": _merged({k: v for k, v in shared.items() if k not in held}),
+            "resume_gap_not_held": _merged({k: v for k, v in gaps.items() if k.split("/")[0] == COLD}),
             "resume_gap_all": _merged(gaps), "ttft_cold": ttft.get(COLD, []), "ttft_shared": ttft.get("held", [])}
 
 
@@ -1017,7 +1027,8 @@ def format_report(doc: dict[str, Any]) -> str:
     rows = [("cold TTFT (router, fresh prompt)", r.get("ttft_cold", {})),
             ("TTFT (router, shared prompt)", r.get("ttft_shared", {})),
             ("resume gap (router), all", r.get("resume_gap_all", {})),
-            ("  shared prompt (held*)", r.get("resume_gap_held", {})),
+            ("  shared prompt, held*", r.get("resume_gap_held", {})),
+            ("  shared prompt, not held*", r.get("resume_gap_shared_missed", {})),
             ("  fresh prompt (never held)", r.get("resume_gap_not_held", {})),
             ("cold TTFT (client, fresh prompt)", s.get("ttft_cold_ms", {})),
             ("TTFT (client, shared prompt)", s.get("ttft_shared_ms", {})),
@@ -1029,7 +1040,8 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"phase {i} alone: resume gap p50/p99 {_f(g.get('p50'))}/{_f(g.get('p99'))} ms (n={g.get('n', 0)}), "
                      f"cold TTFT p50/p99 {_f(t.get('p50'))}/{_f(t.get('p99'))} ms (n={t.get('n', 0)})")
     lines.append("router figures: p50/p99 interpolated inside the histogram's buckets (.., 50, 100, 250, 500 ms, ..)")
-    lines.append("* by every backend but one restarted since it last served that prompt (its cache starts empty)")
+    lines.append("* by the continuation's usage: its backend served >= 90% of the prompt from its cache (or not, or it "
+                 "broke again); a router without the prefix label: held = the shared prompts' route")
     lines.append("")
     for name, value in doc.get("ratios", {}).items():
         lines.append(f"  {name}: {_f(value, '.2f')}")
@@ -1093,7 +1105,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     left.legend(fontsize="small", loc="lower left")
     left.grid(True, alpha=0.3)
     labels = {"ttft_cold": "TTFT, fresh prompt", "ttft_shared": "TTFT, shared prompt",
-              "resume_gap_held": "resume gap, shared prompt", "resume_gap_not_held": "resume gap, fresh prompt"}
+              "resume_gap_held": "resume gap, prefix held", "resume_gap_shared_missed": "resume gap, shared prompt not held",
+              "resume_gap_not_held": "resume gap, fresh prompt"}
     for name, label in labels.items():
         points = doc.get("cdf", {}).get(name)
         if points:

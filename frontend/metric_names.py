@@ -137,7 +137,7 @@ REQUEST_INFERENCE = declare("headrace_request_inference_time_seconds", "histogra
 
 TTFT = declare("headrace_time_to_first_token_seconds", "histogram", "From the dispatcher's start to the backend's first event", _B, buckets=TOKEN_BUCKETS)
 ITL = declare("headrace_inter_token_latency_seconds", "histogram", "Between consecutive token events", _B, buckets=TOKEN_BUCKETS)
-RESUME_GAP = declare("headrace_resume_gap_seconds", "histogram", "From a stream breaking mid-answer to its next token from the backend it migrated to", _B, buckets=TOKEN_BUCKETS)
+RESUME_GAP = declare("headrace_resume_gap_seconds", "histogram", "From a stream breaking mid-answer to its next token from the backend it migrated to; prefix: held if that backend served at least 90% of the original prompt from its cache (by its usage), missed if less, unknown without usage", ("backend", "prefix"), buckets=TOKEN_BUCKETS)
 QUEUE_TIME = declare("headrace_queue_time_seconds", "histogram", "From the dispatcher's start to the backend being chosen", _B, buckets=TOKEN_BUCKETS)
 # The latency breakdown (router/logs.py): each request's time by phase, which add up to its duration.
 PHASES = ("ingress", "queue", "connect", "prefill", "decode", "egress")

@@ -101,6 +101,7 @@ from router.migration import (
     StallWatch,
     continuation,
     no_final,
+    prefix_label,
     reason_of,
     resume_placement,
     resume_request,
@@ -137,7 +138,7 @@ class Recorder(Protocol):
     def queue_time(self, backend: str, seconds: float) -> None: ...
     def time_to_first_token(self, backend: str, seconds: float) -> None: ...
     def inter_token_latency(self, backend: str, seconds: float) -> None: ...
-    def resume_gap(self, backend: str, seconds: float) -> None: ...
+    def resume_gap(self, backend: str, seconds: float, prefix: str) -> None: ...
 
 
 class NullRecorder:
@@ -150,7 +151,7 @@ class NullRecorder:
     def inter_token_latency(self, backend: str, seconds: float) -> None:
         pass
 
-    def resume_gap(self, backend: str, seconds: float) -> None:
+    def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
         pass
 
 
@@ -714,6 +715,7 @@ class Dispatcher:
         finished, verdict, first, cached = False, None, True, None
         last_at = self.clock()
         gap_from: float | None = broke_at  # until the first new event reaches the client
+        gap: float | None = None  # observed at the end, labelled by what the backend held (its usage)
         try:
             upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
             async with closing_stream(upstream) as events:
@@ -738,8 +740,7 @@ class Dispatcher:
                     if rec is not None and out.usage is not None:
                         rec.usage(out.usage)
                     if gap_from is not None:
-                        self.recorder.resume_gap(name, now - gap_from)
-                        gap_from = None
+                        gap, gap_from = now - gap_from, None
                         resumed()
                     progress.add(out)
                     yield out
@@ -755,6 +756,9 @@ class Dispatcher:
                 actor.stalled()
             raise
         finally:
+            if gap is not None:
+                original = len(progress.prompt_token_ids) if progress.prompt_token_ids is not None else route.prompt_tokens
+                self.recorder.resume_gap(name, gap, prefix_label(cached, original))
             self._judge(name, verdict)
             if feedback.complete is not None:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)

@@ -362,7 +362,7 @@ class RouterMetrics:
         self._queue: dict[str, Histogram] = {}
         self._ttft: dict[str, Histogram] = {}
         self._itl: dict[str, Histogram] = {}
-        self._resume: dict[str, Histogram] = {}
+        self._resume: dict[tuple[str, str], Histogram] = {}
         self._init_phases()
 
     def call_timer(self, bounds: LabelBounds) -> CallTimer:
@@ -415,8 +415,11 @@ class RouterMetrics:
     def inter_token_latency(self, backend: str, seconds: float) -> None:
         _child(self._itl, self.itl, backend).observe(seconds)
 
-    def resume_gap(self, backend: str, seconds: float) -> None:
-        _child(self._resume, self.resume, backend).observe(seconds)
+    def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
+        child = self._resume.get((backend, prefix))
+        if child is None:
+            child = self._resume[backend, prefix] = self.resume.labels(backend, prefix)
+        child.observe(seconds)
 
     # ------------------------------------------------------------ latency breakdown (issue 18; router/logs.py)
 

@@ -48,6 +48,7 @@ from policies.base import BackendView
 from policies.kv_aware import KVAware
 
 __all__ = [
+    "HELD_FRACTION",
     "REASONS",
     "RESUME_DECODE_S_PER_SEQ",
     "RESUME_PREFILL_S_PER_TOKEN",
@@ -58,6 +59,7 @@ __all__ = [
     "Settings",
     "StallTimeout",
     "StallWatch",
+    "prefix_label",
     "reason_of",
     "resume_placement",
     "resume_request",
@@ -67,6 +69,20 @@ __all__ = [
 
 # Why a stream broke, as the metrics label it.
 REASONS = ("broken", "stall", "timeout", "protocol", "error", "no_final")
+
+# The resume gap's ``prefix`` label: "held" when the backend that continued a
+# stream served at least this fraction of its original prompt from its cache.
+HELD_FRACTION = 0.9
+
+
+def prefix_label(cached_tokens: int | None, prompt_tokens: int) -> str:
+    """``held`` when the continuation's usage says its backend served at
+    least :data:`HELD_FRACTION` of the original ``prompt_tokens`` from its
+    prefix cache, ``missed`` when less, ``unknown`` when it reported no usage
+    (it broke again before its final event)."""
+    if cached_tokens is None or prompt_tokens <= 0:
+        return "unknown"
+    return "held" if cached_tokens >= HELD_FRACTION * prompt_tokens else "missed"
 
 
 class StallTimeout(BackendStalled):

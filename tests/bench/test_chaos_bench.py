@@ -17,6 +17,7 @@ from bench.chaos_bench import (
     Workload,
     _parser,
     _router_health,
+    _series,
     fleet_codes,
     heap_diff,
     histogram_quantile,
@@ -80,6 +81,23 @@ def test_metrics_are_summed_per_route_group_and_the_chaos_phase_is_end_less_base
     assert delta["migrations"] == {"broken:resumed": 3}
     assert delta["histograms"]["headrace_resume_gap_seconds"] == {
         "held": [(0.1, 2.0), (math.inf, 2.0)], "cold": [(0.1, 2.0), (math.inf, 0.0)]}
+
+
+def test_labelled_resume_gaps_split_the_shared_route_by_what_the_new_backend_held() -> None:
+    """The router's ``prefix`` label (by the continuation's usage): the held
+    series is the shared route's ``held`` gaps only; its ``missed`` and
+    ``unknown`` ones are the shared route's others; the fresh route is apart."""
+    rows = []
+    for backend, prefix, fast, total in (("mock0", "held", 3, 4), ("mock1", "held", 1, 1), ("mock0", "missed", 0, 2),
+                                         ("mock1", "unknown", 1, 1), ("mock0-cold", "missed", 0, 3)):
+        rows += [f'headrace_resume_gap_seconds_bucket{{backend="{backend}",prefix="{prefix}",le="0.1"}} {fast}',
+                 f'headrace_resume_gap_seconds_bucket{{backend="{backend}",prefix="{prefix}",le="+Inf"}} {total}']
+    metrics = parse_metrics("\n".join(["# TYPE headrace_resume_gap_seconds histogram", *rows, ""]))
+    series = _series(metrics)
+    assert series["resume_gap_held"] == [(0.1, 4.0), (math.inf, 5.0)]
+    assert series["resume_gap_shared_missed"] == [(0.1, 1.0), (math.inf, 3.0)]
+    assert series["resume_gap_not_held"] == [(0.1, 0.0), (math.inf, 3.0)]
+    assert series["resume_gap_all"] == [(0.1, 5.0), (math.inf, 11.0)]
 
 
 def test_the_workload_is_seeded_with_a_few_shared_shapes_and_some_cold_prompts() -> None:

@@ -21,6 +21,7 @@ from tests.router.fakes import FakeBackend
 class ListRecorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, float]] = []
+        self.prefixes: list[tuple[str, str]] = []  # each resume gap's (backend, prefix label)
 
     def queue_time(self, backend: str, seconds: float) -> None:
         self.calls.append(("queue", backend, seconds))
@@ -31,8 +32,9 @@ class ListRecorder:
     def inter_token_latency(self, backend: str, seconds: float) -> None:
         self.calls.append(("itl", backend, seconds))
 
-    def resume_gap(self, backend: str, seconds: float) -> None:
+    def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
         self.calls.append(("resume", backend, seconds))
+        self.prefixes.append((backend, prefix))
 
 
 async def actors_for(*fakes: FakeBackend) -> list[BackendActor]:

@@ -25,10 +25,10 @@ from backends.mock import MockBackend, MockConfig
 from policies.routing import RoundRobin
 from router.actors import BackendActor
 from router.dispatch import Dispatcher
-from router.migration import Progress, Replay, Settings, StallWatch, resume_request
+from router.migration import Progress, Replay, Settings, StallWatch, prefix_label, resume_request
 from tests.router.fakes import FakeBackend
 from tests.router.test_breakers import Prefer
-from tests.router.test_dispatch import actors_for
+from tests.router.test_dispatch import ListRecorder, actors_for
 
 
 def mock(**kw: Any) -> MockBackend:
@@ -72,6 +72,27 @@ async def test_a_stream_broken_after_k_tokens_is_resumed_exactly(k: int) -> None
     assert got[-1].usage == want[-1].usage  # the original prompt once, every token once
     assert sum(e.prompt_token_ids is not None for e in got) == 1  # said once, on the first event
     assert d.statistics().migration.migrations == {"broken:resumed": 1}
+
+
+@pytest.mark.parametrize("warm", [True, False])
+async def test_the_resume_gap_is_labelled_by_what_the_new_backend_held(warm: bool) -> None:
+    """``prefix``: held when the backend that continued served >= 90% of the
+    original prompt from its cache (its usage says so), missed when not."""
+    request = GenerateRequest(prompt="a long shared system prompt, " * 12, max_tokens=8, seed=3)
+    cache = {"block_size": 16, "cache_blocks": 256, "max_context": 4096}
+    good = mock(**cache)
+    if warm:  # it has served this prompt before
+        await reference_on(good, request)
+    recorder = ListRecorder()
+    d = Dispatcher(await actors(FlakyBackend(mock(**cache), fail_first=1, after_events=3), good),
+                   Prefer("a", "b"), recorder=recorder)
+    await run(d, request)
+    assert recorder.prefixes == [("b", "held" if warm else "missed")]
+    assert prefix_label(None, 100) == "unknown" and prefix_label(90, 100) == "held" and prefix_label(89, 100) == "missed"
+
+
+async def reference_on(backend: MockBackend, request: GenerateRequest) -> list[Event]:
+    return [e async for e in backend.stream(request)]
 
 
 async def test_a_seedless_request_resumes_with_the_seed_the_first_backend_drew() -> None:
