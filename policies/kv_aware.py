@@ -285,10 +285,7 @@ class KVAware:
         return 0.0
 
     def _charge(self, name: str, now: float) -> None:
-        growth = (now - self._epoch) / self.options.balance_half_life_s
-        if not -64.0 <= growth <= 64.0:
-            growth = self._growth(now)
-        add = 2.0 ** growth
+        add = 2.0 ** self._growth(now)
         self._recent_load[name] = self._recent_load.get(name, 0.0) + add
         loads = self._loads
         if loads is not None:  # the candidates' scaled loads stay right without a rebuild
@@ -308,9 +305,7 @@ class KVAware:
         first: they usually leave ``under`` as it is, and then the request's
         blocks need no look-up in the (large, cache-missing) set of ends."""
         o = self.options
-        growth = (now - self._epoch) / o.balance_half_life_s  # _growth's common case, inline
-        if not -64.0 <= growth <= 64.0:
-            growth = self._growth(now)
+        growth = self._growth(now)
         loads = self._loads
         if loads is None:  # the candidates' scaled loads, in their order (kept up to date by _charge)
             get = self._recent_load.get
@@ -352,30 +347,16 @@ class KVAware:
         # those (a walk bounded like a power-of-d choice: at 64 backends with
         # most of them at their share, an unbounded walk is the pick's cost).
         i, fewest = -1, math.inf
-        if self._uniform:  # one room and one divisor for all
-            w0 = weights[0]
-            room = math.ceil(scale * w0)
-            for name in ring.leading(key, _KEY_PROBES):
-                j = position.get(name, -1)
-                if j < 0 or not under[j]:
-                    continue
-                held = get(name, 0)
-                if held < room:
-                    i = j
-                    break
-                if held / w0 < fewest:
-                    i, fewest = j, held / w0
-        else:
-            for name in ring.leading(key, _KEY_PROBES):
-                j = position.get(name, -1)
-                if j < 0 or not under[j]:
-                    continue
-                held = get(name, 0)
-                if held < math.ceil(scale * weights[j]):
-                    i = j
-                    break
-                if held / weights[j] < fewest:
-                    i, fewest = j, held / weights[j]
+        for name in ring.leading(key, _KEY_PROBES):
+            j = position.get(name, -1)
+            if j < 0 or not under[j]:
+                continue
+            held, w = get(name, 0), weights[j]
+            if held < math.ceil(scale * w):
+                i = j
+                break
+            if held / w < fewest:
+                i, fewest = j, held / w
         if i < 0:  # none of them under its in-flight cap
             i = ring.first_index(key, position, under)
         if i >= 0:

@@ -124,17 +124,14 @@ class HashRing:
                 best, best_gap = name, gap
         return best
 
-    def first_index(self, key: int, position: dict[str, int], ok: list[bool], also: list[bool] | None = None) -> int:
+    def first_index(self, key: int, position: dict[str, int], ok: list[bool]) -> int:
         """The position of the first backend clockwise from ``key`` that is
-        in ``position`` with ``ok[position[name]]`` true (and ``also[...]``,
-        when given), or -1 (the walk without a generator: a pick usually
-        stops at the first point)."""
+        in ``position`` with ``ok[position[name]]`` true, or -1 (the walk
+        without a generator: a pick usually stops at the first point)."""
         points, owners = self._points, self._owners
         n = len(owners)
         start = bisect.bisect_left(points, key)
         get = position.get
-        if also is not None:
-            ok = [a and b for a, b in zip(ok, also, strict=True)]
         for step in range(n):
             i = get(owners[(start + step) % n], -1)
             if i >= 0 and ok[i]:

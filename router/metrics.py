@@ -333,6 +333,14 @@ def _child(cache: dict[str, Histogram], family: Histogram, label: str) -> Histog
     return child
 
 
+def _child2(cache: dict[tuple[str, str], Histogram], family: Histogram, a: str, b: str) -> Histogram:
+    """:func:`_child` for a family with two labels."""
+    child = cache.get((a, b))
+    if child is None:
+        child = cache[a, b] = family.labels(a, b)
+    return child
+
+
 class RouterMetrics:
     """The router's registry; also the dispatcher's :class:`~router.dispatch.Recorder`
     and the frontend's ``observe`` hook.
@@ -416,10 +424,7 @@ class RouterMetrics:
         _child(self._itl, self.itl, backend).observe(seconds)
 
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
-        child = self._resume.get((backend, prefix))
-        if child is None:
-            child = self._resume[backend, prefix] = self.resume.labels(backend, prefix)
-        child.observe(seconds)
+        _child2(self._resume, self.resume, backend, prefix).observe(seconds)
 
     # ------------------------------------------------------------ latency breakdown (issue 18; router/logs.py)
 
@@ -429,10 +434,7 @@ class RouterMetrics:
 
     def phase_time(self, phase: str, backend: str, seconds: float) -> None:
         """One phase of one request (RequestLog's ``observe_phase``)."""
-        child = self._phase.get((phase, backend))
-        if child is None:
-            child = self._phase[phase, backend] = self.phase.labels(phase, backend)
-        child.observe(seconds)
+        _child2(self._phase, self.phase, phase, backend).observe(seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:
