@@ -110,7 +110,11 @@ def restore(linears: Iterable[nn.Linear]) -> None:
         source: DenseSource = getattr(lin, _ATTR)
         by_path.setdefault((source.path, source.stamp), []).append(lin)
     for (path, stamp), group in by_path.items():
-        if _stamp(path) != stamp:
+        try:
+            now = _stamp(path)
+        except OSError as exc:
+            raise ModelLoadError(f"{path} is gone since it was loaded: cannot read its weights back ({exc})") from exc
+        if now != stamp:
             raise ModelLoadError(f"{path} changed since it was loaded: cannot read its weights back")
         sources = {lin: getattr(lin, _ATTR) for lin in group}
         weights = read_gguf_weights(path, [s.name for s in sources.values()])

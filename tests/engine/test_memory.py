@@ -317,6 +317,28 @@ def test_dense_weights_are_dropped_where_every_step_runs_natively_and_read_back_
 
 
 @pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+def test_dropped_weights_whose_file_changed_or_went_are_a_model_load_error(tmp_path: Path) -> None:
+    """The torch path cannot read dense weights back from a GGUF file replaced
+    or removed since the load: a ModelLoadError naming it, not an OSError."""
+    from backends.engine import dense
+    from backends.engine.loader import ModelLoadError
+
+    path = _q4_model(tmp_path)
+    config = EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=LIMIT, block_size=BLOCK)
+    engine, _, _ = build_engine(config)
+    model = engine.runner.model
+    assert dense.dropped(model)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ModelLoadError, match="changed since it was loaded"):
+        dense.ensure_dense(model)
+    path.rename(tmp_path / "moved.gguf")
+    with pytest.raises(ModelLoadError, match="is gone since it was loaded"):
+        dense.ensure_dense(model)
+    assert dense.dropped(model)  # still dropped: nothing half-restored
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
 def test_dense_weights_stay_where_a_configuration_reads_them(tmp_path: Path) -> None:
     path = _q4_model(tmp_path)
     base = {"model": str(path), "dtype": "bfloat16", "num_kv_blocks": LIMIT, "block_size": BLOCK}
