@@ -172,6 +172,9 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: bool = False
     seeds: bool = True  # honours `seed` deterministically
     block_size: int | None = None  # KV block size, for KV-aware routing
+    # KV blocks its prefix cache holds at most: a router that knows it can
+    # tell which cached blocks the prompts it sends there will evict.
+    kv_capacity_blocks: int | None = None
     # Where the router can get this backend's tokenizer, to compute the engine's
     # block hashes itself: a GGUF file or HF folder path, or "bytes" (the mock's).
     tokenizer: str | None = None

@@ -331,7 +331,8 @@ async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
     info = backend.info()
     extra: dict[str, Any] = {"token_ids": info.token_ids, "exact_resume": info.exact_resume}
     if backend.cache is not None:
-        extra |= {"block_size": info.block_size, "kv_events": True, "tokenizer": "bytes",
+        extra |= {"block_size": info.block_size, "kv_capacity_blocks": info.kv_capacity_blocks,
+                  "kv_events": True, "tokenizer": "bytes",
                   "kv_epoch": _KV_EPOCH}
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": info.name,

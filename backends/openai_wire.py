@@ -303,6 +303,7 @@ def engine_fields(data: list[Any]) -> dict[str, Any]:
         if not isinstance(entry, dict):
             continue
         block, kv, tok = entry.get("block_size"), entry.get("kv_events"), entry.get("tokenizer")
+        capacity = entry.get("kv_capacity_blocks")
         epoch = entry.get("kv_epoch")
         for name in ("token_ids", "exact_resume"):
             if isinstance(entry.get(name), bool):
@@ -311,6 +312,8 @@ def engine_fields(data: list[Any]) -> dict[str, Any]:
             found.setdefault("kv_epoch", epoch)
         if isinstance(block, int) and not isinstance(block, bool) and block > 0:
             found.setdefault("block_size", block)
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+            found.setdefault("kv_capacity_blocks", capacity)
         if isinstance(kv, bool):
             found["kv_events"] = found.get("kv_events", False) or kv
         if isinstance(tok, str) and tok:

@@ -243,6 +243,7 @@ async def run_one(args: argparse.Namespace, policy: str, rate: float, logdir: Pa
     if stats and stats.get("checked"):  # kv_aware: its prediction at each pick against what the backend reported
         row["predicted_agreement"] = stats["agreed"] / stats["checked"]
         row["predicted_checked"] = stats["checked"]
+        row["predicted_over"], row["predicted_under"] = stats.get("over", 0), stats.get("under", 0)
     return row
 
 
@@ -290,7 +291,8 @@ def format_report(doc: dict[str, Any]) -> str:
     if agreed:
         lines.append("")
         lines.append("kv_aware's predicted cached tokens agreeing (within a block) with the backend's usage.cached_tokens:")
-        lines += [f"  {r['rate']:>6g} req/s: {r['predicted_agreement']:.1%} of {r['predicted_checked']} requests" for r in agreed]
+        lines += [f"  {r['rate']:>6g} req/s: {r['predicted_agreement']:.1%} of {r['predicted_checked']} requests"
+                  f" ({r.get('predicted_over', 0)} over, {r.get('predicted_under', 0)} under)" for r in agreed]
     if doc.get("simulated"):
         lines.append("")
         lines.append("the simulator's prediction for the same requests (headrace simulate --trace):")

@@ -60,6 +60,7 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     pending_prefill_tokens: int = 0
     kv_events: bool = False  # publishes KV events (its cache is known, not guessed)
     block_size: int | None = None  # its KV block size, when known
+    cache_blocks: int | None = None  # KV blocks its prefix cache holds at most, when known
 
 
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -53,6 +53,7 @@ from typing import Any
 import msgspec
 
 from policies.base import BackendView, KVEventView, RouteRequest
+from policies.cache_model import CacheModel
 from policies.kv_index import IndexStatistics, KVIndex, RecentlySent
 from policies.prefix_hash import TEXT_BLOCK_TOKENS, PrefixHash, request_key
 
@@ -68,8 +69,11 @@ class KVAwareStatistics(msgspec.Struct, frozen=True, kw_only=True):
     predicted_cached_tokens: int  # summed over picks
     checked: int  # completed requests whose backend reported its cached tokens
     agreed: int  # of those, the prediction at the pick was right within a block
+    over: int  # ... predicted more than a block above what it reported (evicted, or never there)
+    under: int  # ... predicted more than a block below (a prefill it was not known to hold)
     index: IndexStatistics
     recent_entries: int
+    model_evictions: int  # blocks the cache model says prompts sent since evicted (backends of known capacity)
 
 
 class KVAware:
@@ -142,6 +146,7 @@ class KVAware:
         self.index = KVIndex(o.max_blocks)
         self.recent = RecentlySent(o.recent_ttl_s, o.max_blocks)
         self.pending = RecentlySent(o.pending_ttl_s, o.max_blocks, generations=2)  # short-lived: few dicts to look in
+        self.model = CacheModel(o.max_blocks)  # what backends of known capacity will have evicted
         self.fallback = PrefixHash(
             PrefixHash.Options(prefix_tokens=o.prefix_tokens, load_factor=o.load_factor, vnodes=o.vnodes)
         )
@@ -157,7 +162,8 @@ class KVAware:
         self._uniform = True  # _ring_weights all equal
         self._last_pick: tuple[RouteRequest, dict[str, int]] | None = None
         self._predicted: dict[tuple[str, str], int] = {}  # (backend, request id) -> cached tokens predicted
-        self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed"), 0)
+        self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed",
+                                      "over", "under"), 0)
         self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
         self._homed: dict[str, int] = {}  # backend -> keys it homes
         self._first_key = 0  # the oldest of _keys ...
@@ -176,6 +182,9 @@ class KVAware:
         by its events if it publishes them, else by the prompts it prefilled
         for this router; and either way by those of the last ``pending_ttl_s``
         (its events may not have arrived yet)."""
+        for c in candidates:
+            if c.cache_blocks is not None or self.model.active:
+                self.model.capacity(c.name, c.cache_blocks, self.index.blocks_of(c.name))
         return self._cached([c.name for c in candidates], [c.kv_events for c in candidates], request, now)
 
     def _cached(self, names: Sequence[str], events: list[bool], request: RouteRequest, now: float) -> dict[str, int]:
@@ -195,6 +204,15 @@ class KVAware:
             for name, n in found.items():
                 if n > blocks.get(name, 0):
                     blocks[name] = n
+        if blocks and self.model.active:  # less what the prompts sent since will have evicted
+            held = self.model.held
+            for name, n in list(blocks.items()):
+                m = held(name, hashes, n)
+                if m < n:
+                    if m:
+                        blocks[name] = m
+                    else:
+                        del blocks[name]
         if not blocks:
             return {}
         if request.block_size:
@@ -254,6 +272,9 @@ class KVAware:
                 counts["predicted_cached_tokens"] += hit
         if o.balance_factor:
             self._charge(best, now)
+        capacity = candidates[position[best]].cache_blocks
+        if capacity is not None or self.model.active:
+            self.model.capacity(best, capacity, self.index.blocks_of(best))
         return best
 
     def _new_candidates(self, candidates: Sequence[BackendView], names: list[str], weights: list[float]) -> None:
@@ -450,9 +471,11 @@ class KVAware:
         if last is not None and last[0] is request:
             cached = last[1].get(backend, 0)
         else:
-            views = [BackendView(name=backend, kv_events=self.index.follows(backend))]
+            views = [BackendView(name=backend, kv_events=self.index.follows(backend),
+                                 cache_blocks=self.model.capacity_of(backend))]
             cached = self.cached_tokens(views, request, now).get(backend, 0)
         self._last_pick = None
+        self.model.send(backend, request.block_hashes)
         if not request.request_id:
             return
         key = (backend, request.request_id)
@@ -487,9 +510,15 @@ class KVAware:
         if predicted is not None and cached_tokens is not None:
             # What the backend reported against what was predicted at the pick:
             # agreeing within a block (an engine always computes the last one).
-            self._counts["checked"] += 1
-            if abs(predicted - cached_tokens) <= (request.block_size or TEXT_BLOCK_TOKENS):
-                self._counts["agreed"] += 1
+            counts = self._counts
+            counts["checked"] += 1
+            tolerance = request.block_size or TEXT_BLOCK_TOKENS
+            if predicted > cached_tokens + tolerance:
+                counts["over"] += 1
+            elif predicted < cached_tokens - tolerance:
+                counts["under"] += 1
+            else:
+                counts["agreed"] += 1
 
     def _settle(self, backend: str, request: RouteRequest) -> None:
         owed = self._owed.pop((backend, request.request_id), 0)
@@ -506,10 +535,16 @@ class KVAware:
         return self.index.since(backend)
 
     def on_kv_events(self, backend: str, events: Sequence[KVEventView], now: float) -> bool:
-        return self.index.apply(backend, events)
+        if self.index.apply(backend, events):
+            self.model.apply(backend, events)
+            return True
+        self.model.reset(backend)
+        return False
 
     def on_kv_reset(self, backend: str) -> None:
         self.index.reset(backend)
+        self.model.reset(backend)
 
     def statistics(self) -> KVAwareStatistics:
-        return KVAwareStatistics(index=self.index.statistics(), recent_entries=len(self.recent), **self._counts)
+        return KVAwareStatistics(index=self.index.statistics(), recent_entries=len(self.recent),
+                                 model_evictions=self.model.evictions, **self._counts)

@@ -172,6 +172,10 @@ class KVIndex:
             self._remove(self._slots.bit[backend], held, list(held))
         self._seq.pop(backend, None)
 
+    def blocks_of(self, backend: str) -> Iterable[int]:
+        """The hashes ``backend`` holds (a live view: do not keep it)."""
+        return self._held.get(backend, ())
+
     def follows(self, backend: str) -> bool:
         """Whether this index has applied events of ``backend`` (and not reset it)."""
         return backend in self._seq

@@ -310,6 +310,7 @@ class BackendActor:
             pending_prefill_tokens=self.pending_prefill_tokens,
             kv_events=info is not None and info.kv_events,
             block_size=info.block_size if info is not None else None,
+            cache_blocks=info.kv_capacity_blocks if info is not None else None,
         )
 
     @property

@@ -299,6 +299,7 @@ class EngineBackend:
             kv_events=self.engine.config.enable_kv_events,
             seeds=True,
             block_size=self.engine.block_size,
+            kv_capacity_blocks=self.engine.block_manager.num_blocks,
             exact_resume=bool(getattr(self.engine.runner, "batch_invariant", False)),
         )
 

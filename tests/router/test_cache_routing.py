@@ -143,6 +143,52 @@ async def test_kv_aware_over_cache_model_mocks_predicts_what_they_report(nursery
     assert stats.checked == 12 and stats.agreed >= 0.95 * stats.checked
 
 
+async def test_kv_aware_predicts_the_evictions_of_prompts_queued_before_the_backends_events(nursery: trio.Nursery) -> None:
+    """One mock whose cache holds about 1.5 system prompts, its prefill lane
+    slow enough that a request sent while another is prefilling waits
+    behind it: A is cached (the mock's events say so), then B (a new prompt)
+    and A' (A's prompt again) are sent while B prefills. B's store evicts
+    A's tail before A' is looked up, and no event says so until after A'
+    was routed; the router knows the mock's capacity from /v1/models and
+    predicts the part of A left, which is what the mock reports."""
+    mock = await serve_mock(nursery, MockConfig(name="m0", models=("mock",), block_size=16, cache_blocks=40,
+                                                prefill_s_per_token=0.001), [])
+    config = decode_config({"backends": [{"kind": "mock", "name": "m0"}], "routing": {"policy": "kv_aware"},
+                            "health": {"interval": 0.2}})
+    router = Router(config, [NamedBackend("m0", OpenAIHTTPBackend(mock.url, name="m0"))])
+    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=20)
+    kv = router.dispatcher.policy
+    with trio.fail_after(10):
+        while not any(router.keys.statistics().models.values()):
+            await trio.sleep(0.05)
+    assert router.actors[0].view().cache_blocks == 40  # from the mock's /v1/models
+    cached: dict[str, int] = {}
+
+    async def send(label: str, system: str) -> None:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+        r = await client.post("/v1/chat/completions", json={"model": "mock", "messages": msgs, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        cached[label] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    a, b = "[A] " + SYSTEM, "[B] " + SYSTEM[::-1]  # ~26 blocks each
+    async with client:
+        await send("A", a)
+        with trio.fail_after(5):  # A's stored events are in the index
+            while not kv.index.statistics().backends.get("m0"):  # type: ignore[attr-defined]
+                await trio.sleep(0.01)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(send, "B", b)
+            with trio.fail_after(5):
+                while router.actors[0].in_flight == 0:  # B is on its way to the lane
+                    await trio.sleep(0.005)
+            await trio.sleep(0.05)
+            inner.start_soon(send, "A'", a)
+    stats = kv.statistics()  # type: ignore[attr-defined]
+    assert cached["B"] == 0 and 0 < cached["A'"] < 16 * 26  # A's head survived B, its tail did not
+    assert stats.model_evictions > 0
+    assert (stats.checked, stats.over, stats.under) == (3, 0, 0)  # the index alone predicted all of A
+
+
 def test_a_backend_two_groups_share_feeds_both_policies_in_step() -> None:
     from policies.kv_aware import KVAware
     from tests.policies.test_kv_aware import stored

@@ -249,6 +249,7 @@ async def test_an_actor_feeds_the_sink_and_resumes_with_since_after_the_stream_i
         actor = BackendActor("e", adapter, probe_interval=0.2, kv_sink=sink, kv_backoff=0.05)
         await nursery.start(actor.run)
         assert actor.view().kv_events and actor.view().block_size == BLOCK
+        assert actor.view().cache_blocks == backend.engine.block_manager.num_blocks  # its LRU's size, from /v1/models
         await generate(backend, "first conversation about the water " * 2)
         await wait_for(lambda: sink.seqs and sink.seqs[-1] == backend.statistics().last_kv_event_seq)
         before = len(sink.seqs)
@@ -452,6 +453,9 @@ def test_the_engine_and_the_mock_name_their_kv_epoch_in_v1_models() -> None:
 
     assert engine_fields([{"id": "m", "kv_epoch": "abc", "kv_events": True}])["kv_epoch"] == "abc"
     assert "kv_epoch" not in engine_fields([{"id": "m", "kv_epoch": 7}])  # wrong type: ignored
+    assert engine_fields([{"id": "m", "kv_capacity_blocks": 4096}])["kv_capacity_blocks"] == 4096
+    for bad in (0, -3, True, "4096", 1.5):
+        assert "kv_capacity_blocks" not in engine_fields([{"id": "m", "kv_capacity_blocks": bad}])
 
 
 async def test_repeated_garbage_resets_once_logs_once_and_backs_off(
