@@ -65,15 +65,16 @@ def _fill(policy: Any, backends: int, blocks: int, per_prefix: int, rng: random.
 _NAMES = [f"gpu-{b}" for b in range(4096)]  # a backend's name is one string object (its actor's), as in the router
 
 
-def _views(backends: int, flights: list[int], rng: random.Random) -> list[BackendView]:
+def _views(backends: int, flights: list[int], rng: random.Random, cache_blocks: int | None) -> list[BackendView]:
     """Fresh views (the router builds them per pick), in-flight counts drifting by one."""
     for b in range(backends):
         flights[b] = max(0, min(16, flights[b] + rng.choice((-1, 0, 0, 1))))
-    return [BackendView(name=_NAMES[b], in_flight=flights[b], kv_events=True, block_size=16) for b in range(backends)]
+    return [BackendView(name=_NAMES[b], in_flight=flights[b], kv_events=True, block_size=16, cache_blocks=cache_blocks)
+            for b in range(backends)]
 
 
-def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float,
-          rng: random.Random, t0: float = 0.0, cpu_clock: bool = False) -> tuple[list[float], list[float], list[float]]:
+def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float, rng: random.Random,
+          t0: float = 0.0, cpu_clock: bool = False, cache_blocks: int | None = None) -> tuple[list[float], list[float], list[float]]:
     """Microseconds of each ``pick``, of each ``pick`` + ``on_dispatch`` (the
     decision as the router makes it), and of the later feedback
     (``on_first_token`` + ``on_complete``)."""
@@ -86,7 +87,7 @@ def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float,
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     flights = [rng.randint(0, 8) for _ in range(backends)]
     for i, request in enumerate(requests):
-        views = _views(backends, flights, rng)
+        views = _views(backends, flights, rng, cache_blocks)
         now = t0 + i / rate
         start = clock()
         name = policy.pick(views, request, now)
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=1_000_000, help="distinct block hashes indexed")
     parser.add_argument("--blocks-per-prefix", type=int, default=128)
     parser.add_argument("--prompt-blocks", type=int, default=128, help="blocks per request (128 x 16 = 2k tokens)")
+    parser.add_argument("--cache-blocks", type=int, default=None,
+                        help="each backend's KV capacity in blocks, as /v1/models gives it (default: its share "
+                             "of the indexed blocks, each on 2 backends on average; 0: unknown, no cache model)")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--rate", type=float, default=1000.0, help="requests per second of virtual time")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench/results/issue13/policy_bench.json")
     args = parser.parse_args(argv)
     names = args.policy or ["kv_aware", "prefix_hash", "power_of_two", "least_loaded", "round_robin"]
+    if args.cache_blocks is None:
+        args.cache_blocks = 2 * args.blocks // args.backends
+    cache_blocks = args.cache_blocks or None
     rng = random.Random(0)
     rows = []
     for name in names:
@@ -143,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                                          prompt_tokens=16 * len(chain)))
         gc.collect()
         gc.freeze()
-        _time(policy, args.backends, requests[:1000], args.rate, rng)  # warm up
+        _time(policy, args.backends, requests[:1000], args.rate, rng, cache_blocks=cache_blocks)  # warm up
         picks, decisions, feedback = _time(policy, args.backends, requests, args.rate, rng, t0=1000 / args.rate,
-                                            cpu_clock=args.clock == "cpu")
+                                            cpu_clock=args.clock == "cpu", cache_blocks=cache_blocks)
         gc.unfreeze()
         rows.append({"policy": name, "indexed_blocks": len(getattr(policy, "index", ())),
                      "pick": _row(name, picks), "pick_and_dispatch": _row(name, decisions),
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})")  # type: ignore[arg-type]
     print(f"{args.backends} backends, {args.blocks:,} blocks indexed, {args.prompt_blocks} blocks per request, "
-          f"{args.clock} clock")
+          f"capacity {f'{cache_blocks:,} blocks each' if cache_blocks else 'unknown'}, {args.clock} clock")
     print(f"{'policy':<14} {'pick p50':>9} {'p99':>7} {'max':>8}   {'+dispatch p50':>13} {'p99':>7} {'max':>8}"
           f"   {'feedback p50':>12} {'p99':>7}  (us)")
     for r in rows:

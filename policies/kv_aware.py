@@ -95,6 +95,9 @@ class KVAware:
         prefix_tokens: int = 256  # the prefix_hash key for cold starts and ties
         vnodes: int = 160
         max_blocks: int = 1_000_000  # the KV index bound (distinct block hashes)
+        # The cache model's bound: blocks modelled over all backends of known
+        # capacity (a block on two backends counts twice; ~100 bytes each).
+        model_max_blocks: int = 2_000_000
         recent_ttl_s: float = 120.0  # how long a prefilled prompt counts as cached where no events come
         pending_ttl_s: float = 5.0  # the same for backends with events, until their own events arrive
         # Uncached tokens prefilled away from the request's home (its
@@ -140,13 +143,15 @@ class KVAware:
                 raise ValueError("load_slack must be non-negative")
             if self.max_keys < 1:
                 raise ValueError("max_keys must be at least 1")
+            if self.model_max_blocks < 1:
+                raise ValueError("model_max_blocks must be at least 1")
 
     def __init__(self, options: KVAware.Options | None = None) -> None:
         o = self.options = options or KVAware.Options()
         self.index = KVIndex(o.max_blocks)
         self.recent = RecentlySent(o.recent_ttl_s, o.max_blocks)
         self.pending = RecentlySent(o.pending_ttl_s, o.max_blocks, generations=2)  # short-lived: few dicts to look in
-        self.model = CacheModel(o.max_blocks)  # what backends of known capacity will have evicted
+        self.model = CacheModel(o.model_max_blocks)  # what backends of known capacity will have evicted
         self.fallback = PrefixHash(
             PrefixHash.Options(prefix_tokens=o.prefix_tokens, load_factor=o.load_factor, vnodes=o.vnodes)
         )
@@ -491,6 +496,7 @@ class KVAware:
         is still prefilling does not share that prefill, so counting it
         cached then would be a wrong prediction)."""
         self._settle(backend, request)
+        self.model.flush()  # the prompts sent lately, off the decision's path
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
@@ -506,6 +512,7 @@ class KVAware:
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None
     ) -> None:
         self._settle(backend, request)
+        self.model.flush()
         predicted = self._predicted.pop((backend, request.request_id), None)
         if predicted is not None and cached_tokens is not None:
             # What the backend reported against what was predicted at the pick:

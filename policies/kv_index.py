@@ -136,7 +136,10 @@ class KVIndex:
         self.max_blocks = max_blocks
         self._slots = _Slots()
         self._owners: OrderedDict[int, int] = OrderedDict()  # hash -> mask, LRU first
-        self._held: dict[str, set[int]] = {}
+        # Per backend, the hashes it holds: dicts, not sets (a dict of ints is not
+        # tracked by the cyclic collector; a set is, and millions of entries
+        # made in it after the router's startup freeze are traversed by every full collection).
+        self._held: dict[str, dict[int, None]] = {}
         self._seq: dict[str, int] = {}
         self._gaps = 0
         self._evicted = 0
@@ -149,7 +152,7 @@ class KVIndex:
         """Apply events in order; ``False`` (and the backend's entries gone)
         at the first event that does not follow the last one applied."""
         bit = self._slots.of(backend)
-        held = self._held.setdefault(backend, set())
+        held = self._held.setdefault(backend, {})
         for event in events:
             last = self._seq.get(backend, -1)
             if last >= 0 and event.seq != last + 1:
@@ -167,7 +170,7 @@ class KVIndex:
 
     def reset(self, backend: str) -> None:
         """Forget everything about ``backend`` (restart, gap, or it is gone)."""
-        held = self._held.pop(backend, set())
+        held = self._held.pop(backend, {})
         if backend in self._slots.bit:
             self._remove(self._slots.bit[backend], held, list(held))
         self._seq.pop(backend, None)
@@ -199,26 +202,26 @@ class KVIndex:
                 owners.move_to_end(hashes[0])
         return found
 
-    def _store(self, bit: int, held: set[int], hashes: Iterable[int]) -> None:
+    def _store(self, bit: int, held: dict[int, None], hashes: Iterable[int]) -> None:
         owners = self._owners
         # Newest last, and a chain's head newest of all: tails are evicted first.
         for h in reversed(tuple(hashes)):
             owners[h] = owners.get(h, 0) | bit
             owners.move_to_end(h)
-            held.add(h)
+            held[h] = None
         while len(owners) > self.max_blocks:
             h, mask = owners.popitem(last=False)
             self._evicted += 1
             for name in self._slots.members(mask):
-                self._held[name].discard(h)
+                self._held[name].pop(h, None)
 
-    def _remove(self, bit: int, held: set[int], hashes: Iterable[int]) -> None:
+    def _remove(self, bit: int, held: dict[int, None], hashes: Iterable[int]) -> None:
         owners = self._owners
         for h in hashes:
             mask = owners.get(h)
             if mask is None:
                 continue
-            held.discard(h)
+            held.pop(h, None)
             mask &= ~bit
             if mask:
                 owners[h] = mask

@@ -50,24 +50,38 @@ def test_the_model_holds_what_the_mock_cache_holds(sent: list[tuple[int, ...]], 
     assert model.blocks("b") == len(cache)
 
 
-def test_events_confirm_predicted_evictions_and_add_other_traffic() -> None:
+def test_events_add_other_traffic_and_remove_what_the_backend_evicted() -> None:
     model = CacheModel()
     model.capacity("b", 4)
     model.send("b", (1, 2, 3))
     model.send("b", (7, 8))  # 5 blocks in 4: block 3 (the oldest chain's tail) goes
     assert model.held("b", (1, 2, 3), 3) == 2
-    # The backend's late "stored" of 3 (from the first prompt) does not bring it back ...
-    model.apply("b", [Ev(1, "stored", (1, 2, 3))])
-    assert model.held("b", (1, 2, 3), 3) == 2
-    # ... its "removed" of 3 confirms the prediction, and one of 8 (not predicted) is believed.
-    model.apply("b", [Ev(2, "removed", (3, 8))])
-    assert model.held("b", (7, 8), 2) == 1
-    # Another router's prompt, seen only in the events, joins the model (and evicts by it).
-    model.apply("b", [Ev(3, "stored", (20, 21))])
-    assert model.held("b", (20, 21), 2) == 2
+    model.apply("b", [Ev(1, "removed", (3, 8))])  # 3's removal confirms the model; 8's it did not predict
+    assert model.held("b", (1, 2, 3), 3) == 2 and model.held("b", (7, 8), 2) == 1
+    # Another router's prompt, seen only in the events, joins the model (and evicts by it: 1, 2, 7 + 20, 21).
+    model.apply("b", [Ev(2, "stored", (20, 21))])
+    assert model.held("b", (20, 21), 2) == 2 and model.held("b", (1, 2), 2) == 1
     assert model.blocks("b") == 4
-    model.apply("b", [Ev(4, "cleared", ())])
+    model.apply("b", [Ev(3, "cleared", ())])
     assert model.blocks("b") == 0 and model.held("b", (1, 2), 2) == 0
+
+
+def test_sends_are_applied_in_order_before_anything_reads_the_backend() -> None:
+    """send only queues (the decision's path stays short); the next read of
+    that backend, its next events, or a flush apply what is queued, in order."""
+    model = CacheModel()
+    model.capacity("a", 2)
+    model.capacity("b", 2)
+    model.send("a", (1, 2))
+    model.send("a", (3,))
+    model.send("b", (5, 6))
+    assert model.evictions == 0  # nothing applied yet
+    assert model.held("a", (1, 2), 2) == 1 and model.evictions == 1  # (1, 2) then (3): 2 went
+    model.flush()
+    assert model.held("b", (5, 6), 2) == 2
+    model.send("b", (9,))
+    model.apply("b", [Ev(1, "stored", (10,))])  # the send came first: 6 then 5 go
+    assert model.held("b", (5, 6), 2) == 0 and model.held("b", (9,), 1) == 1
 
 
 def test_unknown_capacity_or_past_the_bound_is_not_modelled() -> None:

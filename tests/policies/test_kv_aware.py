@@ -89,7 +89,7 @@ def test_the_index_never_exceeds_its_bound_and_a_gap_always_clears_the_backend(b
         for name, held in index._held.items():
             bit = index._slots.bit[name]
             assert all(index._owners.get(h, 0) & bit for h in held)
-            assert {h for h, mask in index._owners.items() if mask & bit} == held
+            assert {h for h, mask in index._owners.items() if mask & bit} == set(held)
 
 
 def test_recently_sent_keeps_a_send_between_ttl_and_ttl_plus_a_generation() -> None:
