@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import h2.connection
@@ -81,6 +83,7 @@ from frontend.wire import error_body
 __all__ = [
     "RESERVE_IDLE_TIMEOUT",
     "GuardedH2Connection",
+    "ImmediateRawData",
     "StreamBuffer",
     "WriteStalled",
     "install",
@@ -460,18 +463,31 @@ def _patch_tcp_server() -> None:
         if not isinstance(event, RawData):
             await protocol_send(self, event)
             return
-        stall = _limits_of(self.config).write_stall_timeout
-        async with self.send_lock:
+        lock: trio.Lock = self.send_lock
+        if isinstance(event, ImmediateRawData) and not lock.locked():
+            lock.acquire_nowait()
             try:
-                # Shielded: a write cut in half would corrupt the stream; bounded instead.
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + stall) as scope:
-                    await self.stream.send_all(event.data)
-                if scope.cancelled_caught:
-                    log.warning("closing a connection: a write made no progress for %.0f s", stall)
-                    await self.protocol.handle(Closed())
-                    await self.stream.aclose()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                sent = _write_now(self.stream, event.data)
+                if sent < len(event.data):
+                    await _send_locked(self, event.data[sent:])
+            finally:
+                lock.release()
+            return
+        async with lock:
+            await _send_locked(self, event.data)
+
+    async def _send_locked(self: Any, data: bytes) -> None:
+        stall = _limits_of(self.config).write_stall_timeout
+        try:
+            # Shielded: a write cut in half would corrupt the stream; bounded instead.
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + stall) as scope:
+                await self.stream.send_all(data)
+            if scope.cancelled_caught:
+                log.warning("closing a connection: a write made no progress for %.0f s", stall)
                 await self.protocol.handle(Closed())
+                await self.stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
 
     async def _run(self: Any) -> None:
         ledger: ConnectionLedger | None = getattr(self.config, "headrace_connections", None)
@@ -497,6 +513,27 @@ def _patch_tcp_server() -> None:
     TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     TCPServer.run = _run  # type: ignore[method-assign]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class ImmediateRawData(RawData):
+    """Bytes to write now if they can be: when the connection's send lock is
+    free and the socket takes them all, they are written without a
+    checkpoint (frontend/serving.py sends a whole small response so, from
+    the app's task). Otherwise, or for the rest, the usual locked send."""
+
+
+def _write_now(stream: Any, data: bytes) -> int:
+    """How much of ``data`` a plain TCP stream's socket takes without
+    blocking (0: none, or not a plain socket: TLS frames its own writes).
+    ``os.write`` on the socket's descriptor: trio's ``send_all`` would take
+    the same bytes, then checkpoint. Errors are left to that send_all."""
+    if type(stream) is not trio.SocketStream:
+        return 0
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except OSError:
+        return 0
 
 
 def _peer(stream: Any) -> tuple[str, int] | None:

@@ -23,6 +23,7 @@ import trio
 import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
 from frontend import hardening, serving
@@ -316,8 +317,21 @@ def test_the_http_stream_internals_the_patches_use_are_unchanged() -> None:
     from hypercorn.protocol import events, http_stream
 
     assert http_stream.ASGIHTTPState.RESPONSE  # the state a stream is in mid-body
-    assert {"state", "closed"} <= _self_attributes(_class_node(http_stream, "HTTPStream"))
+    cls = _class_node(http_stream, "HTTPStream")
+    assert {"state", "closed", "response", "scope", "send", "config", "start_time", "stream_id"} <= _self_attributes(cls)
     assert "stream_id" in events.StreamClosed.__dataclass_fields__
+    # the whole-response path (serving._send_whole_responses_in_one_write) holds the start as
+    # app_send would take it, and closes as _send_closed does, less the EndBody
+    source = _source(http_stream)
+    assert 'if message["type"] == "http.response.start" and self.state == ASGIHTTPState.REQUEST:' in source
+    closed = ast.get_source_segment(source, next(
+        n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "_send_closed")) or ""
+    for line in ("await self.send(EndBody(stream_id=self.stream_id))", "self.state = ASGIHTTPState.CLOSED",
+                 "await self.config.log.access(self.scope, self.response, time() - self.start_time)",
+                 "await self.send(StreamClosed(stream_id=self.stream_id))"):  # fmt: skip
+        assert line in closed, line
+    assert "suppress_body(self.scope[\"method\"], int(self.response[\"status\"]))" in source
+    assert "build_and_validate_headers(self.response.get(\"headers\", []))" in source
 
 
 def test_the_tcp_server_internals_the_patches_use_are_unchanged() -> None:
@@ -356,6 +370,7 @@ def test_the_patches_are_installed() -> None:
                    hypercorn_h2.H2Protocol.stream_send, hypercorn_h11.H11Protocol._create_stream):  # fmt: skip
         assert method.__module__ == hardening.__name__, method
     assert hypercorn_h2.StreamBuffer is hardening.StreamBuffer
+    assert HTTPStream.app_send.__module__ == serving.__name__
 
 
 # ---------------------------------------------------------------- the shape of frontend/hardening.py's internals
