@@ -175,6 +175,10 @@ class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     # KV blocks its prefix cache holds at most: a router that knows it can
     # tell which cached blocks the prompts it sends there will evict.
     kv_capacity_blocks: int | None = None
+    # A prompt sent while another with the same prefix is still prefilling
+    # finds that prefix cached once its turn comes (the engine's scheduler
+    # waits for a running prefill's blocks; the mock's lane is FIFO).
+    prefix_sharing: bool = False
     # Where the router can get this backend's tokenizer, to compute the engine's
     # block hashes itself: a GGUF file or HF folder path, or "bytes" (the mock's).
     tokenizer: str | None = None

@@ -584,6 +584,7 @@ class MockBackend:
             name=c.name, models=c.models, max_context=c.max_context, token_ids=c.token_ids,
             seeds=not diverges, kv_events=self.cache is not None, block_size=c.block_size or None,
             kv_capacity_blocks=self.cache.capacity if self.cache is not None else None,
+            prefix_sharing=self.cache is not None,  # its prefill lane is FIFO: a later prompt finds an earlier one's blocks
             tokenizer="bytes",  # its token ids are the prompt's bytes (encode_text)
             exact_resume=c.token_ids and not diverges,
         )

@@ -332,6 +332,7 @@ async def _models(backend: MockBackend, request: HTTPRequest) -> Response:
     extra: dict[str, Any] = {"token_ids": info.token_ids, "exact_resume": info.exact_resume}
     if backend.cache is not None:
         extra |= {"block_size": info.block_size, "kv_capacity_blocks": info.kv_capacity_blocks,
+                  "prefix_sharing": info.prefix_sharing,
                   "kv_events": True, "tokenizer": "bytes",
                   "kv_epoch": _KV_EPOCH}
     data = [

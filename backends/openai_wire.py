@@ -296,8 +296,8 @@ def transport_error(exc: BaseException, *, started: bool) -> HeadraceError:
 def engine_fields(data: list[Any]) -> dict[str, Any]:
     """The engine's additions to ``/v1/models`` (the first entry that has
     each, of the right type), as :class:`BackendInfo` fields. ``kv_events``
-    holds if any entry says so; ``token_ids`` and ``exact_resume`` only if
-    every entry that says either says true."""
+    holds if any entry says so; ``token_ids``, ``exact_resume`` and
+    ``prefix_sharing`` only if every entry that says one says true."""
     found: dict[str, Any] = {}
     for entry in data:
         if not isinstance(entry, dict):
@@ -305,7 +305,7 @@ def engine_fields(data: list[Any]) -> dict[str, Any]:
         block, kv, tok = entry.get("block_size"), entry.get("kv_events"), entry.get("tokenizer")
         capacity = entry.get("kv_capacity_blocks")
         epoch = entry.get("kv_epoch")
-        for name in ("token_ids", "exact_resume"):
+        for name in ("token_ids", "exact_resume", "prefix_sharing"):
             if isinstance(entry.get(name), bool):
                 found[name] = found.get(name, True) and entry[name]
         if isinstance(epoch, str) and epoch:

@@ -61,6 +61,10 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     kv_events: bool = False  # publishes KV events (its cache is known, not guessed)
     block_size: int | None = None  # its KV block size, when known
     cache_blocks: int | None = None  # KV blocks its prefix cache holds at most, when known
+    # A prompt sent while another with the same prefix is still prefilling
+    # there finds that prefix cached (it prefills in arrival order and shares
+    # what it is computing; vLLM computes it again).
+    prefix_sharing: bool = False
 
 
 class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):

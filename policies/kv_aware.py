@@ -62,6 +62,15 @@ __all__ = ["KVAware", "KVAwareStatistics"]
 _KEY_PROBES = 8  # distinct backends a new key's home is looked for among
 
 
+def _tokens(request: RouteRequest, blocks: int) -> int:
+    """Prompt tokens in ``request``'s first ``blocks`` blocks (text blocks: their share of the prompt)."""
+    if request.block_size:
+        n = blocks * request.block_size
+    else:
+        n = round(blocks * (request.prompt_tokens / len(request.block_hashes) if request.prompt_tokens else TEXT_BLOCK_TOKENS))
+    return min(n, request.prompt_tokens) if request.prompt_tokens else n
+
+
 class KVAwareStatistics(msgspec.Struct, frozen=True, kw_only=True):
     picks: int
     cold: int  # no candidate held a block: prefix_hash placed it
@@ -220,12 +229,7 @@ class KVAware:
                         del blocks[name]
         if not blocks:
             return {}
-        if request.block_size:
-            per_block = float(request.block_size)
-        else:  # text blocks: each is its share of the prompt
-            per_block = request.prompt_tokens / len(hashes) if request.prompt_tokens else TEXT_BLOCK_TOKENS
-        limit = request.prompt_tokens
-        return {name: min(round(n * per_block), limit) if limit else round(n * per_block) for name, n in blocks.items()}
+        return {name: _tokens(request, n) for name, n in blocks.items()}
 
     def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
         """The argmin of the cost in the module docstring among candidates
@@ -263,6 +267,17 @@ class KVAware:
             home = self._key_home(key, names, weights, position, under, now)
         else:
             home = self.fallback.ring.first_index(key, position, under)
+        if home >= 0 and candidates[home].prefix_sharing and request.block_hashes:
+            # Its home prefills in arrival order and shares what it is
+            # computing, so prompts sent there moments ago and still
+            # prefilling (their events not in yet) are as good as cached
+            # by the time this one is: the cache model holds them.
+            name = names[home]
+            n = self.model.held(name, request.block_hashes, len(request.block_hashes)) if self.model.modelled(name) else 0
+            if n and _tokens(request, n) > cached.get(name, 0):
+                cached = dict(cached)
+                cached[name] = _tokens(request, n)
+                self._last_pick = (request, cached)
         if not cached:
             counts["cold"] += 1
             if home >= 0:

@@ -311,6 +311,7 @@ class BackendActor:
             kv_events=info is not None and info.kv_events,
             block_size=info.block_size if info is not None else None,
             cache_blocks=info.kv_capacity_blocks if info is not None else None,
+            prefix_sharing=info is not None and info.prefix_sharing,
         )
 
     @property

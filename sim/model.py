@@ -185,7 +185,7 @@ class _Sim:
     def _view(self, b: _Backend) -> BackendView:
         b.view = BackendView(name=b.name, in_flight=b.in_flight, pending_prefill_tokens=b.pending_tokens,
                              kv_events=self.on_kv is not None, block_size=self.config.block_size,
-                             cache_blocks=self.config.cache_blocks)
+                             cache_blocks=self.config.cache_blocks, prefix_sharing=True)  # its lane is FIFO
         return b.view
 
     def _load(self, b: _Backend, now: float, delta: int) -> None:

@@ -39,6 +39,11 @@ from backends.engine.sequence import SeqEvent, Sequence
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStatistics"]
 
+# A waiting sequence waits for a running one's prefill when at least this
+# many of its next blocks are in it (32 tokens at 16 a block, SGLang's
+# in-batch prefix threshold); a shorter overlap is cheaper to compute again.
+_SHARE_MIN_BLOCKS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
@@ -99,6 +104,7 @@ class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     last_num_batched_tokens: int
     mean_batch_size: float
     kv: BlockManagerStatistics
+    num_prefix_waits: int = 0  # admissions passed over to share a running prefill's blocks
 
 
 class Scheduler:
@@ -108,12 +114,18 @@ class Scheduler:
         *,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
+        share_inflight_prefixes: bool = True,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A waiting sequence whose next uncached blocks a running one is
+        # computing waits for them instead of computing them again (see
+        # _admit_waiting).
+        self.share_inflight_prefixes = share_inflight_prefixes
+        self._deferrals = 0
         self.waiting: list[Sequence] = []  # sorted by _order
         self.running: list[Sequence] = []  # sorted by _order; victims come from the tail
         self._seqs: dict[str, Sequence] = {}
@@ -201,22 +213,52 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in order while the budget, the blocks and
+        max_num_seqs allow. With ``share_inflight_prefixes``, a sequence
+        whose next ``_SHARE_MIN_BLOCKS`` or more uncached blocks are being
+        prefilled by a running sequence (the same prompt prefix, sent
+        moments apart: a shared system prompt in a burst) is passed over
+        this step: those blocks are in its prefix cache once that prefill
+        registers them, one step or a few later, so it computes only the
+        rest instead of the whole prefix twice (SGLang's in-batch prefix
+        sharing does the same). The ones behind it go ahead."""
         bm, waiting = self.block_manager, self.waiting
-        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = waiting[0]
+        inflight: set[int] | None = None  # hashes running prefills will register, built on first need
+        share = self.share_inflight_prefixes and bm.enable_prefix_caching
+        i = 0
+        while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[i]
             hits = bm.lookup(seq)
+            if share and len(seq.block_hashes) - len(hits) >= _SHARE_MIN_BLOCKS:
+                if inflight is None:
+                    inflight = self._inflight_blocks()
+                k = len(hits)
+                if all(h in inflight for h in seq.block_hashes[k : k + _SHARE_MIN_BLOCKS]):
+                    self._deferrals += 1
+                    i += 1
+                    continue
             uncached = len(seq.token_ids) - len(hits) * bm.block_size
             n = min(uncached, budget)
             if not bm.allocate(seq, n, hits):
                 break  # admission never preempts; the head waits for blocks
-            waiting.pop(0)
+            waiting.pop(i)
             if seq.num_preemptions == 0:  # of the original prompt (a resumed one's output is not)
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.transition(SeqEvent.SCHEDULE)
             insort(self.running, seq, key=_order)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if inflight is not None:
+                inflight.update(seq.block_hashes[seq.num_registered_blocks :])
         return budget
+
+    def _inflight_blocks(self) -> set[int]:
+        """Hashes of the full prompt blocks running sequences have not registered yet."""
+        out: set[int] = set()
+        for r in self.running:
+            if r.num_registered_blocks < len(r.block_hashes):
+                out.update(r.block_hashes[r.num_registered_blocks :])
+        return out
 
     def commit(self, out: SchedulerOutput, sampled_token_ids: Seq[int]) -> None:
         """Record that ``out`` was computed: advance each sequence, register its
@@ -257,4 +299,5 @@ class Scheduler:
             last_num_batched_tokens=self._last[1],
             mean_batch_size=self._seqs_scheduled / self._steps if self._steps else 0.0,
             kv=self.block_manager.statistics(),
+            num_prefix_waits=self._deferrals,
         )

@@ -132,6 +132,7 @@ class _Routes:
                 "sampling_defaults_source": sampling.source or "OpenAI defaults",
                 "block_size": info.block_size,
                 "kv_capacity_blocks": info.kv_capacity_blocks,
+                "prefix_sharing": info.prefix_sharing,
                 "kv_events": info.kv_events,
                 "tokenizer": tokenizer,
                 # Token ids on every event and as input (return_token_ids, resumed_tokens),

@@ -66,6 +66,38 @@ def test_a_long_prompt_is_chunked_and_never_stalls_decoding() -> None:
         assert out.scheduled[1].needs_sampling is False
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_a_request_sharing_a_running_prefill_waits_for_its_blocks_instead_of_computing_them(share: bool) -> None:
+    """a and b send the same 20-token prompt (4 cacheable blocks of 4) in
+    one step. With sharing, b is passed over while a prefills those blocks
+    and admitted a step later with them cached: 4 prompt tokens computed
+    for b instead of 20. Both answers are their solo answers either way."""
+    _, kv = make(64, 4)
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=32, share_inflight_prefixes=share)
+    prompt = list(range(20))
+    a, b = new("a", prompt, max_tokens=3), new("b", prompt, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    computed = {"a": 0, "b": 0}
+    while sched.has_unfinished():
+        out = run_step(sched, kv)
+        for s in out.scheduled:  # the prompt tokens this step computes for each
+            computed[s.seq.seq_id] += max(0, min(s.end, len(prompt)) - s.start)
+    assert a.output_token_ids == b.output_token_ids == solo(prompt, 3)
+    assert b.num_cached_tokens == (16 if share else 0)
+    assert computed == ({"a": 20, "b": 4} if share else {"a": 20, "b": 20})
+    assert sched.statistics().num_prefix_waits == (1 if share else 0)
+
+
+def test_a_short_overlap_with_a_running_prefill_does_not_wait() -> None:
+    """Only one block in common (below the 2-block threshold): b is admitted at once."""
+    sched, kv = make(64, 4, budget=64)
+    sched.add(new("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=1))
+    sched.add(new("b", [1, 2, 3, 4, 50, 60, 70, 80, 90], max_tokens=1))
+    out = run_step(sched, kv)
+    assert [s.seq.seq_id for s in out.scheduled] == ["a", "b"] and sched.statistics().num_prefix_waits == 0
+
+
 def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     sched, kv = make(64, 4, seqs=1)
     for sid, prio in [("low", 0), ("high", 5), ("low2", 0), ("high2", 5)]:

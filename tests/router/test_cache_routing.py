@@ -189,6 +189,43 @@ async def test_kv_aware_predicts_the_evictions_of_prompts_queued_before_the_back
     assert (stats.checked, stats.over, stats.under) == (3, 0, 0)  # the index alone predicted all of A
 
 
+async def test_kv_aware_predicts_a_hit_on_a_prompt_still_prefilling_where_the_backend_shares_it(nursery: trio.Nursery) -> None:
+    """A mock prefills in arrival order (``prefix_sharing`` in /v1/models):
+    A' sent while A, with the same new prompt, is still prefilling finds
+    A's blocks cached at its turn, before any event of them reached the
+    router. The prediction at A''s pick says so (from what was sent)."""
+    mock = await serve_mock(nursery, MockConfig(name="m0", models=("mock",), block_size=16, cache_blocks=400,
+                                                prefill_s_per_token=0.001), [])
+    config = decode_config({"backends": [{"kind": "mock", "name": "m0"}], "routing": {"policy": "kv_aware"},
+                            "health": {"interval": 0.2}})
+    router = Router(config, [NamedBackend("m0", OpenAIHTTPBackend(mock.url, name="m0"))])
+    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=20)
+    kv = router.dispatcher.policy
+    with trio.fail_after(10):
+        while not any(router.keys.statistics().models.values()):
+            await trio.sleep(0.05)
+    assert router.actors[0].view().prefix_sharing
+    cached: dict[str, int] = {}
+
+    async def send(label: str) -> None:
+        msgs = [{"role": "system", "content": "[A] " + SYSTEM}, {"role": "user", "content": "q"}]
+        r = await client.post("/v1/chat/completions", json={"model": "mock", "messages": msgs, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        cached[label] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with client, trio.open_nursery() as inner:
+        inner.start_soon(send, "A")
+        with trio.fail_after(5):
+            while router.actors[0].in_flight == 0:
+                await trio.sleep(0.005)
+        await trio.sleep(0.05)
+        assert not kv.index.statistics().backends.get("m0")  # type: ignore[attr-defined]  # no event of A yet
+        inner.start_soon(send, "A'")
+    stats = kv.statistics()  # type: ignore[attr-defined]
+    assert cached["A"] == 0 and cached["A'"] >= 16 * 20
+    assert (stats.checked, stats.over, stats.under) == (2, 0, 0)  # A' was predicted cached (under before)
+
+
 def test_a_backend_two_groups_share_feeds_both_policies_in_step() -> None:
     from policies.kv_aware import KVAware
     from tests.policies.test_kv_aware import stored
