@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import sys
 import tempfile
@@ -40,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import trio
 
 from backends.base import BackendInfo, GenerateRequest, Health
 from backends.h2client import H2Pool
 from backends.mock import MockBackend, MockConfig
 from bench.client import RequestResult, StreamTimer
-from bench.procs import Server, admin_url, cpu_info, start_server
+from bench.procs import Server, admin_url, cpu_info, cpu_seconds, start_server
 from bench.report import write_json
 from bench.stats import percentile
 
@@ -327,7 +329,8 @@ def summarize_probe(answers: list[dict[str, Any]], args: argparse.Namespace) -> 
         if a["code"] is not None:
             codes[a["code"]] = codes.get(a["code"], 0) + 1
     return {"sent": len(answers), "refused": codes, "rate": args.probe_rate,
-            "refusal_ms": {"count": len(refused), "p50": _ms(refused, 50), "p99": _ms(refused, 99)}}
+            "refusal_ms": {"count": len(refused), "p50": _ms(refused, 50), "p99": _ms(refused, 99)},
+            "samples": [[a.get("at"), a["ms"], a["code"]] for a in answers]}
 
 
 # ---------------------------------------------------------------- the report
@@ -411,7 +414,9 @@ def render(doc: dict[str, Any]) -> str:
         r, inside = run["refusal_ms"], run.get("router_refusal_ms") or {}
         out.append(f"{mode:<10}{'all':<13}{run['sent']:>6}{run['goodput']:>9.1%}   refusals at arrival: {r['count']}, "
                    f"p50/p99 {_f(r['p50'])}/{_f(r['p99'])} ms at the client, "
-                   f"{_f(inside.get('p50'))}/{_f(inside.get('p99'))} ms inside the router; router CPU {run.get('router_cpu', 0):.0%}")  # fmt: skip
+                   f"{_f(inside.get('p50'))}/{_f(inside.get('p99'))} ms inside the router; router CPU {run.get('router_cpu', 0):.0%}"
+                   + (f"; box {run['box']['cores_busy']:.2f} cores busy, {run['box']['other_cores']:.2f} not this bed, "
+                      f"load {run['box']['load_avg_1m']:.2f}" if "box" in run else ""))  # fmt: skip
         if "probe" in run:
             pr = run["probe"]
             codes = ", ".join(f"{k} {v}" for k, v in sorted(pr["refused"].items())) or "-"
@@ -488,10 +493,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-fairness", action="store_true")
     p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--skip-off", action="store_true",
+                   help="mixed phase with admission on only (no on/off goodput comparison)")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--plot", dest="plot_path")
     p.add_argument("--no-plot", action="store_true")
     return p
+
+
+def _box_sample() -> tuple[float, float, float]:
+    """(wall, CPU seconds of the whole box, CPU seconds of this bed: this
+    process and its live descendants, the router, mocks and probe)."""
+    busy = psutil.cpu_times()
+    return time.monotonic(), sum(busy) - busy.idle - getattr(busy, "iowait", 0.0), cpu_seconds(os.getpid())
+
+
+def _box(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, float]:
+    """How busy the box was during a run, in cores: all of it, and what
+    was not this bed (another benchmark sharing the box shows here), with
+    the load average at the end."""
+    wall = after[0] - before[0]
+    return {"cores_busy": round((after[1] - before[1]) / wall, 2),
+            "other_cores": round(max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall, 2),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -512,13 +536,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with AsyncExitStack() as stack:
             mocks = await start_mocks(stack, args, logdir)
             plan = mixed_plan(args.load * capacity, args.duration, args.mix, args.seed)
-            for mode in () if args.skip_mixed else ("on", "off"):
+            for mode in () if args.skip_mixed else ("on",) if args.skip_off else ("on", "off"):
                 router = await start_router(args, mocks, logdir, admission=mode == "on", reserve=args.reserve_slots)
                 try:
                     print(f"mixed load, admission {mode}: {len(plan)} requests over {args.duration:g} s", file=sys.stderr)
                     timeline: list[dict[str, float]] = []
                     metrics = await _metrics_url(router)
                     cpu = router.cpu_seconds()
+                    box = _box_sample()
                     began = time.monotonic()
                     probed: list[dict[str, Any]] = []
                     async with trio.open_nursery() as nursery:
@@ -528,6 +553,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     if probed:
                         doc["mixed"][mode]["probe"] = summarize_probe(probed, args)
                     doc["mixed"][mode]["router_cpu"] = round((router.cpu_seconds() - cpu) / (time.monotonic() - began), 3)
+                    doc["mixed"][mode]["box"] = _box(box, _box_sample())
+                    doc["mixed"][mode]["router_rss_mb"] = round(psutil.Process(router.pid).memory_info().rss / 2**20, 1)
                     doc["mixed"][mode]["timeline"] = timeline
                     doc["mixed"][mode]["router_refusal_ms"] = await router_rejections(metrics)
                 finally:

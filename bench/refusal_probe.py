@@ -8,7 +8,9 @@ arrival (by default ``X-Priority: batch`` with a 50 ms ``X-Deadline-Ms``,
 which an overloaded fleet sheds), Poisson at ``--rate`` for ``--duration``
 seconds on one HTTP/2 connection opened beforehand, and times each from
 just before its HEADERS go out to its last byte. Prints one JSON document
-on stdout: each answer's status, code and milliseconds.
+on stdout: each answer's status, code, milliseconds and start (``at``:
+``time.perf_counter()``, CLOCK_MONOTONIC on Linux, the same clock in
+every process, so a trace of the router lines up with it).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ async def probe(url: str, *, key: str, rate: float, duration: float, deadline_ms
                             code = msgspec.json.decode(data)["error"]["code"]
                         except (msgspec.DecodeError, KeyError, TypeError):
                             code = f"http_{resp.status}"
-                    answers.append({"status": resp.status, "code": code, "ms": round(ms, 3)})
+                    answers.append({"status": resp.status, "code": code, "ms": round(ms, 3), "at": began})
 
         async with trio.open_nursery() as nursery:
             end = trio.current_time() + duration
