@@ -41,6 +41,18 @@ cap there sent conversations away from their caches, 74% hit rate against
 start), or several tie, the order of ``prefix_hash`` decides: the same key
 lands on the same backend, so the next request with that prefix finds it
 cached.
+
+What a backend holds by the time the request's prefill looks it up is not
+what its last event said: the prompts sent there since (queued, or done and
+not yet reported) store their blocks and evict the least recently used.
+For a backend that gives its cache's size (``BackendView.cache_blocks``),
+:mod:`policies.cache_model` replays those prompts on an LRU of that size and
+``matched_blocks`` counts only what both the index and the model hold; and
+where the backend shares a prefix that is still being prefilled with the
+requests queued behind it (``prefix_sharing``), what was sent to the
+request's home moments ago counts as held there. ``on_complete`` checks each
+prediction against the ``cached_tokens`` the backend reports (the
+statistics' agreed / over / under).
 """
 
 from __future__ import annotations
@@ -105,7 +117,7 @@ class KVAware:
         vnodes: int = 160
         max_blocks: int = 1_000_000  # the KV index bound (distinct block hashes)
         # The cache model's bound: blocks modelled over all backends of known
-        # capacity (a block on two backends counts twice; ~100 bytes each).
+        # capacity (a block on two backends counts twice; a dict entry each).
         model_max_blocks: int = 2_000_000
         recent_ttl_s: float = 120.0  # how long a prefilled prompt counts as cached where no events come
         pending_ttl_s: float = 5.0  # the same for backends with events, until their own events arrive
