@@ -55,3 +55,61 @@ async def test_the_loop_runs_between_slices(slice_size: int) -> None:
         await exposition.render_cooperatively(registry, slice_size=slice_size)
         assert ticks - before >= samples // slice_size
         nursery.cancel_scope.cancel()
+
+
+async def test_a_labelled_metric_is_collected_a_slice_of_children_at_a_time() -> None:
+    """Collecting a labelled metric reads every child; here each child's
+    value is a function that counts its reads, and another task notes how
+    many were read between two of its turns: about a slice's worth (the
+    library's own collect() read all 1,000 in one step)."""
+    registry = CollectorRegistry()
+    gauge = Gauge("t_children", "children", ["i"], registry=registry)
+    reads = 0
+
+    def value() -> float:
+        nonlocal reads
+        reads += 1
+        return 1.0
+
+    for i in range(1000):
+        gauge.labels(str(i)).set_function(value)
+    most = 0
+
+    async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal most
+        last = reads
+        task_status.started()
+        while True:
+            await trio.lowlevel.checkpoint()
+            most, last = max(most, reads - last), reads
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch)
+        text = await exposition.render_cooperatively(registry, slice_size=50)
+        await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert reads == 1000
+    assert 0 < most <= 2 * 50  # trio may run the two tasks in either order in a batch: two slices between turns
+    assert text == generate_latest(registry)  # (which reads them all again)
+
+
+def test_the_prometheus_client_internals_the_sliced_collection_uses_are_unchanged() -> None:
+    """If this fails, prometheus_client changed how a labelled metric is
+    collected: re-read MetricWrapperBase.collect and _multi_samples, and
+    frontend/exposition.py's _collect_children, which does what they do."""
+    import inspect
+
+    from prometheus_client.metrics import MetricWrapperBase
+    from prometheus_client.registry import CollectorRegistry as Registry
+
+    collect = inspect.getsource(MetricWrapperBase.collect)
+    assert "metric = self._get_metric()" in collect
+    assert "metric.add_sample(self._name + suffix, labels, value, timestamp, exemplar, native_histogram_value)" in collect
+    multi = inspect.getsource(MetricWrapperBase._multi_samples)
+    for line in ("with self._lock:", "metrics = self._metrics.copy()", "series_labels = list(zip(self._labelnames, labels))",
+                 "in metric._samples():", "dict(series_labels + list(sample_labels.items()))"):  # fmt: skip
+        assert line in multi, line
+    assert "return self._labelnames and not self._labelvalues" in inspect.getsource(MetricWrapperBase._is_parent)
+    registry_collect = inspect.getsource(Registry.collect)
+    for line in ("collectors = copy.copy(self._collector_to_names)", "if self._target_info:", "yield from collector.collect()"):
+        assert line in registry_collect, line
