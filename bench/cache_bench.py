@@ -50,7 +50,7 @@ from bench.progress import ProgressBar
 from bench.report import write_json
 from bench.router_bench import _python, _ready, _start_all
 
-__all__ = ["Conversation", "main", "workload"]
+__all__ = ["Conversation", "main", "parse_args", "workload"]
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu"]
 
@@ -358,7 +358,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--think-s", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--model", default="mock", help="the model to ask for; auto: the first the router lists")
+    p.add_argument("--model", default=None,
+                   help="the model to ask for; auto: the first the router lists (default: mock for --kind mock, "
+                        "auto for --kind engine, whose model is named by its file)")
     p.add_argument("--cache-blocks", type=int, default=600, help="mock: KV capacity per replica in 16-token blocks")
     p.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     p.add_argument("--ttft-ms", type=float, default=2.0)
@@ -414,10 +416,18 @@ async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
             print(row_line(doc["rows"][-1]), file=sys.stderr)
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options, with the defaults that depend on others filled in."""
     args = _parser().parse_args(argv)
     args.policy = args.policy or ["round_robin", "prefix_hash", "kv_aware"]
     args.rate = args.rate or [10.0, 20.0, 30.0]
+    if args.model is None:  # an engine serves its file's model, not "mock" (every request got 404)
+        args.model = "mock" if args.kind == "mock" else "auto"
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     cpu = cpu_info()
     doc: dict[str, Any] = {"cpu": {k: v for k, v in cpu.items() if k != "flags"}, "args": vars(args), "rows": [], "simulated": []}
     try:

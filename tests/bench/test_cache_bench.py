@@ -3,7 +3,7 @@ turn, and the SLO table picks each policy's highest passing rate."""
 
 from __future__ import annotations
 
-from bench.cache_bench import Result, _parser, at_slo, messages, summarize, workload
+from bench.cache_bench import Result, _parser, at_slo, messages, parse_args, summarize, workload
 
 
 def test_the_workload_is_seeded_and_each_turn_resends_the_conversation_so_far() -> None:
@@ -30,3 +30,10 @@ def test_summaries_and_the_slo_pick() -> None:
             {"policy": "kv", "rate": 20, "errors": 0, "ttft_p99_ms": 200},
             {"policy": "kv", "rate": 30, "errors": 2, "ttft_p99_ms": 200}]
     assert {p: r["rate"] for p, r in at_slo(rows, 500).items()} == {"rr": 10, "kv": 20}
+
+
+def test_the_model_asked_for_defaults_to_what_the_backend_kind_serves() -> None:
+    assert parse_args([]).model == "mock"
+    assert parse_args(["--kind", "engine"]).model == "auto"  # was "mock": every request to an engine failed
+    assert parse_args(["--kind", "engine", "--model", "m"]).model == "m"
+    assert parse_args([]).policy == ["round_robin", "prefix_hash", "kv_aware"]
