@@ -25,6 +25,8 @@ from backends.engine.sequence import SamplingParams
 LIMIT = 40  # blocks
 BLOCK = 4
 CHUNK = 4  # blocks made resident at a time, in these tests
+# Dense weights are dropped only where the native kernels run every step.
+needs_native = pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
 
 
 def _engine(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, chunk_blocks: int) -> LLMEngine:
@@ -271,7 +273,7 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
 
 
-@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@needs_native
 def test_dense_weights_are_dropped_where_every_step_runs_natively_and_read_back_on_demand(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,7 +318,7 @@ def test_dense_weights_are_dropped_where_every_step_runs_natively_and_read_back_
     assert _run(reference, PROMPTS, max_tokens=12) == torch_tokens
 
 
-@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@needs_native
 def test_dropped_weights_whose_file_changed_or_went_are_a_model_load_error(tmp_path: Path) -> None:
     """The torch path cannot read dense weights back from a GGUF file replaced
     or removed since the load: a ModelLoadError naming it, not an OSError."""
@@ -338,7 +340,7 @@ def test_dropped_weights_whose_file_changed_or_went_are_a_model_load_error(tmp_p
     assert dense.dropped(model)  # still dropped: nothing half-restored
 
 
-@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@needs_native
 def test_dense_weights_stay_where_a_configuration_reads_them(tmp_path: Path) -> None:
     path = _q4_model(tmp_path)
     base = {"model": str(path), "dtype": "bfloat16", "num_kv_blocks": LIMIT, "block_size": BLOCK}

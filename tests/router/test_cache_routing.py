@@ -64,6 +64,31 @@ def served(router: Router) -> dict[str, int]:
     return {a.name: a.statistics().requests for a in router.actors}
 
 
+async def mocks_router(nursery: trio.Nursery, n: int, client_timeout: float = 10, **mock: Any) -> tuple[Router, httpx.AsyncClient, Any]:
+    """``n`` prefix-cache mocks (``mock``: their MockConfig fields) behind a
+    kv_aware router, once it has learned their tokenizer: (router, client, policy)."""
+    backends = []
+    for i in range(n):
+        served_mock = await serve_mock(nursery, MockConfig(name=f"m{i}", models=("mock",), block_size=16, **mock), [])
+        backends.append(NamedBackend(f"m{i}", OpenAIHTTPBackend(served_mock.url, name=f"m{i}")))
+    config = decode_config({"backends": [{"kind": "mock", "name": f"m{i}"} for i in range(n)],
+                            "routing": {"policy": "kv_aware"}, "health": {"interval": 0.2}})
+    router = Router(config, backends)
+    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=client_timeout)
+    with trio.fail_after(10):
+        while not any(router.keys.statistics().models.values()):
+            await trio.sleep(0.05)
+    return router, client, router.dispatcher.policy
+
+
+async def cached_tokens(client: httpx.AsyncClient, system: str) -> int:
+    """What the mock served from its cache for one chat with this system prompt."""
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+    r = await client.post("/v1/chat/completions", json={"model": "mock", "messages": msgs, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 async def ask(client: httpx.AsyncClient, question: str) -> dict[str, Any]:
     r = await client.post("/v1/chat/completions", json=body(question))
     assert r.status_code == 200, r.text
@@ -108,18 +133,7 @@ async def test_kv_aware_over_cache_model_mocks_predicts_what_they_report(nursery
     """Mocks with the prefix-cache model publish KV events with the mock's
     byte tokenizer ("bytes" in /v1/models): the router's keys are the mocks'
     own, and what kv_aware predicts as cached is what the mocks report."""
-    backends = []
-    for i in range(3):
-        mock = await serve_mock(nursery, MockConfig(name=f"m{i}", models=("mock",), block_size=16, cache_blocks=256), [])
-        backends.append(NamedBackend(f"m{i}", OpenAIHTTPBackend(mock.url, name=f"m{i}")))
-    config = decode_config({"backends": [{"kind": "mock", "name": f"m{i}"} for i in range(3)],
-                            "routing": {"policy": "kv_aware"}, "health": {"interval": 0.2}})
-    router = Router(config, backends)
-    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=10)
-    kv = router.dispatcher.policy
-    with trio.fail_after(10):
-        while not any(router.keys.statistics().models.values()):
-            await trio.sleep(0.05)
+    _, client, kv = await mocks_router(nursery, 3, cache_blocks=256)
     reported = 0
     async with client:
         for group in range(4):
@@ -151,24 +165,12 @@ async def test_kv_aware_predicts_the_evictions_of_prompts_queued_before_the_back
     A's tail before A' is looked up, and no event says so until after A'
     was routed; the router knows the mock's capacity from /v1/models and
     predicts the part of A left, which is what the mock reports."""
-    mock = await serve_mock(nursery, MockConfig(name="m0", models=("mock",), block_size=16, cache_blocks=40,
-                                                prefill_s_per_token=0.001), [])
-    config = decode_config({"backends": [{"kind": "mock", "name": "m0"}], "routing": {"policy": "kv_aware"},
-                            "health": {"interval": 0.2}})
-    router = Router(config, [NamedBackend("m0", OpenAIHTTPBackend(mock.url, name="m0"))])
-    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=20)
-    kv = router.dispatcher.policy
-    with trio.fail_after(10):
-        while not any(router.keys.statistics().models.values()):
-            await trio.sleep(0.05)
+    router, client, kv = await mocks_router(nursery, 1, client_timeout=20, cache_blocks=40, prefill_s_per_token=0.001)
     assert router.actors[0].view().cache_blocks == 40  # from the mock's /v1/models
     cached: dict[str, int] = {}
 
     async def send(label: str, system: str) -> None:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
-        r = await client.post("/v1/chat/completions", json={"model": "mock", "messages": msgs, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        cached[label] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached[label] = await cached_tokens(client, system)
 
     a, b = "[A] " + SYSTEM, "[B] " + SYSTEM[::-1]  # ~26 blocks each
     async with client:
@@ -194,24 +196,12 @@ async def test_kv_aware_predicts_a_hit_on_a_prompt_still_prefilling_where_the_ba
     A' sent while A, with the same new prompt, is still prefilling finds
     A's blocks cached at its turn, before any event of them reached the
     router. The prediction at A''s pick says so (from what was sent)."""
-    mock = await serve_mock(nursery, MockConfig(name="m0", models=("mock",), block_size=16, cache_blocks=400,
-                                                prefill_s_per_token=0.001), [])
-    config = decode_config({"backends": [{"kind": "mock", "name": "m0"}], "routing": {"policy": "kv_aware"},
-                            "health": {"interval": 0.2}})
-    router = Router(config, [NamedBackend("m0", OpenAIHTTPBackend(mock.url, name="m0"))])
-    client = httpx.AsyncClient(base_url=await serve_router(nursery, router), timeout=20)
-    kv = router.dispatcher.policy
-    with trio.fail_after(10):
-        while not any(router.keys.statistics().models.values()):
-            await trio.sleep(0.05)
+    router, client, kv = await mocks_router(nursery, 1, client_timeout=20, cache_blocks=400, prefill_s_per_token=0.001)
     assert router.actors[0].view().prefix_sharing
     cached: dict[str, int] = {}
 
     async def send(label: str) -> None:
-        msgs = [{"role": "system", "content": "[A] " + SYSTEM}, {"role": "user", "content": "q"}]
-        r = await client.post("/v1/chat/completions", json={"model": "mock", "messages": msgs, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        cached[label] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached[label] = await cached_tokens(client, "[A] " + SYSTEM)
 
     async with client, trio.open_nursery() as inner:
         inner.start_soon(send, "A")
