@@ -214,8 +214,7 @@ class KVAware:
         for this router; and either way by those of the last ``pending_ttl_s``
         (its events may not have arrived yet)."""
         for c in candidates:
-            if c.cache_blocks is not None or self.model.active:
-                self.model.capacity(c.name, c.cache_blocks, self.index.blocks_of(c.name))
+            self._learn_capacity(c)
         return self._cached([c.name for c in candidates], [c.kv_events for c in candidates], request, now)
 
     def _cached(self, names: Sequence[str], events: list[bool], request: RouteRequest, now: float) -> dict[str, int]:
@@ -291,9 +290,9 @@ class KVAware:
             # by the time this one is: the cache model holds them.
             name = names[home]
             n = self.model.held(name, request.block_hashes, len(request.block_hashes)) if self.model.modelled(name) else 0
-            if n and _tokens(request, n) > cached.get(name, 0):
-                cached = dict(cached)
-                cached[name] = _tokens(request, n)
+            sent = _tokens(request, n) if n else 0
+            if sent > cached.get(name, 0):
+                cached = {**cached, name: sent}
                 self._last_pick = (request, cached)
         if not cached:
             counts["cold"] += 1
@@ -309,10 +308,13 @@ class KVAware:
                 counts["predicted_cached_tokens"] += hit
         if o.balance_factor:
             self._charge(best, now)
-        capacity = candidates[position[best]].cache_blocks
-        if capacity is not None or self.model.active:
-            self.model.capacity(best, capacity, self.index.blocks_of(best))
+        self._learn_capacity(candidates[position[best]])
         return best
+
+    def _learn_capacity(self, view: BackendView) -> None:
+        """Model ``view``'s cache from its capacity (or stop, if it no longer gives one)."""
+        if view.cache_blocks is not None or self.model.active:
+            self.model.capacity(view.name, view.cache_blocks, self.index.blocks_of(view.name))
 
     def _new_candidates(self, candidates: Sequence[BackendView], names: list[str], weights: list[float]) -> None:
         """What only changes with the candidate set (names and weights), kept between picks."""

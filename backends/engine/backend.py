@@ -300,7 +300,7 @@ class EngineBackend:
             seeds=True,
             block_size=self.engine.block_size,
             kv_capacity_blocks=self.engine.block_manager.num_blocks,
-            prefix_sharing=self.engine.scheduler.share_inflight_prefixes and self.engine.block_manager.enable_prefix_caching,
+            prefix_sharing=self.engine.scheduler.shares_prefixes,
             exact_resume=bool(getattr(self.engine.runner, "batch_invariant", False)),
         )
 

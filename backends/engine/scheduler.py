@@ -224,7 +224,7 @@ class Scheduler:
         sharing does the same). The ones behind it go ahead."""
         bm, waiting = self.block_manager, self.waiting
         inflight: set[int] | None = None  # hashes running prefills will register, built on first need
-        share = self.share_inflight_prefixes and bm.enable_prefix_caching
+        share = self.shares_prefixes
         i = 0
         while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = waiting[i]
@@ -251,6 +251,11 @@ class Scheduler:
             if inflight is not None:
                 inflight.update(seq.block_hashes[seq.num_registered_blocks :])
         return budget
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a request queued behind a running prefill of its prefix finds that prefix cached."""
+        return self.share_inflight_prefixes and self.block_manager.enable_prefix_caching
 
     def _inflight_blocks(self) -> set[int]:
         """Hashes of the full prompt blocks running sequences have not registered yet."""
