@@ -181,7 +181,10 @@ def test_prompt_lookup_accepts_on_a_repetitive_model_and_matches_plain() -> None
             layer.attention.wo.weight.mul_(0.02)  # mostly a bigram model: its output loops
     reqs = mixed_requests(4, max_tokens=30)
     truth = plain(model, reqs)
-    engine = spec_engine(model, SpecConfig(method="ngram", num_speculative_tokens=4))
+    # adaptive=False: the cost model fits measured step times, so how much it
+    # speculates depends on the machine's speed (on a slow CI box it cut all but
+    # two verifies); this test is about what prompt lookup proposes and accepts.
+    engine = spec_engine(model, SpecConfig(method="ngram", num_speculative_tokens=4, adaptive=False))
     assert run(engine, reqs) == truth
     st = engine.statistics().speculative
     assert st.acceptance_rate > 0.25
