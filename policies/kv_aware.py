@@ -203,7 +203,14 @@ class KVAware:
         self._epoch = 0.0
         self._loads: list[float] | None = None  # _recent_load of the last candidates, in their order
         self._loads_max = 0.0  # max(_loads)
-        self._ends: set[int] = set()  # the last block of each prompt prefilled lately
+        self._loads_sum = 0.0  # sum(_loads)
+        # The last block of each prompt prefilled lately -> that prompt's first
+        # block, and how many of those prompts each first block began: a
+        # request whose first block began none continues none of them (a
+        # chain that passes through a prompt's last block starts with its
+        # first), so a new conversation skips the scan of its blocks.
+        self._ends: dict[int, int] = {}
+        self._heads: dict[int, int] = {}
         self._ends_order: deque[int] = deque()
 
     # ------------------------------------------------------------ decision
@@ -245,6 +252,9 @@ class KVAware:
                         del blocks[name]
         if not blocks:
             return {}
+        size, prompt = request.block_size, request.prompt_tokens
+        if size and prompt:  # _tokens, inline
+            return {name: n * size if n * size < prompt else prompt for name, n in blocks.items()}
         return {name: _tokens(request, n) for name, n in blocks.items()}
 
     def pick(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> str | None:
@@ -313,7 +323,7 @@ class KVAware:
 
     def _learn_capacity(self, view: BackendView) -> None:
         """Model ``view``'s cache from its capacity (or stop, if it no longer gives one)."""
-        if view.cache_blocks is not None or self.model.active:
+        if self.model.capacity_of(view.name) != view.cache_blocks:  # else it would change nothing
             self.model.capacity(view.name, view.cache_blocks, self.index.blocks_of(view.name))
 
     def _new_candidates(self, candidates: Sequence[BackendView], names: list[str], weights: list[float]) -> None:
@@ -352,6 +362,7 @@ class KVAware:
             i = self._position.get(name, -1)
             if i >= 0:
                 loads[i] += add
+                self._loads_sum += add
                 if loads[i] > self._loads_max:  # loads only grow between rebuilds
                     self._loads_max = loads[i]
             else:
@@ -371,9 +382,11 @@ class KVAware:
             get = self._recent_load.get
             loads = self._loads = [get(n, 0.0) for n in names]
             self._loads_max = max(loads)
-        threshold = o.balance_factor * sum(loads) / len(loads) + o.balance_slack * 2.0 ** growth
+            self._loads_sum = sum(loads)
+        threshold = o.balance_factor * self._loads_sum / len(loads) + o.balance_slack * 2.0 ** growth
         # From the last block back: where a continued conversation's previous prompt ended.
-        if self._loads_max <= threshold or not self._ends.isdisjoint(reversed(hashes)):
+        if (self._loads_max <= threshold or (hashes[0] in self._heads
+                                             and not self._ends.keys().isdisjoint(reversed(hashes)))):
             return under
         kept = [u and v <= threshold for u, v in zip(under, loads, strict=True)]
         return kept if any(kept) else under
@@ -407,12 +420,13 @@ class KVAware:
         # those (a walk bounded like a power-of-d choice: at 64 backends with
         # most of them at their share, an unbounded walk is the pick's cost).
         i, fewest = -1, math.inf
+        limit = math.ceil(scale * weights[0]) if self._uniform else -1  # every backend's share, when one
         for name in ring.leading(key, _KEY_PROBES):
             j = position.get(name, -1)
             if j < 0 or not under[j]:
                 continue
             held, w = get(name, 0), weights[j]
-            if held < math.ceil(scale * w):
+            if held < (limit if limit >= 0 else math.ceil(scale * w)):
                 i = j
                 break
             if held / w < fewest:
@@ -457,26 +471,32 @@ class KVAware:
         away = 1.0 + o.off_home_penalty
         position = self._position
         feedback, queued_by_name = self._feedback, self._queued
-        special = {position[n] for n in cached}
-        if home >= 0:
-            special.add(home)
         priced: dict[int, float] = {}
-        for i in special:
-            if not under[i]:
-                continue
-            q = queued_by_name.get(names[i], 0) if feedback else candidates[i].pending_prefill_tokens
-            uncached = prompt - cached.get(names[i], 0)
-            if uncached < 0:
-                uncached = 0
-            priced[i] = per_token * (q + (uncached if i == home else away * uncached)) + per_seq * flights[i]
+        least = math.inf
+        for name, have in cached.items():
+            i = position[name]
+            if under[i]:
+                q = queued_by_name.get(name, 0) if feedback else candidates[i].pending_prefill_tokens
+                uncached = prompt - have if have < prompt else 0
+                x = priced[i] = per_token * (q + (uncached if i == home else away * uncached)) + per_seq * flights[i]
+                if x < least:
+                    least = x
+        if home >= 0 and under[home] and names[home] not in cached:
+            q = queued_by_name.get(names[home], 0) if feedback else candidates[home].pending_prefill_tokens
+            x = priced[home] = per_token * (q + (prompt if prompt > 0 else 0)) + per_seq * flights[home]
+            if x < least:
+                least = x
         far = away * prompt
-        if priced:
-            least = min(priced.values())
-            if least < per_token * far + per_seq * min(flights) - 1e-9:  # below every unpriced candidate
-                tied = [i for i, x in priced.items() if x <= least + 1e-9]
-                if len(tied) == 1:
-                    return names[tied[0]]
-                return self.fallback.ring.first(key, {names[i] for i in tied}) or names[tied[0]]
+        # Below every unpriced candidate? (The first test implies the second,
+        # in floating point too: min(in_flight) >= 0; it spares the min.)
+        if priced and (least < per_token * far - 1e-9 or least < per_token * far + per_seq * min(flights) - 1e-9):
+            if len(priced) == 1:
+                return names[next(iter(priced))]
+            bound = least + 1e-9
+            tied = [i for i, x in priced.items() if x <= bound]
+            if len(tied) == 1:
+                return names[tied[0]]
+            return self.fallback.ring.first(key, {names[i] for i in tied}) or names[tied[0]]
         if feedback:  # sparse: only backends with prefill outstanding
             queued = [0] * len(names)
             for name, q in queued_by_name.items():
@@ -531,22 +551,33 @@ class KVAware:
         cached then would be a wrong prediction)."""
         self._settle(backend, request)
         self.model.flush()  # the prompts sent lately, off the decision's path
+        self.index.settle()  # and the LRU order the matches touched
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
             if self.options.balance_factor:  # a later turn of this conversation holds this block
-                end, ends = request.block_hashes[-1], self._ends
+                hashes, ends, heads = request.block_hashes, self._ends, self._heads
+                end = hashes[-1]
                 if end not in ends:
-                    ends.add(end)
+                    ends[end] = head = hashes[0]
+                    heads[head] = heads.get(head, 0) + 1
                     self._ends_order.append(end)
                     if len(ends) > self.options.max_keys:
-                        ends.discard(self._ends_order.popleft())
+                        head = ends.pop(self._ends_order.popleft())
+                        left = heads[head] - 1
+                        if left:
+                            heads[head] = left
+                        else:
+                            del heads[head]
 
     def on_complete(
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None
     ) -> None:
         self._settle(backend, request)
         self.model.flush()
+        self.index.settle()
+        if self.options.key_load_factor:  # new keys' homes walk the ring less
+            self.fallback.ring.prepare(_KEY_PROBES, 8)
         predicted = self._predicted.pop((backend, request.request_id), None)
         if predicted is not None and cached_tokens is not None:
             # What the backend reported against what was predicted at the pick:

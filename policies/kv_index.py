@@ -143,6 +143,12 @@ class KVIndex:
         self._seq: dict[str, int] = {}
         self._gaps = 0
         self._evicted = 0
+        # Hashes matches touched, oldest first, not yet moved to the young end
+        # of the LRU: a match only notes them (moving one is a few cache
+        # misses in a large ordered dict, on the routing decision's path);
+        # :meth:`settle` moves them, before anything that reads or changes
+        # the order, so the order is the one touching at once gives.
+        self._touched: list[int] = []
 
     def since(self, backend: str) -> int:
         """Where ``backend``'s event stream should resume (-1: from the start)."""
@@ -151,6 +157,7 @@ class KVIndex:
     def apply(self, backend: str, events: Iterable[KVEventView]) -> bool:
         """Apply events in order; ``False`` (and the backend's entries gone)
         at the first event that does not follow the last one applied."""
+        self.settle()
         bit = self._slots.of(backend)
         held = self._held.setdefault(backend, {})
         for event in events:
@@ -170,6 +177,7 @@ class KVIndex:
 
     def reset(self, backend: str) -> None:
         """Forget everything about ``backend`` (restart, gap, or it is gone)."""
+        self.settle()
         held = self._held.pop(backend, {})
         if backend in self._slots.bit:
             self._remove(self._slots.bit[backend], held, list(held))
@@ -194,13 +202,28 @@ class KVIndex:
             # block would cost more than the match; the blocks between only
             # age while the index is at its bound, which it is not when
             # max_blocks covers the fleet's caches.
-            owners = self._owners
-            for n in sorted(set(found.values()), reverse=True):
-                if hashes[n - 1] in owners:
-                    owners.move_to_end(hashes[n - 1])
-            if hashes[0] in owners:
-                owners.move_to_end(hashes[0])
+            touched = self._touched
+            lengths = set(found.values())
+            if len(lengths) == 1:
+                touched.append(hashes[lengths.pop() - 1])
+            else:
+                touched.extend(hashes[n - 1] for n in sorted(lengths, reverse=True))
+            touched.append(hashes[0])
+            if len(touched) > 4096:  # nothing settled them lately
+                self.settle()
         return found
+
+    def settle(self) -> None:
+        """Move the hashes matches touched to the young end of the LRU, in
+        the order touched (the policy calls this from its feedback, off the
+        decision's path)."""
+        touched = self._touched
+        if touched:
+            self._touched = []
+            owners = self._owners
+            for h in touched:
+                if h in owners:
+                    owners.move_to_end(h)
 
     def _store(self, bit: int, held: dict[int, None], hashes: Iterable[int]) -> None:
         owners = self._owners
@@ -260,7 +283,9 @@ class RecentlySent:
         self.max_entries = max_entries
         self.width = ttl / generations
         self._slots = _Slots()
-        self._gens: deque[tuple[float, dict[int, int]]] = deque()  # (start, hash -> mask), oldest first
+        # (start, hash -> mask, first hashes), oldest first: the first block of
+        # each prompt recorded (a small dict) is what a match looks up first.
+        self._gens: deque[tuple[float, dict[int, int], dict[int, None]]] = deque()
         self._expiry = math.inf  # when the oldest generation goes (a look-up per match without touching it)
         self._entries = 0
 
@@ -268,10 +293,12 @@ class RecentlySent:
         bit = self._slots.of(backend)
         self.expire(now)
         if not self._gens or now >= self._gens[-1][0] + self.width or len(self._gens[-1][1]) >= self.max_entries:
-            self._gens.append((now, {}))
+            self._gens.append((now, {}, {}))
         gen = self._gens[-1][1]
         before = len(gen)
         hashes = tuple(hashes)
+        if hashes:
+            self._gens[-1][2][hashes[0]] = None
         gen.update(zip(hashes, map(bit.__or__, map(gen.get, hashes, repeat(0))), strict=True))  # gen[h] |= bit, in C
         self._entries += len(gen) - before
         while self._entries > self.max_entries and len(self._gens) > 1:
@@ -294,7 +321,7 @@ class RecentlySent:
         bit = self._slots.bit.get(backend)
         if bit is None:
             return
-        for _, gen in self._gens:
+        for _, gen, _ in self._gens:
             for h in [h for h, mask in gen.items() if mask & bit]:
                 if gen[h] == bit:
                     del gen[h]
@@ -304,15 +331,18 @@ class RecentlySent:
 
     def match(self, hashes: Sequence[int], names: Sequence[str], now: float) -> dict[str, int]:
         self.expire(now)
-        if hashes:  # a prompt whose first block was sent nowhere lately matches nothing
+        if hashes:
+            # A prompt whose first block began no prompt sent lately matches
+            # nothing: a chain's first block is a first block wherever it is
+            # recorded, so the small dicts of first blocks answer that.
             head = hashes[0]
-            for _, gen in self._gens:
-                if head in gen:
+            for _, _, heads in self._gens:
+                if head in heads:
                     break
             else:
                 self._slots.mask(names)
                 return {}
-        gens = [g for _, g in self._gens if g]
+        gens = [g for _, g, _ in self._gens if g]
         if not gens:
             return {}
         if len(gens) == 1:
@@ -334,6 +364,5 @@ class _Union:
     def get(self, h: int, default: int = 0) -> int:
         mask = default
         for gen in self.gens:
-            if h in gen:
-                mask |= gen[h]
+            mask |= gen.get(h, 0)
         return mask

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 from collections.abc import Collection, Iterator, Sequence
 
@@ -76,6 +77,9 @@ class HashRing:
         self._owners: list[str] = []
         self._by_owner: dict[str, list[int]] = {}  # each backend's points, sorted
         self._leading: dict[int, dict[int, tuple[str, ...]]] = {}  # limit -> start point -> leading()
+        self._buckets: list[int] = [0, 0]  # see _start
+        self._prepared: dict[int, int] = {}  # limit -> the next starting point prepare() looks at
+        self._shift = 62
 
     def update(self, candidates: Sequence[BackendView]) -> None:
         """Make the ring hold (at least) these backends with these weights.
@@ -102,6 +106,22 @@ class HashRing:
         self._owners = [n for _, n in ring]
         self._by_owner = {name: [p for p, n in ring if n == name] for name, _ in members}
         self._leading = {}
+        self._prepared = {}
+        # About a point per bucket, up to 2^14: bucket b starts at the first
+        # point >= b << shift (the points whose top bits are below b).
+        bits = min(14, max(1, len(self._points).bit_length()))
+        shift = self._shift = 63 - bits
+        counts = [0] * ((1 << bits) + 1)
+        for p in self._points:
+            counts[(p >> shift) + 1] += 1
+        self._buckets = list(itertools.accumulate(counts))
+
+    def _start(self, key: int) -> int:
+        """``bisect_left(points, key)``: within the points of the key's bucket
+        (its top bits), a step or two instead of ~log2(points) comparisons
+        of ints scattered in memory, each a cache miss on a large ring."""
+        b = key >> self._shift
+        return bisect.bisect_left(self._points, key, self._buckets[b], self._buckets[b + 1])
 
     def first(self, key: int, wanted: Collection[str]) -> str | None:
         """The first of ``wanted`` clockwise from ``key`` (what :meth:`walk`
@@ -128,9 +148,9 @@ class HashRing:
         """The position of the first backend clockwise from ``key`` that is
         in ``position`` with ``ok[position[name]]`` true, or -1 (the walk
         without a generator: a pick usually stops at the first point)."""
-        points, owners = self._points, self._owners
+        owners = self._owners
         n = len(owners)
-        start = bisect.bisect_left(points, key)
+        start = self._start(key)
         get = position.get
         for step in range(n):
             i = get(owners[(start + step) % n], -1)
@@ -146,16 +166,36 @@ class HashRing:
         known = self._leading.get(limit)
         if known is None:
             known = self._leading[limit] = {}
-        start = bisect.bisect_left(self._points, key)
+        start = self._start(key)
         names = known.get(start)
         if names is None:
             names = known[start] = tuple(self.walk(key, limit))
         return names
 
+    def prepare(self, limit: int, steps: int) -> None:
+        """Compute up to ``steps`` more starting points' :meth:`leading` (a
+        caller's spare moment, so that a pick rarely walks the ring itself:
+        a new ring has ``vnodes x backends`` of them to learn)."""
+        n = len(self._points)
+        start = self._prepared.get(limit, 0)
+        if start > n:
+            return
+        known = self._leading.get(limit)
+        if known is None:
+            known = self._leading[limit] = {}
+        while steps > 0 and start <= n:
+            if start not in known:
+                known[start] = tuple(self._walk_from(start, limit))
+                steps -= 1
+            start += 1
+        self._prepared[limit] = start
+
     def walk(self, key: int, limit: int = 0) -> Iterator[str]:
         """Every backend once (the first ``limit`` when given), in ring order
         clockwise from ``key`` (lazily: a pick usually stops at the first)."""
-        start = bisect.bisect_left(self._points, key)
+        return self._walk_from(self._start(key), limit)
+
+    def _walk_from(self, start: int, limit: int) -> Iterator[str]:
         seen: set[str] = set()
         owners = self._owners
         n = len(owners)

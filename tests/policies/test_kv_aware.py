@@ -92,6 +92,40 @@ def test_the_index_never_exceeds_its_bound_and_a_gap_always_clears_the_backend(b
             assert {h for h, mask in index._owners.items() if mask & bit} == set(held)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    bound=st.integers(1, 30),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["stored", "removed", "match", "reset"]), st.sampled_from(["a", "b"]),
+                  st.integers(0, 12), st.integers(1, 12)),
+        max_size=60,
+    ),
+)
+def test_matches_touch_the_lru_later_but_it_evicts_as_if_at_once(bound: int, ops: list) -> None:
+    """A match only notes the blocks it touched (moving them in the LRU is
+    left to ``settle``, off the decision's path); the index settles before
+    anything that reads or changes the order, so what it holds and evicts is
+    what touching at once gives."""
+    lazy, eager = KVIndex(max_blocks=bound), KVIndex(max_blocks=bound)
+    seqs = {"a": 0, "b": 0}
+    for kind, backend, start, length in ops:
+        chain = tuple(range(start, start + length))  # chains over shared numbers: prefixes overlap
+        if kind == "match":
+            assert lazy.match(chain, ["a", "b"]) == eager.match(chain, ["a", "b"])
+            eager.settle()
+        elif kind == "reset":
+            lazy.reset(backend)
+            eager.reset(backend)
+            seqs[backend] = 0
+        else:
+            seqs[backend] += 1
+            for index in (lazy, eager):
+                assert index.apply(backend, [Ev(seqs[backend], kind, chain)])
+        assert list(lazy._owners) == list(eager._owners) or lazy._touched  # apart only while touches wait
+    lazy.settle()
+    assert list(lazy._owners.items()) == list(eager._owners.items())
+
+
 def test_recently_sent_keeps_a_send_between_ttl_and_ttl_plus_a_generation() -> None:
     recent = RecentlySent(ttl=10.0, generations=4)  # generations 2.5 s wide
     recent.record("a", [1, 2, 3], now=0.0)

@@ -143,3 +143,28 @@ def test_leading_is_the_start_of_the_walk_and_follows_the_ring_when_it_changes(n
     for key in keys:
         assert ring.leading(key, limit) == tuple(ring.walk(key, limit))
         assert len(ring.leading(key, limit)) == min(limit, n + 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 70), st.lists(st.integers(0, (1 << 63) - 1), min_size=1, max_size=30), st.integers(1, 9))
+def test_the_bucketed_start_is_the_bisection_and_prepare_knows_what_walk_says(n: int, keys: list[int], limit: int) -> None:
+    """A key's starting point, found within its bucket of the ring, is where a
+    bisection of all the points puts it (keys at the ends of the range too);
+    ``prepare`` fills ``leading`` with what ``walk`` yields, in a few calls."""
+    import bisect
+
+    ring = PrefixHash().ring
+    ring.update(backends(n))
+    points = ring._points
+    for key in [*keys, 0, (1 << 63) - 1, *points[:3], points[-1]]:
+        assert ring._start(key) == bisect.bisect_left(points, key)
+    calls = 0
+    while len(ring._leading.get(limit, {})) <= len(points):
+        ring.prepare(limit, 64)
+        calls += 1
+        assert calls <= len(points) // 64 + 2
+    ring.prepare(limit, 64)  # a full ring: nothing left to do
+    for start, names in ring._leading[limit].items():
+        assert names == tuple(ring._walk_from(start, limit))
+    for key in keys:
+        assert ring.leading(key, limit) == tuple(ring.walk(key, limit))
