@@ -196,6 +196,13 @@ class KVAware:
         self._counts = dict.fromkeys(("picks", "cold", "hits", "predicted_cached_tokens", "checked", "agreed",
                                       "over", "under"), 0)
         self._keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [home name, last seen], oldest first
+        # Keys seen (touched or new) since the order was last brought up to
+        # date, in the order seen: a pick only notes them (moving one to the
+        # end of a large ordered dict is cache misses on the decision's path)
+        # and _settle_keys replays the moves, in that order, before anything
+        # reads the order (expiry) and from the feedback: the order touching
+        # at once gives.
+        self._key_moves: list[int] = []
         self._homed: dict[str, int] = {}  # backend -> keys it homes
         self._first_key = 0  # the oldest of _keys ...
         self._first_seen: float | None = None  # ... and when it was last seen (None: unknown)
@@ -407,7 +414,7 @@ class KVAware:
         if entry is not None:
             if key == self._first_key:  # the oldest is the oldest no more
                 self._first_seen = None
-            keys.move_to_end(key)
+            self._note_key(key)
             entry[1] = now
             i = position.get(entry[0], -1)
             if i >= 0 and under[i]:
@@ -437,13 +444,30 @@ class KVAware:
             if not keys:
                 self._first_seen = None
             keys[key] = [names[i], now]
+            self._note_key(key)  # already last; noted so that the replay keeps it after the keys seen before it
             homed[names[i]] = get(names[i], 0) + 1
         return i
+
+    def _note_key(self, key: int) -> None:
+        moves = self._key_moves
+        moves.append(key)
+        if len(moves) > 4096:  # no feedback lately
+            self._settle_keys()
+
+    def _settle_keys(self) -> None:
+        moves = self._key_moves
+        if moves:
+            self._key_moves = []
+            keys = self._keys
+            for key in moves:
+                if key in keys:
+                    keys.move_to_end(key)
 
     def _expire_keys(self, now: float) -> None:
         """Forget keys not seen for key_ttl_s, or past max_keys, oldest
         first; then note the oldest (the next pick needs no look-up in the
         keys to know none expired)."""
+        self._settle_keys()
         keys, homed, o = self._keys, self._homed, self.options
         self._first_seen = None
         while keys:
@@ -552,6 +576,7 @@ class KVAware:
         self._settle(backend, request)
         self.model.flush()  # the prompts sent lately, off the decision's path
         self.index.settle()  # and the LRU order the matches touched
+        self._settle_keys()
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
@@ -576,6 +601,7 @@ class KVAware:
         self._settle(backend, request)
         self.model.flush()
         self.index.settle()
+        self._settle_keys()
         if self.options.key_load_factor:  # new keys' homes walk the ring less
             self.fallback.ring.prepare(_KEY_PROBES, 8)
         predicted = self._predicted.pop((backend, request.request_id), None)

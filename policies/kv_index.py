@@ -332,17 +332,18 @@ class RecentlySent:
     def match(self, hashes: Sequence[int], names: Sequence[str], now: float) -> dict[str, int]:
         self.expire(now)
         if hashes:
-            # A prompt whose first block began no prompt sent lately matches
-            # nothing: a chain's first block is a first block wherever it is
-            # recorded, so the small dicts of first blocks answer that.
+            # Only generations where a prompt began with this one's first
+            # block hold any block of its chain (a prompt is recorded from
+            # its first block, and a chain's first block is a first block
+            # wherever it is recorded), so the small dicts of first blocks
+            # say which to look in: none for a new prompt, one most often.
             head = hashes[0]
-            for _, _, heads in self._gens:
-                if head in heads:
-                    break
-            else:
+            gens = [g for _, g, heads in self._gens if head in heads]
+            if not gens:
                 self._slots.mask(names)
                 return {}
-        gens = [g for _, g, _ in self._gens if g]
+        else:
+            gens = [g for _, g, _ in self._gens if g]
         if not gens:
             return {}
         if len(gens) == 1:

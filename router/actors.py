@@ -163,6 +163,8 @@ class BackendActor:
         self._kv_burst = False  # garbage seen, and no good batch since
         self._kv_delivered = False  # the current subscription got a batch to the sink
         self._changed = trio.Event()  # set (and replaced) on each probe and state change
+        self._view: BackendView | None = None  # the last view() and what it was built from
+        self._view_key: tuple[object, ...] = ()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -299,8 +301,16 @@ class BackendActor:
         return model is None or not self.models or model in self.models
 
     def view(self) -> BackendView:
+        """The policies' snapshot of this backend. A pick takes one of every
+        candidate and a dispatch changes one backend, so the last snapshot is
+        kept and reused while nothing it shows has changed (building one, its
+        frozenset of models included, costs ~1 us: 64 backends, 64 us a pick)."""
         info = self.info
-        return BackendView(
+        key = (self.in_flight, self.pending_prefill_tokens, self.health.state, self.draining, self.weight, info)
+        if key == self._view_key:
+            return self._view  # type: ignore[return-value]
+        self._view_key = key
+        view = self._view = BackendView(
             name=self.name,
             in_flight=self.in_flight,
             healthy=self.state.serving,
@@ -313,6 +323,7 @@ class BackendActor:
             cache_blocks=info.kv_capacity_blocks if info is not None else None,
             prefix_sharing=info is not None and info.prefix_sharing,
         )
+        return view
 
     @property
     def limit(self) -> int:

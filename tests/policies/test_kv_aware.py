@@ -363,3 +363,23 @@ def test_balancing_works_on_a_clock_far_from_zero_and_over_long_gaps() -> None:
     policy = KVAware()
     for i, now in enumerate((45_000.0, 45_000.5, 60_000.0, 60_000.1, 1e9, 10.0)):
         assert policy.pick(cands, req(i * 10, i * 10 + 1, rid=str(i)), now) in ("a", "b")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 3)), min_size=1, max_size=80), st.integers(1, 12))
+def test_keys_seen_move_in_their_order_later_but_expire_as_if_at_once(picks: list, max_keys: int) -> None:
+    """A pick only notes the prefix keys it saw (the moves in the keys' order
+    are replayed from the feedback); expiry replays them first, so the homes
+    kept and forgotten are those of moving each at once."""
+    options = KVAware.Options(max_keys=max_keys, key_ttl_s=2.0, balance_factor=0)
+    lazy, eager = KVAware(options), KVAware(options)
+    cands = [BackendView(name=f"b{i}", kv_events=True) for i in range(5)]
+    now = 0.0
+    for group, step in picks:
+        now += step
+        request = req(*range(group * 100, group * 100 + 20), rid="r")
+        assert lazy.pick(cands, request, now) == eager.pick(cands, request, now)
+        eager._settle_keys()
+        assert lazy._homed == eager._homed
+    lazy._settle_keys()
+    assert list(lazy._keys.items()) == list(eager._keys.items())

@@ -236,15 +236,16 @@ GOLDEN_BENCH_SIZED = "d91c53629a01d88f"
 # position, a request's first block anywhere in another's), re-recorded when
 # the pick started to rely on what chained hashes guarantee (a prompt's first
 # block is a first block wherever it is recorded: the look-ups of first blocks
-# in RecentlySent and of ends in kv_aware's balance go to small dicts). Block
+# in RecentlySent, which generations hold a chain, and the ends in kv_aware's
+# balance go to small dicts). Block
 # hashes are chained in every RouteRequest the router builds; on chained
 # scenarios (every other seed, and the bench-sized fleet) the decisions are
 # still those of 284f512.
 UNCHAINED: dict[int, str] = {
-    2: "2cb834bbffeec418", 5: "31d080a43d0b8233", 9: "35a32c7b88681f73", 13: "c6e15722dbabcf09",
+    2: "0ea3756b8cfc41ee", 5: "31d080a43d0b8233", 9: "35a32c7b88681f73", 13: "c6e15722dbabcf09",
     15: "32f48b076ecce2cc", 18: "cf2bab04aac4bd52", 19: "e67d9039180ad629", 22: "3f735eebb48e03fa",
-    26: "ad06c064a3a2a9d0", 27: "70baf386a138c725", 29: "79ac9c9fe0133920", 30: "b90cdf14307931ad",
-    32: "d4bd5c4930c00c37", 34: "009a928da02a3486", 35: "1a45c4568db7f6e5", 39: "f675fd599221256f",
+    26: "2aa44641ec3c03b6", 27: "5cf6183686c78ea6", 29: "779154063f10f620", 30: "b90cdf14307931ad",
+    32: "2c866e769d59080d", 34: "009a928da02a3486", 35: "1a45c4568db7f6e5", 39: "f675fd599221256f",
 }
 
 

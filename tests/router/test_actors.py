@@ -387,3 +387,30 @@ async def test_a_crashed_actor_is_down_until_a_probe_passes() -> None:
     await actor.probe()
     assert actor.state is HealthState.UP
 
+
+
+async def test_a_view_is_reused_until_something_it_shows_changes() -> None:
+    """A pick takes every candidate's view and a dispatch changes one backend,
+    so an actor hands back its last view while nothing in it changed, and a
+    new one as soon as anything did."""
+    fake = FakeBackend(models=("m",))
+    actor = BackendActor("a", fake, unhealthy_threshold=1)
+    await actor.probe()
+    first = actor.view()
+    assert actor.view() is first and first.in_flight == 0 and first.models == {"m"}
+    actor.in_flight += 1  # what a dispatch does
+    assert actor.view() is not first and actor.view().in_flight == 1
+    actor.pending_prefill_tokens += 300
+    assert actor.view().pending_prefill_tokens == 300
+    actor.weight = 2.0
+    assert actor.view().weight == 2.0
+    fake.models = ("m", "n")
+    await actor.probe()  # a new BackendInfo
+    assert actor.view().models == {"m", "n"}
+    fake.healthy = False
+    await actor.probe()
+    assert actor.state is HealthState.DOWN and not actor.view().healthy
+    actor.drain()
+    assert actor.view().draining
+    last = actor.view()
+    assert actor.view() is last
