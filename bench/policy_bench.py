@@ -7,8 +7,12 @@ KV indexes hold ``--blocks`` distinct block hashes in all, each a chain of
 indexed prefix and half cold, with the feedback the router delivers between
 picks (``on_dispatch``, ``on_first_token``, ``on_complete``) on a virtual
 clock of ``--rate`` requests per second (so the policy's record of recent
-prefills holds what that rate leaves in it). Each pick gets fresh views, as
-the router builds them, with in-flight counts that drift from pick to pick.
+prefills holds what that rate leaves in it). The views are what the
+router's actors hand a pick: the same view object again for a backend
+whose view did not change, and a new one for the two whose in-flight count
+each pick changes (its own dispatch, +1, and a completion somewhere, -1);
+``--fresh-views`` builds all 64 anew each pick with every count drifting
+(what the router did before its actors kept their views).
 The decision is ``pick`` + ``on_dispatch`` (what the request waits for);
 ``on_first_token`` + ``on_complete`` run later, off the request's path, and
 are timed apart. The cyclic collector is frozen after indexing, as
@@ -65,16 +69,44 @@ def _fill(policy: Any, backends: int, blocks: int, per_prefix: int, rng: random.
 _NAMES = [f"gpu-{b}" for b in range(4096)]  # a backend's name is one string object (its actor's), as in the router
 
 
+def _view(b: int, flights: list[int], cache_blocks: int | None) -> BackendView:
+    return BackendView(name=_NAMES[b], in_flight=flights[b], kv_events=True, block_size=16, cache_blocks=cache_blocks)
+
+
 def _views(backends: int, flights: list[int], rng: random.Random, cache_blocks: int | None) -> list[BackendView]:
-    """Fresh views (the router builds them per pick), in-flight counts drifting by one."""
+    """Fresh views, every in-flight count drifting by one (``--fresh-views``)."""
     for b in range(backends):
         flights[b] = max(0, min(16, flights[b] + rng.choice((-1, 0, 0, 1))))
-    return [BackendView(name=_NAMES[b], in_flight=flights[b], kv_events=True, block_size=16, cache_blocks=cache_blocks)
-            for b in range(backends)]
+    return [_view(b, flights, cache_blocks) for b in range(backends)]
+
+
+class _Actors:
+    """Views as the router's actors keep them: a backend's view is rebuilt
+    only when its count changes (the pick's dispatch, a completion)."""
+
+    def __init__(self, backends: int, flights: list[int], cache_blocks: int | None) -> None:
+        self.flights, self.cache_blocks = flights, cache_blocks
+        self.views = [_view(b, flights, cache_blocks) for b in range(backends)]
+
+    def step(self, picked: str | None, rng: random.Random) -> None:
+        """The pick's dispatch (+1 there) and one completion (-1 somewhere)."""
+        changed = set()
+        if picked is not None:
+            b = _NAMES.index(picked)
+            self.flights[b] += 1
+            changed.add(b)
+        busy = [b for b, f in enumerate(self.flights) if f > 0]
+        if busy:
+            b = rng.choice(busy)
+            self.flights[b] -= 1
+            changed.add(b)
+        for b in changed:
+            self.views[b] = _view(b, self.flights, self.cache_blocks)
 
 
 def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float, rng: random.Random,
-          t0: float = 0.0, cpu_clock: bool = False, cache_blocks: int | None = None) -> tuple[list[float], list[float], list[float]]:
+          t0: float = 0.0, cpu_clock: bool = False, cache_blocks: int | None = None,
+          fresh_views: bool = True) -> tuple[list[float], list[float], list[float]]:
     """Microseconds of each ``pick``, of each ``pick`` + ``on_dispatch`` (the
     decision as the router makes it), and of the later feedback
     (``on_first_token`` + ``on_complete``)."""
@@ -86,8 +118,9 @@ def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float,
     feedback: list[float] = []
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     flights = [rng.randint(0, 8) for _ in range(backends)]
+    actors = None if fresh_views else _Actors(backends, flights, cache_blocks)
     for i, request in enumerate(requests):
-        views = _views(backends, flights, rng, cache_blocks)
+        views = _views(backends, flights, rng, cache_blocks) if actors is None else list(actors.views)
         now = t0 + i / rate
         start = clock()
         name = policy.pick(views, request, now)
@@ -104,6 +137,8 @@ def _time(policy: Any, backends: int, requests: list[RouteRequest], rate: float,
             if on_complete is not None:
                 on_complete(name, request, now, ok=True, cached_tokens=None)
             feedback.append((clock() - start) / 1000.0)
+        if actors is not None:
+            actors.step(name, rng)
     return picks, decisions, feedback
 
 
@@ -127,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this thread's CPU time (what a decision costs, without the time "
                              "other processes take the core away on a shared box)")
+    parser.add_argument("--fresh-views", action="store_true",
+                        help="build every view anew each pick, every in-flight count drifting (the router before "
+                             "its actors kept their views)")
     parser.add_argument("--json", default="bench/results/issue13/policy_bench.json")
     args = parser.parse_args(argv)
     names = args.policy or ["kv_aware", "prefix_hash", "power_of_two", "least_loaded", "round_robin"]
@@ -150,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                                          prompt_tokens=16 * len(chain)))
         gc.collect()
         gc.freeze()
-        _time(policy, args.backends, requests[:1000], args.rate, rng, cache_blocks=cache_blocks)  # warm up
+        _time(policy, args.backends, requests[:1000], args.rate, rng, cache_blocks=cache_blocks,
+              fresh_views=args.fresh_views)  # warm up
         picks, decisions, feedback = _time(policy, args.backends, requests, args.rate, rng, t0=1000 / args.rate,
-                                            cpu_clock=args.clock == "cpu", cache_blocks=cache_blocks)
+                                            cpu_clock=args.clock == "cpu", cache_blocks=cache_blocks,
+                                            fresh_views=args.fresh_views)
         gc.unfreeze()
         rows.append({"policy": name, "indexed_blocks": len(getattr(policy, "index", ())),
                      "pick": _row(name, picks), "pick_and_dispatch": _row(name, decisions),
@@ -160,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})")  # type: ignore[arg-type]
     print(f"{args.backends} backends, {args.blocks:,} blocks indexed, {args.prompt_blocks} blocks per request, "
-          f"capacity {f'{cache_blocks:,} blocks each' if cache_blocks else 'unknown'}, {args.clock} clock")
+          f"capacity {f'{cache_blocks:,} blocks each' if cache_blocks else 'unknown'}, {args.clock} clock, "
+          f"{'fresh views' if args.fresh_views else 'views kept by actors'}")
     print(f"{'policy':<14} {'pick p50':>9} {'p99':>7} {'max':>8}   {'+dispatch p50':>13} {'p99':>7} {'max':>8}"
           f"   {'feedback p50':>12} {'p99':>7}  (us)")
     for r in rows:

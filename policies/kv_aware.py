@@ -60,6 +60,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import compress
+from operator import is_not
 from typing import Any
 
 import msgspec
@@ -187,6 +189,16 @@ class KVAware:
         # The last candidate set the ring was updated for, and each name's position in it.
         self._ring_names: list[str] = []
         self._ring_weights: list[float] = []
+        # The last pick's candidates and their in-flight counts and event
+        # flags: the router hands back an actor's view while nothing in it
+        # changed (a dispatch changes one), so only the views that are new
+        # objects are read again.
+        self._views: list[BackendView] = []
+        self._flights: list[int] = []
+        self._flight_sum = 0  # sum(_flights)
+        self._events: list[bool] = []
+        self._under: list[bool] = []  # the last pick's bounded-load test per candidate (uniform weights) ...
+        self._under_cap = -1  # ... at this cap (-1: none kept)
         self._names_key: tuple[str, ...] = ()  # the same names as a tuple, which the indexes know by identity
         self._position: dict[str, int] = {}
         self._weight_sum = 0.0  # of _ring_weights
@@ -275,22 +287,25 @@ class KVAware:
             return None
         counts = self._counts
         counts["picks"] += 1
-        names = [c.name for c in candidates]
-        flights = [c.in_flight for c in candidates]
-        weights = [c.weight for c in candidates]
-        if names != self._ring_names or weights != self._ring_weights:
-            self._new_candidates(candidates, names, weights)
+        names, flights, weights, events, changed = self._columns(candidates)
         position = self._position
-        cached = self._cached(self._names_key, [c.kv_events for c in candidates], request, now)
+        cached = self._cached(self._names_key, events, request, now)
         self._last_pick = (request, cached)
         o = self.options
-        share = (sum(flights) + 1) / self._weight_sum  # in flight per unit of weight, this request included
+        share = (self._flight_sum + 1) / self._weight_sum  # in flight per unit of weight, this request included
         scale, slack = o.load_factor * share, o.load_slack
         if self._uniform:
             w0 = weights[0]
             cap = max(math.ceil(scale * w0), math.ceil(share * w0) + slack)
-            under = [f < cap for f in flights]
+            if changed is not None and cap == self._under_cap:  # the last pick's, where the counts changed
+                under = self._under
+                for i in changed:
+                    under[i] = flights[i] < cap
+            else:
+                under = self._under = [f < cap for f in flights]
+                self._under_cap = cap
         else:
+            self._under_cap = -1
             under = [f < max(math.ceil(scale * w), math.ceil(share * w) + slack)
                      for f, w in zip(flights, weights, strict=True)]
         key = request_key(request, o.prefix_tokens)
@@ -327,6 +342,34 @@ class KVAware:
             self._charge(best, now)
         self._learn_capacity(candidates[position[best]])
         return best
+
+    def _columns(self, candidates: Sequence[BackendView]
+                 ) -> tuple[list[str], list[int], list[float], list[bool], list[int] | None]:
+        """The candidates' names, in-flight counts, weights and event flags,
+        and the positions whose counts alone changed (None: all read anew).
+        Views that are the last pick's objects are not read again; a changed
+        one that keeps its name, weight and flag changes only its count."""
+        last = self._views
+        self._views = list(candidates)
+        changed = list(compress(range(len(last)), map(is_not, candidates, last))) if len(last) == len(candidates) else None
+        if changed is not None and last and len(changed) * 4 <= len(last):  # else the comprehensions are cheaper
+            names, weights, events, flights = self._ring_names, self._ring_weights, self._events, self._flights
+            for i in changed:
+                c = candidates[i]
+                if c.name != names[i] or c.weight != weights[i] or c.kv_events is not events[i]:
+                    break
+                self._flight_sum += c.in_flight - flights[i]
+                flights[i] = c.in_flight
+            else:
+                return names, flights, weights, events, changed
+        names = [c.name for c in candidates]
+        flights = self._flights = [c.in_flight for c in candidates]
+        self._flight_sum = sum(flights)
+        weights = [c.weight for c in candidates]
+        if names != self._ring_names or weights != self._ring_weights:
+            self._new_candidates(candidates, names, weights)
+        self._events = [c.kv_events for c in candidates]
+        return self._ring_names, flights, self._ring_weights, self._events, None
 
     def _learn_capacity(self, view: BackendView) -> None:
         """Model ``view``'s cache from its capacity (or stop, if it no longer gives one)."""
@@ -395,7 +438,10 @@ class KVAware:
         if (self._loads_max <= threshold or (hashes[0] in self._heads
                                              and not self._ends.keys().isdisjoint(reversed(hashes)))):
             return under
-        kept = [u and v <= threshold for u, v in zip(under, loads, strict=True)]
+        kept = under.copy()  # a loop that clears the few over the threshold: faster than a comprehension over pairs
+        for i, v in enumerate(loads):
+            if v > threshold:
+                kept[i] = False
         return kept if any(kept) else under
 
     def _key_home(self, key: int, names: list[str], weights: list[float], position: dict[str, int],

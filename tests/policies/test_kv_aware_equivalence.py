@@ -52,8 +52,11 @@ def _options(rng: random.Random) -> dict[str, Any]:
 class _Scenario:
     """One seeded run; ``trace`` is everything the policy said."""
 
-    def __init__(self, make: Callable[[dict[str, Any]], Any], seed: int) -> None:
+    def __init__(self, make: Callable[[dict[str, Any]], Any], seed: int, reuse: bool = False) -> None:
         rng = self.rng = random.Random(seed)
+        # reuse: a view equal to the last one of its backend is that object
+        # again, as the router's actors hand them back.
+        self.reuse: dict[str, BackendView] | None = {} if reuse else None
         self.nb = nb = rng.choice([1, 2, 3, 5, 8, 13, 20, 64])
         self.names = [f"b{i}" for i in range(nb)]
         self.weights = [1.0] * nb if rng.random() < 0.6 else [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in self.names]
@@ -124,6 +127,8 @@ class _Scenario:
         weights = self.weights if self.nb > 20 or rng.random() < 0.97 else [rng.choice([1.0, 2.0]) for _ in names]
         views = [BackendView(name=n, in_flight=self.flights[n], weight=weights[names.index(n)], kv_events=self.events[n],
                              pending_prefill_tokens=rng.choice([0, 0, 16, 300]), block_size=16) for n in candidates]
+        if self.reuse is not None:
+            views = [_reused(self.reuse, v) for v in views]
         hs = self.hashes()
         block_size = rng.choice([16, 16, 16, 0])
         tokens = (block_size or rng.choice([10, 16, 20])) * len(hs) if rng.random() < 0.9 else rng.randint(0, 400)
@@ -170,6 +175,14 @@ def _recorded(stats: Any) -> dict[str, Any]:
     return {k: fields[k] for k in _RECORDED_STATS}
 
 
+def _reused(cache: dict[str, BackendView], view: BackendView) -> BackendView:
+    last = cache.get(view.name)
+    if last == view:
+        return last  # type: ignore[return-value]
+    cache[view.name] = view
+    return view
+
+
 def _digest(trace: list[Any]) -> str:
     return hashlib.sha256(repr(trace).encode()).hexdigest()[:16]
 
@@ -184,9 +197,13 @@ def _kv_aware(options: dict[str, Any]) -> KVAware:
     return KVAware(KVAware.Options(**{**RECORDED_DEFAULTS, **options}))
 
 
-def bench_sized_trace(make: Callable[[dict[str, Any]], Any], picks: int = 1500) -> list[Any]:
+def bench_sized_trace(make: Callable[[dict[str, Any]], Any], picks: int = 1500, reuse: bool = False,
+                      few: bool = False) -> list[Any]:
     """64 backends, 400 chains of 64 blocks on 1-3 backends each, requests
-    half on an indexed prefix and half cold, with every feedback call."""
+    half on an indexed prefix and half cold, with every feedback call. With
+    ``few``, each pick changes two in-flight counts (the pick's +1 and a
+    completion's -1, as a router's steady state does) instead of drifting
+    every one."""
     rng = random.Random(13)
     policy = make({"max_blocks": 30_000})
     names = [f"gpu-{b}" for b in range(64)]
@@ -199,16 +216,24 @@ def bench_sized_trace(make: Callable[[dict[str, Any]], Any], picks: int = 1500) 
             seqs[b] += 1
             policy.on_kv_events(b, [Ev(seqs[b], "stored", chain)], 0.0)
     flights = [rng.randint(0, 8) for _ in names]
+    cache: dict[str, BackendView] = {}
     trace: list[Any] = []
     for i in range(picks):
-        for b in range(64):
-            flights[b] = max(0, min(16, flights[b] + rng.choice((-1, 0, 0, 1))))
+        if not few:
+            for b in range(64):
+                flights[b] = max(0, min(16, flights[b] + rng.choice((-1, 0, 0, 1))))
         views = [BackendView(name=n, in_flight=f, kv_events=True, block_size=16) for n, f in zip(names, flights, strict=True)]
+        if reuse:
+            views = [_reused(cache, v) for v in views]
         hs = rng.choice(chains)[: rng.randint(1, 64)] if i % 2 else tuple(rng.getrandbits(63) for _ in range(64))
         request = RouteRequest(request_id=str(i), block_hashes=hs, block_size=16, prompt_tokens=16 * len(hs))
         now = i / 200.0
         name = policy.pick(views, request, now)
         trace.append(name)
+        if few:
+            flights[names.index(name)] += 1
+            done = rng.randrange(64)
+            flights[done] = max(0, flights[done] - 1)
         policy.on_dispatch(name, request, now)
         if rng.random() < 0.9:
             policy.on_first_token(name, request, now)
@@ -249,20 +274,32 @@ UNCHAINED: dict[int, str] = {
 }
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-views", "reused-views"])
 @pytest.mark.parametrize("seed", sorted(GOLDEN))
-def test_seeded_scenarios_replay_the_recorded_decisions(seed: int) -> None:
-    scenario = _Scenario(_kv_aware, seed)
+def test_seeded_scenarios_replay_the_recorded_decisions(seed: int, reuse: bool) -> None:
+    """Fresh views each pick, or (as the router's actors do) the last view
+    object of a backend whose view did not change: the same decisions."""
+    scenario = _Scenario(_kv_aware, seed, reuse)
     assert scenario.chained == (seed not in UNCHAINED)
     trace = scenario.run(300)
     assert sum(1 for t in trace if t[0] == "pick") > 50
     assert _digest(trace) == UNCHAINED.get(seed, GOLDEN[seed])
 
 
-def test_bench_sized_fleet_replays_the_recorded_decisions() -> None:
-    trace = bench_sized_trace(_kv_aware)
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-views", "reused-views"])
+def test_bench_sized_fleet_replays_the_recorded_decisions(reuse: bool) -> None:
+    trace = bench_sized_trace(_kv_aware, reuse=reuse)
     stats = trace[-1]
     assert stats["hits"] > 300 and stats["cold"] > 300  # both halves of the workload were exercised
     assert _digest(trace) == GOLDEN_BENCH_SIZED
+
+
+def test_reused_views_that_change_two_counts_a_pick_give_the_decisions_fresh_ones_give() -> None:
+    """The fast path for views the router hands back unchanged (most of them,
+    when a pick changes one backend's count and a completion another's)."""
+    fresh = bench_sized_trace(_kv_aware, picks=800, few=True)
+    assert bench_sized_trace(_kv_aware, picks=800, reuse=True, few=True) == fresh
+    assert len(set(fresh[:-1])) > 16  # picks spread over the fleet: counts changed where it matters
 
 
 def test_the_scenarios_exercise_what_the_fast_paths_skip() -> None:
