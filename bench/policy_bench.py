@@ -89,15 +89,15 @@ class _Actors:
         self.views = [_view(b, flights, cache_blocks) for b in range(backends)]
 
     def step(self, picked: str | None, rng: random.Random) -> None:
-        """The pick's dispatch (+1 there) and one completion (-1 somewhere)."""
+        """The pick's dispatch (+1 there) and one completion (-1 on a backend
+        drawn by its in-flight count): a steady state."""
         changed = set()
         if picked is not None:
             b = _NAMES.index(picked)
             self.flights[b] += 1
             changed.add(b)
-        busy = [b for b, f in enumerate(self.flights) if f > 0]
-        if busy:
-            b = rng.choice(busy)
+        if any(self.flights):  # each stream as likely to end as any other: more end where more run
+            b = rng.choices(range(len(self.flights)), weights=self.flights)[0]
             self.flights[b] -= 1
             changed.add(b)
         for b in changed:

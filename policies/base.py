@@ -47,7 +47,11 @@ __all__ = [
 
 
 class BackendView(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of one backend as the router sees it at decision time."""
+    """A snapshot of one backend as the router sees it at decision time.
+
+    The router hands a policy the same object again while nothing in it has
+    changed (a pick changes one backend's count), so a policy may skip what
+    it read from a view it saw last time; it must be as right with new ones."""
 
     name: str
     in_flight: int = 0  # this router's streams on it (queued at the backend or running)

@@ -351,8 +351,9 @@ class KVAware:
         one that keeps its name, weight and flag changes only its count."""
         last = self._views
         self._views = list(candidates)
-        changed = list(compress(range(len(last)), map(is_not, candidates, last))) if len(last) == len(candidates) else None
-        if changed is not None and last and len(changed) * 4 <= len(last):  # else the comprehensions are cheaper
+        # (Both ends new: views built afresh, most likely; reading all is cheaper than finding which.)
+        if (len(last) == len(candidates) and last and (candidates[0] is last[0] or candidates[-1] is last[-1])
+                and len(changed := list(compress(range(len(last)), map(is_not, candidates, last)))) * 4 <= len(last)):
             names, weights, events, flights = self._ring_names, self._ring_weights, self._events, self._flights
             for i in changed:
                 c = candidates[i]
