@@ -281,8 +281,9 @@ class KVAware:
         under their bounded-load cap; cold starts and ties by prefix_hash's
         ring. This runs for every request over every candidate, so the
         per-candidate work is a few list comprehensions (no per-candidate
-        Python calls), and only the backends that hold blocks of the request
-        and its home are priced one by one."""
+        Python calls; only the views that changed since the last pick, when
+        the router hands back the others), and only the backends that hold
+        blocks of the request and its home are priced one by one."""
         if not candidates:
             return None
         counts = self._counts
