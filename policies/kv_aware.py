@@ -197,6 +197,7 @@ class KVAware:
         self._flights: list[int] = []
         self._flight_sum = 0  # sum(_flights)
         self._events: list[bool] = []
+        self._every_event = False  # all(_events)
         self._under: list[bool] = []  # the last pick's bounded-load test per candidate (uniform weights) ...
         self._under_cap = -1  # ... at this cap (-1: none kept)
         self._names_key: tuple[str, ...] = ()  # the same names as a tuple, which the indexes know by identity
@@ -243,12 +244,14 @@ class KVAware:
             self._learn_capacity(c)
         return self._cached([c.name for c in candidates], [c.kv_events for c in candidates], request, now)
 
-    def _cached(self, names: Sequence[str], events: list[bool], request: RouteRequest, now: float) -> dict[str, int]:
+    def _cached(self, names: Sequence[str], events: list[bool], request: RouteRequest, now: float,
+                every: bool | None = None) -> dict[str, int]:
+        """``every``: all(events), when the caller knows it."""
         hashes = request.block_hashes
         if not hashes:
             return {}
         blocks = self.pending.match(hashes, names, now)
-        if all(events):
+        if all(events) if every is None else every:
             found = self.index.match(hashes, names)
         else:
             found = self.recent.match(hashes, [n for n, e in zip(names, events, strict=True) if not e], now)
@@ -290,7 +293,7 @@ class KVAware:
         counts["picks"] += 1
         names, flights, weights, events, changed = self._columns(candidates)
         position = self._position
-        cached = self._cached(self._names_key, events, request, now)
+        cached = self._cached(self._names_key, events, request, now, self._every_event)
         self._last_pick = (request, cached)
         o = self.options
         share = (self._flight_sum + 1) / self._weight_sum  # in flight per unit of weight, this request included
@@ -310,8 +313,9 @@ class KVAware:
             under = [f < max(math.ceil(scale * w), math.ceil(share * w) + slack)
                      for f, w in zip(flights, weights, strict=True)]
         key = request_key(request, o.prefix_tokens)
+        growth = self._growth(now) if o.balance_factor else 0.0  # once: the balance and the charge
         if o.balance_factor and request.block_hashes:
-            under = self._balanced(names, under, request.block_hashes, now)
+            under = self._balanced(names, under, request.block_hashes, growth)
         if o.key_load_factor:
             home = self._key_home(key, names, weights, position, under, now)
         else:
@@ -340,7 +344,7 @@ class KVAware:
                 counts["hits"] += 1
                 counts["predicted_cached_tokens"] += hit
         if o.balance_factor:
-            self._charge(best, now)
+            self._charge(best, growth)
         self._learn_capacity(candidates[position[best]])
         return best
 
@@ -371,6 +375,7 @@ class KVAware:
         if names != self._ring_names or weights != self._ring_weights:
             self._new_candidates(candidates, names, weights)
         self._events = [c.kv_events for c in candidates]
+        self._every_event = all(self._events)
         return self._ring_names, flights, self._ring_weights, self._events, None
 
     def _learn_capacity(self, view: BackendView) -> None:
@@ -406,8 +411,9 @@ class KVAware:
         self._loads = None  # rebuilt from the rescaled values
         return 0.0
 
-    def _charge(self, name: str, now: float) -> None:
-        add = 2.0 ** self._growth(now)
+    def _charge(self, name: str, growth: float) -> None:
+        """One more recent pick for ``name`` (``growth``: :meth:`_growth` now)."""
+        add = 2.0 ** growth
         self._recent_load[name] = self._recent_load.get(name, 0.0) + add
         loads = self._loads
         if loads is not None:  # the candidates' scaled loads stay right without a rebuild
@@ -420,7 +426,7 @@ class KVAware:
             else:
                 self._loads = None
 
-    def _balanced(self, names: list[str], under: list[bool], hashes: tuple[int, ...], now: float) -> list[bool]:
+    def _balanced(self, names: list[str], under: list[bool], hashes: tuple[int, ...], growth: float) -> list[bool]:
         """``under`` without the backends that took more than their share of
         the recent picks (see ``balance_factor``) if the request continues no
         conversation seen lately (none of ``hashes`` ends a prompt prefilled
@@ -428,7 +434,6 @@ class KVAware:
         first: they usually leave ``under`` as it is, and then the request's
         blocks need no look-up in the (large, cache-missing) set of ends."""
         o = self.options
-        growth = self._growth(now)
         loads = self._loads
         if loads is None:  # the candidates' scaled loads, in their order (kept up to date by _charge)
             get = self._recent_load.get
