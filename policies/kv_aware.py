@@ -68,12 +68,21 @@ import msgspec
 
 from policies.base import BackendView, KVEventView, RouteRequest
 from policies.cache_model import CacheModel
-from policies.kv_index import IndexStatistics, KVIndex, RecentlySent
+from policies.kv_index import IndexStatistics, KVIndex, RecentlySent, move_to_end_each
 from policies.prefix_hash import TEXT_BLOCK_TOKENS, PrefixHash, request_key
 
 __all__ = ["KVAware", "KVAwareStatistics"]
 
 _KEY_PROBES = 8  # distinct backends a new key's home is looked for among
+
+
+def _discount(counts: dict[Any, int], key: Any) -> None:
+    """One fewer of ``key`` in ``counts`` (gone at none)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 def _tokens(request: RouteRequest, blocks: int) -> int:
@@ -508,13 +517,9 @@ class KVAware:
             self._settle_keys()
 
     def _settle_keys(self) -> None:
-        moves = self._key_moves
-        if moves:
-            self._key_moves = []
-            keys = self._keys
-            for key in moves:
-                if key in keys:
-                    keys.move_to_end(key)
+        if self._key_moves:
+            moves, self._key_moves = self._key_moves, []
+            move_to_end_each(self._keys, moves)
 
     def _expire_keys(self, now: float) -> None:
         """Forget keys not seen for key_ttl_s, or past max_keys, oldest
@@ -528,12 +533,7 @@ class KVAware:
             if first[1] + o.key_ttl_s > now and len(keys) <= o.max_keys:
                 self._first_key, self._first_seen = key, first[1]
                 break
-            old = keys.popitem(last=False)[1][0]
-            left = homed[old] - 1
-            if left:
-                homed[old] = left
-            else:
-                del homed[old]
+            _discount(homed, keys.popitem(last=False)[1][0])
 
     def _cheapest(self, candidates: Sequence[BackendView], names: list[str], flights: list[int], under: list[bool],
                   home: int, key: int, request: RouteRequest, cached: dict[str, int]) -> str:
@@ -626,10 +626,7 @@ class KVAware:
         here, not at dispatch: a request sent while another with its prefix
         is still prefilling does not share that prefill, so counting it
         cached then would be a wrong prediction)."""
-        self._settle(backend, request)
-        self.model.flush()  # the prompts sent lately, off the decision's path
-        self.index.settle()  # and the LRU order the matches touched
-        self._settle_keys()
+        self._catch_up(backend, request)
         if request.block_hashes:
             record = self.pending if self.index.follows(backend) else self.recent
             record.record(backend, request.block_hashes, now)
@@ -641,20 +638,12 @@ class KVAware:
                     heads[head] = heads.get(head, 0) + 1
                     self._ends_order.append(end)
                     if len(ends) > self.options.max_keys:
-                        head = ends.pop(self._ends_order.popleft())
-                        left = heads[head] - 1
-                        if left:
-                            heads[head] = left
-                        else:
-                            del heads[head]
+                        _discount(heads, ends.pop(self._ends_order.popleft()))
 
     def on_complete(
         self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None
     ) -> None:
-        self._settle(backend, request)
-        self.model.flush()
-        self.index.settle()
-        self._settle_keys()
+        self._catch_up(backend, request)
         if self.options.key_load_factor:  # new keys' homes walk the ring less
             self.fallback.ring.prepare(_KEY_PROBES, 8)
         predicted = self._predicted.pop((backend, request.request_id), None)
@@ -670,6 +659,16 @@ class KVAware:
                 counts["under"] += 1
             else:
                 counts["agreed"] += 1
+
+    def _catch_up(self, backend: str, request: RouteRequest) -> None:
+        """Feedback for ``request`` (its prefill is over): its queued tokens
+        leave ``backend``, and what the decisions left for later is done, off
+        their path (the prompts sent to the cache model, the LRU order the
+        index's matches and the prefix keys touched)."""
+        self._settle(backend, request)
+        self.model.flush()
+        self.index.settle()
+        self._settle_keys()
 
     def _settle(self, backend: str, request: RouteRequest) -> None:
         owed = self._owed.pop((backend, request.request_id), 0)

@@ -28,12 +28,22 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from typing import Any
 
 import msgspec
 
 from policies.base import KVEventView
 
-__all__ = ["IndexStatistics", "KVIndex", "RecentlySent"]
+__all__ = ["IndexStatistics", "KVIndex", "RecentlySent", "move_to_end_each"]
+
+
+def move_to_end_each(order: OrderedDict[int, Any], keys: Iterable[int]) -> None:
+    """Move each of ``keys`` still in ``order`` to its end, in turn: the
+    order that moving each at once (when it was touched) would have given,
+    for touches noted on a hot path and replayed later."""
+    for key in keys:
+        if key in order:
+            order.move_to_end(key)
 
 
 class IndexStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,13 +227,9 @@ class KVIndex:
         """Move the hashes matches touched to the young end of the LRU, in
         the order touched (the policy calls this from its feedback, off the
         decision's path)."""
-        touched = self._touched
-        if touched:
-            self._touched = []
-            owners = self._owners
-            for h in touched:
-                if h in owners:
-                    owners.move_to_end(h)
+        if self._touched:
+            touched, self._touched = self._touched, []
+            move_to_end_each(self._owners, touched)
 
     def _store(self, bit: int, held: dict[int, None], hashes: Iterable[int]) -> None:
         owners = self._owners

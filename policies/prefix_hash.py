@@ -163,14 +163,19 @@ class HashRing:
         tuple kept per starting point until the ring changes (a ring has
         ``vnodes x backends`` starting points, so a busy router soon knows
         them all, and a walk becomes one bisection and one look-up)."""
-        known = self._leading.get(limit)
-        if known is None:
-            known = self._leading[limit] = {}
+        known = self._leading_of(limit)
         start = self._start(key)
         names = known.get(start)
         if names is None:
-            names = known[start] = tuple(self.walk(key, limit))
+            names = known[start] = tuple(self._walk_from(start, limit))
         return names
+
+    def _leading_of(self, limit: int) -> dict[int, tuple[str, ...]]:
+        """:meth:`leading`'s answers for ``limit``, by starting point."""
+        known = self._leading.get(limit)
+        if known is None:
+            known = self._leading[limit] = {}
+        return known
 
     def prepare(self, limit: int, steps: int) -> None:
         """Compute up to ``steps`` more starting points' :meth:`leading` (a
@@ -180,9 +185,7 @@ class HashRing:
         start = self._prepared.get(limit, 0)
         if start > n:
             return
-        known = self._leading.get(limit)
-        if known is None:
-            known = self._leading[limit] = {}
+        known = self._leading_of(limit)
         while steps > 0 and start <= n:
             if start not in known:
                 known[start] = tuple(self._walk_from(start, limit))
