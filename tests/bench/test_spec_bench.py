@@ -77,7 +77,7 @@ def test_a_short_run_against_two_tiny_engines_writes_the_table_json_and_png(tmp_
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
     out = tmp_path / "spec.json"
-    code = main(["--concurrency", "1", "2", "--duration", "1", "--max-tokens", "8", "--prompt-tokens", "20",
+    code = main(["--concurrency", "1", "2", "--duration", "0.25", "--max-tokens", "8", "--prompt-tokens", "20",
                  "--engine-args", f"--model {model} --threads 1 --block-size 4",
                  "--json", str(out), "--plot", str(tmp_path / "spec.png")])
     assert code == 0
