@@ -81,7 +81,8 @@ async def _one(label: str, checkout: Path, path: KernelPath, args: argparse.Name
     python = sys.executable
     server = await start_server(
         f"engine-{label}-{path.name}".replace(" ", "_").replace(",", ""),
-        [python, "-m", "router.cli", "engine", "--port", "0", *path.flags],
+        [python, "-m", "router.cli", "engine", "--port", "0", *path.flags,
+         *(["--model", str(args.model)] if args.model else [])],
         outdir, patience=300.0, cwd=checkout, env={**path.env, "PYTHONPATH": str(checkout)})
     try:
         await trio.sleep(args.settle)
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--settle", type=float, default=3.0, help="seconds idle before the RSS read")
+    p.add_argument("--model", help="GGUF file or Hugging Face folder for every engine (default: the engine's)")
     p.add_argument("--results-dir", default="bench/results/issue19/paths")
     args = p.parse_args(argv)
     args.checkouts = []

@@ -1,5 +1,5 @@
-"""``python -m bench.engine_paths``: one real ``headrace engine`` run on the default
-model, through the whole harness (start, idle RSS, the bench, RSS, stop, table, JSON)."""
+"""``python -m bench.engine_paths``: one real ``headrace engine`` run (on the tiny
+random model), through the whole harness (start, idle RSS, the bench, RSS, stop, table, JSON)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ from pathlib import Path
 import pytest
 
 from bench import engine_paths
+from tests.engine import tiny
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_path_from_one_checkout_gives_tok_s_and_rss(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the tiny random model: what is checked is the bench's plumbing (a
+    path's flags and env reach the engine, its tok/s and RSS the table and
+    the JSON), which the default model's ~10 s load adds nothing to."""
+    model = tiny.write_gguf(tiny.hf_model(), tmp_path / "tiny.gguf")
     rc = engine_paths.main(["--checkout", "here=.", "--path", "float32", "--concurrency", "1",
-                            "--duration", "1", "--warmup", "0", "--max-tokens", "4", "--settle", "0.5",
-                            "--results-dir", str(tmp_path)])  # fmt: skip
+                            "--duration", "0.25", "--warmup", "0", "--max-tokens", "4", "--settle", "0.5",
+                            "--model", str(model), "--results-dir", str(tmp_path)])  # fmt: skip
     assert rc == 0
     summary = json.loads((tmp_path / "engine_paths.json").read_text())
     assert summary["kind"] == "engine_paths" and summary["cpu"]["model"]
