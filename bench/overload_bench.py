@@ -25,6 +25,15 @@ Targets (checked and printed): interactive goodput >= 95% while overloaded;
 total goodput higher with admission than without; refusal p99 < 10 ms; the
 quiet tenant's p99 TTFT <= 1.2x solo. Prints a table, writes JSON and a PNG
 (default under bench/results/issue15/), and names the CPU.
+
+CPUs: every process may run on every CPU. The mocks and the load
+generator stand in for other machines, and on a small box they share the
+router's CPUs: the probe notes, per refusal, how long it and the router's
+main thread waited for a CPU (``/proc/<pid>/schedstat``; on two cores
+2-3 ms at p90 and 4-10 ms at p99 of a refusal's time), and the plot shows
+the refusals' CDF with and without those waits. ``--pin-router`` (a box
+of two or more CPUs) runs the router and the probe on the first CPU and
+the rest on the others; the JSON's ``bed.cpus`` names the layout.
 """
 
 from __future__ import annotations
@@ -312,12 +321,18 @@ def fairness_plan(quiet: float, duration: float, seed: int, *, flood: bool) -> l
     return sorted(plan)
 
 
-async def run_probe(url: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
+async def run_probe(url: str, args: argparse.Namespace, out: list[dict[str, Any]], router_pid: int,
+                    cpus: list[int] | None = None) -> None:  # fmt: skip
     """The refusal probe (bench/refusal_probe.py) in its own process, from
-    3 s into the phase (the queues have built) to 3 s before its end."""
+    3 s into the phase (the queues have built) to 3 s before its end, on
+    ``cpus`` when given; it also notes its own and the router's run-queue
+    waits per answer."""
     await trio.sleep(3.5)
     argv = [sys.executable, "-m", "bench.refusal_probe", "--url", url, "--key", _key("probe"),
-            "--rate", f"{args.probe_rate:g}", "--duration", f"{max(1.0, args.duration - 6):g}"]  # fmt: skip
+            "--rate", f"{args.probe_rate:g}", "--duration", f"{max(1.0, args.duration - 6):g}",
+            "--router-pid", str(router_pid)]  # fmt: skip
+    if cpus:
+        argv += ["--cpus", ",".join(map(str, cpus))]
     done = await trio.run_process(argv, capture_stdout=True)
     out.extend(msgspec.json.decode(done.stdout)["answers"])
 
@@ -330,7 +345,7 @@ def summarize_probe(answers: list[dict[str, Any]], args: argparse.Namespace) -> 
             codes[a["code"]] = codes.get(a["code"], 0) + 1
     return {"sent": len(answers), "refused": codes, "rate": args.probe_rate,
             "refusal_ms": {"count": len(refused), "p50": _ms(refused, 50), "p99": _ms(refused, 99)},
-            "samples": [[a.get("at"), a["ms"], a["code"]] for a in answers]}
+            "samples": [[a.get("at"), a["ms"], a["code"], a.get("probe_wait_ms"), a.get("router_wait_ms")] for a in answers]}
 
 
 # ---------------------------------------------------------------- the report
@@ -439,11 +454,11 @@ def _f(value: float | None) -> str:
 def plot(doc: dict[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    fig = Figure(figsize=(19, 4.2), layout="constrained")
     fig.suptitle(f"headrace bench overload: {doc['bed']['load']:g}x capacity, {doc['cpu']['model']}")
-    ax1, ax2, ax3 = fig.subplots(1, 3)
+    ax1, ax2, ax3, ax4 = fig.subplots(1, 4)
     width = 0.38
-    for i, mode in enumerate(("on", "off")):
+    for i, mode in enumerate(m for m in ("on", "off") if m in doc["mixed"]):
         classes = doc["mixed"][mode]["classes"]
         xs = [j + (i - 0.5) * width for j in range(len(CLASSES))]
         ax1.bar(xs, [classes.get(c, {}).get("goodput", 0) for c in CLASSES], width, label=f"admission {mode}")
@@ -461,6 +476,15 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     ax3.set_title("quiet tenant TTFT CDF (ms)")
     ax3.grid(True, alpha=0.3)
     ax3.legend(fontsize="small")
+    samples = (doc["mixed"].get("on") or {}).get("probe", {}).get("samples", [])
+    for label, values in (("at the probe", [row[1] for row in samples]),
+                          ("less run-queue waits", [row[1] - (row[3] or 0) - (row[4] or 0) for row in samples if len(row) > 4])):  # fmt: skip
+        xs = sorted(values)
+        ax4.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=label)
+    ax4.axvline(10, color="grey", linestyle="--")
+    ax4.set_title("refusal latency CDF at the probe (ms)")
+    ax4.grid(True, alpha=0.3)
+    ax4.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
     return path
@@ -491,6 +515,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="refusal probes per second from their own process while admission is on (0: none)")
     p.add_argument("--mock-nice", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin-router", action="store_true",
+                   help="the router and the refusal probe on the first CPU, the mocks and the load generator on the others")
     p.add_argument("--skip-fairness", action="store_true")
     p.add_argument("--skip-mixed", action="store_true")
     p.add_argument("--skip-off", action="store_true",
@@ -499,6 +525,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", dest="plot_path")
     p.add_argument("--no-plot", action="store_true")
     return p
+
+
+def cpu_layout(pinned: bool) -> dict[str, list[int]] | None:
+    """The router's CPU and everyone else's (None: all share all CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pinned or len(cpus) < 2:
+        return None
+    return {"router": cpus[:1], "others": cpus[1:]}
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _box_sample() -> tuple[float, float, float]:
@@ -531,6 +574,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "router": "own process, --workers 1"},
         "mixed": {},
     }  # fmt: skip
+    layout = cpu_layout(args.pin_router)
+    doc["bed"]["cpus"] = layout or "shared"
+    if layout is not None:
+        pin(os.getpid(), layout["others"])  # the mocks and the probe inherit it
     with tempfile.TemporaryDirectory(prefix="headrace-overload-") as tmp:
         logdir = Path(tmp)
         async with AsyncExitStack() as stack:
@@ -538,6 +585,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             plan = mixed_plan(args.load * capacity, args.duration, args.mix, args.seed)
             for mode in () if args.skip_mixed else ("on",) if args.skip_off else ("on", "off"):
                 router = await start_router(args, mocks, logdir, admission=mode == "on", reserve=args.reserve_slots)
+                if layout is not None:
+                    pin(router.pid, layout["router"])
                 try:
                     print(f"mixed load, admission {mode}: {len(plan)} requests over {args.duration:g} s", file=sys.stderr)
                     timeline: list[dict[str, float]] = []
@@ -548,7 +597,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     probed: list[dict[str, Any]] = []
                     async with trio.open_nursery() as nursery:
                         if mode == "on" and args.probe_rate > 0:
-                            nursery.start_soon(run_probe, router.url, args, probed)
+                            # Pinned, the probe is beside the router: a client at 5-10
+                            # requests a second does not queue behind the load generator.
+                            nursery.start_soon(run_probe, router.url, args, probed, router.pid, layout and layout["router"])
                         doc["mixed"][mode] = summarize(await run_phase(router.url, plan, args, metrics, timeline))
                     if probed:
                         doc["mixed"][mode]["probe"] = summarize_probe(probed, args)
@@ -562,6 +613,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await trio.sleep(1.0)  # the mocks finish what the router cancelled
             if not args.skip_fairness:
                 router = await start_router(args, mocks, logdir, admission=True, reserve=args.fair_reserve_slots)
+                if layout is not None:
+                    pin(router.pid, layout["router"])
                 try:
                     fair: dict[str, Any] = {"quiet_rps": args.quiet_rps, "flood_rps": 20 * args.quiet_rps}
                     for name, flood in (("solo", False), ("flooded", True)):

@@ -10,12 +10,18 @@ seconds on one HTTP/2 connection opened beforehand, and times each from
 just before its HEADERS go out to its last byte. Prints one JSON document
 on stdout: each answer's status, code, milliseconds and start (``at``:
 ``time.perf_counter()``, CLOCK_MONOTONIC on Linux, the same clock in
-every process, so a trace of the router lines up with it).
+every process, so a trace of the router lines up with it). With
+``--router-pid``, each answer also says how long, while it was out, this
+probe's thread and the router's main thread waited for a CPU
+(``/proc/.../schedstat``'s run-queue delay): on a box where the bed shares
+two cores, that separates a router that was slow from one (or a client)
+that was not running.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -29,7 +35,19 @@ from backends.h2client import H2Pool
 __all__ = ["main", "probe"]
 
 
-async def probe(url: str, *, key: str, rate: float, duration: float, deadline_ms: int, seed: int = 0) -> list[dict[str, Any]]:
+def run_queue_wait(pid: int | None) -> float:
+    """Seconds a thread has waited for a CPU since it started (the run-queue
+    delay in ``/proc/<pid>/task/<pid>/schedstat``; this thread's for None; 0 when unreadable)."""
+    path = "/proc/thread-self/schedstat" if pid is None else f"/proc/{pid}/task/{pid}/schedstat"
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def probe(url: str, *, key: str, rate: float, duration: float, deadline_ms: int, seed: int = 0,
+                router_pid: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = msgspec.json.encode({"model": "m", "prompt": "probe", "max_tokens": 4, "stream": True})
     headers = [("authorization", f"Bearer {key}"), ("content-type", "application/json"),
@@ -40,6 +58,7 @@ async def probe(url: str, *, key: str, rate: float, duration: float, deadline_ms
         await pool.request("GET", "/health")  # the connection is open before the first probe
 
         async def one() -> None:
+            waits = (run_queue_wait(None), run_queue_wait(router_pid)) if router_pid else None
             began = time.perf_counter()
             with trio.move_on_after(30):
                 async with pool.stream("POST", "/v1/completions", headers=headers, body=body) as resp:
@@ -51,7 +70,11 @@ async def probe(url: str, *, key: str, rate: float, duration: float, deadline_ms
                             code = msgspec.json.decode(data)["error"]["code"]
                         except (msgspec.DecodeError, KeyError, TypeError):
                             code = f"http_{resp.status}"
-                    answers.append({"status": resp.status, "code": code, "ms": round(ms, 3), "at": began})
+                    answer = {"status": resp.status, "code": code, "ms": round(ms, 3), "at": began}
+                    if waits is not None:
+                        answer["probe_wait_ms"] = round((run_queue_wait(None) - waits[0]) * 1000, 3)
+                        answer["router_wait_ms"] = round((run_queue_wait(router_pid) - waits[1]) * 1000, 3)
+                    answers.append(answer)
 
         async with trio.open_nursery() as nursery:
             end = trio.current_time() + duration
@@ -69,9 +92,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--deadline-ms", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-pid", type=int, help="also note the router's main thread's run-queue wait per answer")
+    p.add_argument("--cpus", help="run on these CPUs only (comma-separated)")
     args = p.parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
     answers = trio.run(lambda: probe(args.url, key=args.key, rate=args.rate, duration=args.duration,
-                                     deadline_ms=args.deadline_ms, seed=args.seed))  # fmt: skip
+                                     deadline_ms=args.deadline_ms, seed=args.seed, router_pid=args.router_pid))  # fmt: skip
     sys.stdout.buffer.write(msgspec.json.encode({"answers": answers}) + b"\n")
     return 0
 

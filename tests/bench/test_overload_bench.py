@@ -6,8 +6,13 @@ targets, and the router config it writes decodes."""
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import subprocess
+import sys
+import time
 import tomllib
+from pathlib import Path
 
 import pytest
 import trio
@@ -18,8 +23,11 @@ from backends.mock import MockBackend, MockConfig
 from bench.overload_bench import (
     Outcome,
     Slotted,
+    cpu_layout,
     fairness_plan,
     mixed_plan,
+    pin,
+    plot,
     router_config,
     schedule,
     summarize,
@@ -27,6 +35,7 @@ from bench.overload_bench import (
     verdicts,
 )
 from bench.procs import Server
+from bench.refusal_probe import run_queue_wait
 from router.config import decode_config
 
 
@@ -94,3 +103,51 @@ def test_the_router_config_it_writes_decodes() -> None:
         assert config.admission.enabled is admission and config.admission.reserve_slots == 4
         assert [b.max_concurrency for b in config.backends] == [4, 4]
         assert config.tenants["bulk"].max_priority == "batch" and len(config.auth.api_keys) == 6
+
+
+def test_the_probe_reads_run_queue_waits_and_the_samples_and_plot_carry_them(tmp_path: Path) -> None:
+    """A thread's run-queue wait is read from /proc (and grows while two
+    threads want one CPU); the summary keeps each refusal's waits; the plot
+    draws a run with admission on only (--skip-off)."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(allowed)[:1])
+    try:
+        before = run_queue_wait(None)
+        assert before > 0 and run_queue_wait(os.getpid()) > 0
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the same (inherited) CPU
+        try:
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                pass
+        finally:
+            spin.kill()
+            spin.wait()
+        assert run_queue_wait(None) - before > 0.05  # it waited while the other ran
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert run_queue_wait(2**22 + 12345) == 0.0  # no such process
+    answers = [{"status": 503, "code": "shed", "ms": 4.0, "at": 1.0, "probe_wait_ms": 0.5, "router_wait_ms": 1.0}]
+    probe = summarize_probe(answers, argparse.Namespace(probe_rate=5.0))
+    assert probe["samples"] == [[1.0, 4.0, "shed", 0.5, 1.0]]
+    s = summarize([Outcome(tenant="chat", cls="interactive", scheduled=0, status=200, ttft=0.1, e2e=1.0, good=True)])
+    empty = {"count": 0, "ttft_ms": {"p50": None, "p99": None}, "ttfts_ms": []}
+    doc = {"bed": {"load": 2.0}, "cpu": {"model": "x"}, "mixed": {"on": {**s, "probe": probe}},
+           "fairness": {"solo": empty, "flooded": empty}}  # fmt: skip
+    assert plot(doc, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_pinned_the_router_has_a_cpu_of_its_own() -> None:
+    assert cpu_layout(False) is None
+    cpus = sorted(os.sched_getaffinity(0))
+    layout = cpu_layout(True)
+    if len(cpus) < 2:
+        assert layout is None
+        return
+    assert layout == {"router": cpus[:1], "others": cpus[1:]}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        pin(child.pid, layout["router"])
+        assert os.sched_getaffinity(child.pid) == set(cpus[:1])
+    finally:
+        child.kill()
+        child.wait()
