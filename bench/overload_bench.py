@@ -162,12 +162,16 @@ async def _stop(server: Server) -> None:
         await server.stop()
 
 
-async def start_router(args: argparse.Namespace, mocks: list[Server], logdir: Path, *, admission: bool, reserve: int) -> Server:
+async def start_router(args: argparse.Namespace, mocks: list[Server], logdir: Path, *, admission: bool, reserve: int,
+                       cpus: list[int] | None = None) -> Server:  # fmt: skip
+    """The router in its own process, ready; on ``cpus`` when given."""
     config = logdir / f"router-{'on' if admission else 'off'}-{reserve}.toml"
     config.write_text(router_config(mocks, args, admission=admission, reserve=reserve))
     argv = [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", "0",
             "--workers", "1", "--log-level", "WARNING"]  # fmt: skip
     router = await start_server(f"router-{'on' if admission else 'off'}", argv, logdir)
+    if cpus:
+        pin(router.pid, cpus)
     async with H2Pool("127.0.0.1", int(router.url.rsplit(":", 1)[1])) as pool:
         for _ in range(300):
             if (await pool.request("GET", "/ready")).status == 200:
@@ -477,8 +481,11 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
     ax3.grid(True, alpha=0.3)
     ax3.legend(fontsize="small")
     samples = (doc["mixed"].get("on") or {}).get("probe", {}).get("samples", [])
+    waited = [row for row in samples if row[3] is not None]  # waits noted (the probe knew the router's pid)
     for label, values in (("at the probe", [row[1] for row in samples]),
-                          ("less run-queue waits", [row[1] - (row[3] or 0) - (row[4] or 0) for row in samples if len(row) > 4])):  # fmt: skip
+                          ("less run-queue waits", [row[1] - row[3] - row[4] for row in waited])):  # fmt: skip
+        if not values:
+            continue
         xs = sorted(values)
         ax4.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=label)
     ax4.axvline(10, color="grey", linestyle="--")
@@ -576,17 +583,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     layout = cpu_layout(args.pin_router)
     doc["bed"]["cpus"] = layout or "shared"
+    router_cpus = layout["router"] if layout is not None else None
     if layout is not None:
-        pin(os.getpid(), layout["others"])  # the mocks and the probe inherit it
+        pin(os.getpid(), layout["others"])  # the mocks inherit it
     with tempfile.TemporaryDirectory(prefix="headrace-overload-") as tmp:
         logdir = Path(tmp)
         async with AsyncExitStack() as stack:
             mocks = await start_mocks(stack, args, logdir)
             plan = mixed_plan(args.load * capacity, args.duration, args.mix, args.seed)
             for mode in () if args.skip_mixed else ("on",) if args.skip_off else ("on", "off"):
-                router = await start_router(args, mocks, logdir, admission=mode == "on", reserve=args.reserve_slots)
-                if layout is not None:
-                    pin(router.pid, layout["router"])
+                router = await start_router(args, mocks, logdir, admission=mode == "on", reserve=args.reserve_slots, cpus=router_cpus)
                 try:
                     print(f"mixed load, admission {mode}: {len(plan)} requests over {args.duration:g} s", file=sys.stderr)
                     timeline: list[dict[str, float]] = []
@@ -599,7 +605,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         if mode == "on" and args.probe_rate > 0:
                             # Pinned, the probe is beside the router: a client at 5-10
                             # requests a second does not queue behind the load generator.
-                            nursery.start_soon(run_probe, router.url, args, probed, router.pid, layout and layout["router"])
+                            nursery.start_soon(run_probe, router.url, args, probed, router.pid, router_cpus)
                         doc["mixed"][mode] = summarize(await run_phase(router.url, plan, args, metrics, timeline))
                     if probed:
                         doc["mixed"][mode]["probe"] = summarize_probe(probed, args)
@@ -612,9 +618,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await _stop(router)
                 await trio.sleep(1.0)  # the mocks finish what the router cancelled
             if not args.skip_fairness:
-                router = await start_router(args, mocks, logdir, admission=True, reserve=args.fair_reserve_slots)
-                if layout is not None:
-                    pin(router.pid, layout["router"])
+                router = await start_router(args, mocks, logdir, admission=True, reserve=args.fair_reserve_slots, cpus=router_cpus)
                 try:
                     fair: dict[str, Any] = {"quiet_rps": args.quiet_rps, "flood_rps": 20 * args.quiet_rps}
                     for name, flood in (("solo", False), ("flooded", True)):

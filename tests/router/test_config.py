@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -255,7 +256,20 @@ def test_serve_exits_2_with_one_line_on_a_bad_model_route(
     assert err.startswith("headrace serve: ") and field in err and err.count("\n") == 1, err
 
 
-def test_serving_starts_with_the_startup_heap_frozen_out_of_the_collectors_reach() -> None:
+@pytest.fixture
+def collector_settings() -> Iterator[None]:
+    """The collector as it was, after a test that freezes and tunes it."""
+    import gc
+
+    thresholds = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
+def test_serving_starts_with_the_startup_heap_frozen_out_of_the_collectors_reach(collector_settings: None) -> None:
     """What is alive once serving starts is frozen (gc.freeze), so a full
     collection under load walks only what requests made since."""
     import gc
@@ -270,15 +284,11 @@ def test_serving_starts_with_the_startup_heap_frozen_out_of_the_collectors_reach
     garbage, alive = Cycle(), Cycle()
     dead = weakref.ref(garbage)
     del garbage
-    try:
-        freeze_startup_heap()
-        assert dead() is None and gc.get_freeze_count() > 1000  # the garbage collected first
-        assert not any(o is alive for o in gc.get_objects())  # the live one frozen, out of the collector's reach
-        gc.unfreeze()
-        assert any(o is alive for o in gc.get_objects())
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*DEFAULT_GC_THRESHOLDS)
+    freeze_startup_heap()
+    assert dead() is None and gc.get_freeze_count() > 1000  # the garbage collected first
+    assert not any(o is alive for o in gc.get_objects())  # the live one frozen, out of the collector's reach
+    gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())
 
 
 DEFAULT_GC_THRESHOLDS = (700, 10, 10)  # CPython's
@@ -316,21 +326,17 @@ def _collections_under_request_churn() -> dict[int, int]:
     return counts
 
 
-def test_serving_collects_in_small_steps_and_promotions_alone_make_no_full_collection() -> None:
+def test_serving_collects_in_small_steps_and_promotions_alone_make_no_full_collection(collector_settings: None) -> None:
     import gc
 
     from router.server import SERVING_GC_THRESHOLDS, freeze_startup_heap
 
-    try:
-        gc.set_threshold(*DEFAULT_GC_THRESHOLDS)
-        before = _collections_under_request_churn()
-        freeze_startup_heap()
-        gc.unfreeze()
-        assert gc.get_threshold() == SERVING_GC_THRESHOLDS
-        after = _collections_under_request_churn()
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*DEFAULT_GC_THRESHOLDS)
+    gc.set_threshold(*DEFAULT_GC_THRESHOLDS)
+    before = _collections_under_request_churn()
+    freeze_startup_heap()
+    gc.unfreeze()
+    assert gc.get_threshold() == SERVING_GC_THRESHOLDS
+    after = _collections_under_request_churn()
     # CPython's thresholds: the promotions trigger full collections (they walk every tracked object).
     assert before[2] >= 2, before
     assert after[2] == 0, after
