@@ -84,15 +84,25 @@ async def test_an_interrupted_open_loop_run_keeps_the_results_that_finished() ->
 
 
 def _crash_after(n: int, exc: BaseException, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests after the ``n``-th raise ``exc``, once one of the first
+    ``n`` has finished (on a loaded box none had within the 100 ms of four
+    requests at 40/s, and the report had nothing finished to hold)."""
     real = bench.loadgen.send_request  # type: ignore[attr-defined]
     calls = 0
+    finished: trio.Event | None = None
 
     async def flaky(*args: object, **kwargs: object) -> RequestResult:
-        nonlocal calls
+        nonlocal calls, finished
+        if finished is None:
+            finished = trio.Event()
         calls += 1
         if calls > n:
+            with trio.move_on_after(30):
+                await finished.wait()
             raise exc
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
+        result = await real(*args, **kwargs)  # type: ignore[arg-type]
+        finished.set()
+        return result
 
     monkeypatch.setattr(bench.loadgen, "send_request", flaky)
 
