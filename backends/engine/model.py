@@ -641,6 +641,20 @@ def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _embedding(vocab_size: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(vocab_size, dim)``, the same draw from the same generator, except
+    that on ``meta`` (the loader's build, weights assigned next) nothing is drawn: torch's
+    ``normal_`` on a meta tensor runs a Python decomposition that imports torch._dynamo
+    (1.4 s of CPU; see also reset_rope)."""
+    weight = torch.empty(vocab_size, dim)  # [V, D], on the default (or context) device
+    if not weight.is_meta:
+        nn.init.normal_(weight)  # nn.Embedding.reset_parameters (no padding_idx)
+    embedding: nn.Embedding = nn.Embedding.from_pretrained(  # type: ignore[no-untyped-call]
+        weight, freeze=False
+    )
+    return embedding
+
+
 class Transformer(nn.Module):
     # Every token by batch-invariant kernels (invariant.py); set with set_batch_invariant.
     batch_invariant = False
@@ -648,7 +662,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = _embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -670,9 +684,15 @@ class Transformer(nn.Module):
         """Recompute the RoPE table on the weights' device (after building on ``meta``,
         or after ``.to(device)``)."""
         device = self.tok_embeddings.weight.device
-        self.rope = rope_cache(self.args, device=device)
+        # On meta the tables are computed on the CPU and moved there (shapes only): torch's
+        # meta kernels of some of these ops are Python decompositions that import
+        # torch._dynamo (1.4 s of CPU, which no load needs; see _embedding).
+        at = torch.device("cpu") if device.type == "meta" else device
+        self.rope = rope_cache(self.args, device=at).to(device)
         # Gemma 3: other RoPE bases per layer (the table of each distinct one)
-        self.layer_ropes = {r: rope_cache(self.args, device, r) for r in set(self.args.layer_ropes)}
+        self.layer_ropes = {
+            r: rope_cache(self.args, at, r).to(device) for r in set(self.args.layer_ropes)
+        }
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.tok_embeddings(input_ids)  # [T, dim]
