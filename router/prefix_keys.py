@@ -230,10 +230,9 @@ def load_tokenizer(path: str) -> Tokenizer:
             p = ggufs[0]
         if not p.is_file():
             raise TokenizerLoadError(f"tokenizer {path}: no such file or folder")
-        import gguf  # numpy, not torch
+        from backends.engine import gguf_file  # numpy, not torch
 
-        reader = gguf.GGUFReader(str(p))
-        meta = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+        meta = {k: v for k, v in gguf_file.read(p).metadata.items() if k.startswith("tokenizer.")}
         return Tokenizer.from_gguf_metadata(meta)
     except TokenizerLoadError:
         raise

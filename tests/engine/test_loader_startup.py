@@ -1,8 +1,8 @@
 """The loader's start-up shortcuts give exactly what the slow, reference paths give.
 
-GGUF files are parsed by loader._parse_gguf instead of gguf.GGUFReader (40x faster on
+GGUF files are parsed by gguf_file.parse instead of gguf.GGUFReader (40x faster on
 the default model), and the model is built on ``meta`` without the torch calls that
-import torch._dynamo; see loader.py and model.py for the measurements."""
+import torch._dynamo; see gguf_file.py and model.py for the measurements."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from backends.engine import loader
+from backends.engine import gguf_file
 from backends.engine.loader import ModelLoadError, default_model_path, read_checkpoint
 from backends.engine.model import ModelArgs, Transformer, _embedding, rope_cache
 from tests.engine import tiny
@@ -31,7 +31,7 @@ def _typed(value: Any) -> Any:
 
 
 def assert_same_as_gguf_reader(path: Path) -> None:
-    fast, ref = loader._parse_gguf(path), loader._gguf_file_by_reader(path)
+    fast, ref = gguf_file.parse(path), gguf_file.read_by_reader(path)
     assert list(fast.metadata) == list(ref.metadata)
     for key, value in ref.metadata.items():
         assert _typed(fast.metadata[key]) == _typed(value), key
@@ -103,12 +103,12 @@ def test_files_the_fast_parse_declines_are_read_by_gguf_reader(tmp_path: Path) -
                  endianess=gguf.GGUFEndian.BIG)
     nested = _write(tmp_path / "nested.gguf", lambda w: w.add_array("x.n", [[1, 2], [3]]))
     for path in (big, nested):
-        with pytest.raises(loader._Declined):
-            loader._parse_gguf(path)
-        got, ref = loader._gguf_file(path), loader._gguf_file_by_reader(path)
+        with pytest.raises(gguf_file.Declined):
+            gguf_file.parse(path)
+        got, ref = gguf_file.read(path), gguf_file.read_by_reader(path)
         assert got.metadata == ref.metadata
         np.testing.assert_array_equal(got.tensors[0].data, ref.tensors[0].data)
-    assert loader._gguf_file(nested).metadata["x.n"] == [1, 2, 3]  # GGUFReader flattens
+    assert gguf_file.read(nested).metadata["x.n"] == [1, 2, 3]  # GGUFReader flattens
 
 
 def test_a_truncated_file_is_still_a_clear_error(tmp_path: Path, tiny_gguf: Path) -> None:
@@ -122,8 +122,8 @@ def test_a_truncated_file_is_still_a_clear_error(tmp_path: Path, tiny_gguf: Path
 
 def test_the_scalar_table_is_gguf_readers() -> None:
     ref = {int(k): v for k, v in gguf.GGUFReader.gguf_scalar_to_np.items()}
-    assert ref == loader._SCALARS  # GGUFValueType -> numpy scalar type
-    assert (loader._STRING, loader._ARRAY) == (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
+    assert ref == gguf_file._SCALARS  # GGUFValueType -> numpy scalar type
+    assert (gguf_file._STRING, gguf_file._ARRAY) == (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
 
 
 def test_the_embedding_draws_what_nn_embedding_draws() -> None:

@@ -350,3 +350,21 @@ def test_text_block_hashes_chain_over_full_blocks_only() -> None:
     assert len(hashes) == 3 and len(set(hashes)) == 3  # equal blocks, different chain positions
     assert text_block_hashes(text[:130]) == hashes[:2]
     assert all(0 <= h < 2**63 for h in hashes)
+
+
+def test_the_default_models_tokenizer_loads_as_gguf_reader_reads_it() -> None:
+    """load_tokenizer reads GGUF metadata with the engine's fast parse
+    (backends/engine/gguf_file.py): the same tokenizer as from GGUFReader's
+    fields, on the default model's 49k-token vocabulary."""
+    gguf = pytest.importorskip("gguf")
+    from backends.engine.loader import default_model_path
+    from backends.engine.tokenizer import Tokenizer
+
+    path = default_model_path()
+    reader = gguf.GGUFReader(path)
+    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
+    reference, fast = Tokenizer.from_gguf_metadata(meta), load_tokenizer(path)
+    text = "<|im_start|>system\nYou are headrace, naïve café 東京 🚀 def f(x): return x**2<|im_end|>\n"
+    assert fast.encode(text) == reference.encode(text)
+    assert fast.eos_token_ids == reference.eos_token_ids
+    assert fast.backend.get_vocab_size() == reference.backend.get_vocab_size() > 49_000
