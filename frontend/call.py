@@ -52,6 +52,20 @@ Producer = Callable[[Emit], Awaitable[None]]
 
 DONE = b"data: [DONE]\n\n"
 
+# Events waiting in a streamed call's channel, between the backend streams'
+# pumps and the producer that writes them: at most CHANNEL_EVENTS, and at most
+# CHANNEL_TEXT_BYTES of text (one event always fits). The producer's writes
+# are bounded by the connection's unsent-output limits (frontend/hardening.py);
+# what waits here is not, so for a client that stops reading this is what the
+# router holds per stream beyond them before it stops reading the backend.
+# 8 KiB keeps every event of one upstream read together at ordinary token
+# sizes (the count binds first: coalesced writes unchanged) and holds a
+# zero-window client's 100 streams of 1 KB tokens to ~8 events each instead
+# of 64 (tests/hardening/test_slow_readers.py: the backends generated 8.8k
+# events for it instead of 24.7k before stopping, in half the time).
+CHANNEL_EVENTS = 64
+CHANNEL_TEXT_BYTES = 8 * 1024
+
 
 def sse(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
@@ -150,10 +164,11 @@ class Call:
 
         Each backend stream is iterated start to end by one task (its pump):
         async generators must not migrate between tasks."""
-        send, recv = trio.open_memory_channel[tuple[int, Event | HeadraceError]](64)
+        send, recv = trio.open_memory_channel[tuple[int, Event | HeadraceError]](CHANNEL_EVENTS)
+        budget = _TextBudget(CHANNEL_TEXT_BYTES)
         async with send:
             for i, sub in enumerate(self.subs):
-                nursery.start_soon(_pump, i, self.backend.stream(sub), send.clone())
+                nursery.start_soon(_pump, i, self.backend.stream(sub), send.clone(), budget)
         pending: list[tuple[int, Event]] = []
         started: set[int] = set()
         while len(started) < len(self.subs):
@@ -163,6 +178,7 @@ class Call:
                 raise UpstreamError("the backend ended the stream without any event") from None
             if isinstance(item, HeadraceError):
                 raise item
+            budget.give(len(item.text))
             started.add(i)
             pending.append((i, item))
             if i == 0 and item.model is not None:
@@ -197,6 +213,7 @@ class Call:
                     parts.append(error_event(item))
                     await flush(emit, parts, True)
                     return
+                budget.give(len(item.text))
                 parts.append(self._chunk(i, item, states[i]))
             if any(state.finish_reason is None for state in states):
                 # Every pump ended, yet some choice never got its final event:
@@ -239,13 +256,42 @@ class Call:
         return out
 
 
-async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[tuple[int, Event | HeadraceError]]) -> None:
+class _TextBudget:
+    """The text of the events in a call's channel (see CHANNEL_TEXT_BYTES):
+    a pump whose event would take it past ``limit`` waits until the
+    producer has taken enough, unless the channel holds no text."""
+
+    __slots__ = ("_lot", "held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.held = 0
+        self.limit = limit
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def take(self, n: int) -> None:
+        while self.held and self.held + n > self.limit:
+            await self._lot.park()
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        if self._lot and self.held < self.limit:
+            self._lot.unpark_all()
+
+
+async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[tuple[int, Event | HeadraceError]],
+                budget: _TextBudget) -> None:
     """Relay one backend stream into the call's channel. Whatever ends the
     stream early is sent as an error, never as a plain end of channel: the
     producer answers ``[DONE]`` only after every choice's final event."""
     async with send:
         try:
             async for event in it:
+                n = len(event.text)
+                if budget.held and budget.held + n > budget.limit:
+                    await budget.take(n)
+                else:
+                    budget.held += n
                 # Without a checkpoint while the channel has room: the events
                 # of one upstream read reach the producer together.
                 try:
