@@ -26,6 +26,10 @@ What each limit stops, and where it acts::
                                             (which cancels its backend request)
            ─> TCPServer.protocol_send       one socket write blocked ``write_stall_timeout``
                                             (the client stopped reading): close the connection
+    before ─> frontend/call.py channel      events not yet written: at most CHANNEL_EVENTS
+              the write                     and CHANNEL_TEXT_BYTES of text per call; past
+                                            that the call stops reading its backend, whose
+                                            HTTP/2 window (backends/h2client.py) then closes
 
 Why the buffer is replaced rather than patched: hypercorn's ``_send_data``
 pops ``min(window, frame size)`` bytes, which is 0 on a zero window, and a pop
