@@ -279,34 +279,24 @@ async def _serve_until_signal(
     log.info("headrace stopped")
 
 
-# The cyclic collector's thresholds while serving (CPython's default: 700, 10, 10).
-SERVING_GC_THRESHOLDS = (700, 3, 300)
-
-
 def freeze_startup_heap() -> None:
     """Move everything alive once serving starts (modules, config, actors:
-    the bulk of the heap) out of the cyclic collector's reach, and collect
-    the rest in smaller steps (:data:`SERVING_GC_THRESHOLDS`).
+    the bulk of the heap) out of the cyclic collector's reach.
 
     A full collection walks every tracked object, and in ``headrace bench
     overload`` the router's took 44-106 ms, three times in 35 s, each a
     pause for every request (the refusals' p99 followed them). What is
     frozen is never freed, so collect first, once.
 
-    After the freeze, a router's tracked objects are mostly its requests in
-    flight (coroutines, cancel scopes, async generators: ~38k at 70 in
-    flight). They outlive the young collections and are promoted, and the
-    promotions alone triggered a full collection every ~6 s (12-23 ms each)
-    that found 0-102 objects to free; a middle collection (every 10 young
-    ones) took 3.1 ms on average and up to 11 ms. Every object is examined
-    once in the middle generation whatever its threshold, so a threshold of
-    3 makes those pauses a third (1.6 ms on average, at most 4-7 ms) for
-    the same work, and a full collection waits for 300 of them (about 100 s
-    at that rate) instead of 10. Cyclic garbage that reaches the oldest
-    generation waits longer: the full collections measured found almost none."""
+    The thresholds stay CPython's. Raising the oldest one (700, 3, 300, to
+    spare the full collections a router's requests in flight trigger by
+    their promotions) made the refusals no faster on a quiet box (probe p99
+    5.6-6.8 ms with CPython's, 6.0-8.8 with those) and let the cycles of
+    requests that outlive the young collections pile up in the oldest
+    generation: in ``headrace bench chaos`` the router's idle RSS went
+    73 -> 125 MiB (+71%) against 73 -> 87 MiB (+18%) with CPython's."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*SERVING_GC_THRESHOLDS)
 
 
 async def _supervise_until_signal(config: RouterConfig, workers: int, engine_args: list[str], log_level: str) -> int:
