@@ -269,6 +269,7 @@ class _TextBudget:
         self._lot = trio.lowlevel.ParkingLot()
 
     async def take(self, n: int) -> None:
+        """Count ``n`` more; parks (a checkpoint) only while over the bound."""
         while self.held and self.held + n > self.limit:
             await self._lot.park()
         self.held += n
@@ -287,13 +288,10 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
     async with send:
         try:
             async for event in it:
-                n = len(event.text)
-                if budget.held and budget.held + n > budget.limit:
-                    await budget.take(n)
-                else:
-                    budget.held += n
-                # Without a checkpoint while the channel has room: the events
-                # of one upstream read reach the producer together.
+                await budget.take(len(event.text))
+                # Without a checkpoint while the channel has room (take parks
+                # only when over its bound): the events of one upstream read
+                # reach the producer together.
                 try:
                     send.send_nowait((i, event))
                 except trio.WouldBlock:
