@@ -156,19 +156,19 @@ def _gguf_file(path: Path) -> gguf_file.GGUFFile:
 
 
 def _read_gguf(path: Path) -> Checkpoint:
-    reader = _gguf_file(path)
-    meta = reader.metadata
+    file = _gguf_file(path)
+    meta = file.metadata
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(
             f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})"
         )
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in file.tensors}
     args = _gguf_args(meta, arch, tie="output.weight" not in names,
                       bias="blk.0.attn_q.bias" in names)
     state = {}
     codes: dict[str, Q4Weight] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         ours = _gguf_name(tensor.name)
         if ours is None:
             continue
@@ -199,10 +199,10 @@ def read_gguf_weights(path: str, names: Collection[str]) -> dict[str, torch.Tens
     """Some weights of a GGUF file again (our names), float32 on the CPU, exactly as
     :func:`load_model` read them: for weights with 4-bit codes (never permuted),
     which dense.py drops where nothing reads them and rebuilds here on demand."""
-    reader = _gguf_file(Path(path))
+    file = _gguf_file(Path(path))
     wanted = set(names)
     out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         ours = _gguf_name(tensor.name)
         if ours in wanted:
             out[ours] = _dequantize(Path(path), tensor)
