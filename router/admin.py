@@ -15,6 +15,8 @@ latency breakdown.
     GET    /admin/routing                   routing policy instances, their groups and statistics
     GET    /admin/policies                  the policy of every extension point, per model group, with its options
     GET    /admin/breakdown                 the latency breakdown per backend (``headrace top``)
+    GET    /admin/memory                    the router process's memory: resident, C heap in use and free,
+                                            Python's allocated blocks, the heap trimmer's trims
 
 A backend added at runtime is built as one from ``[[backends]]`` would be
 (router/factory.py: the same validation, a 400 naming what is wrong), gets
@@ -30,12 +32,14 @@ stop). Runtime changes are not written back to the config file.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import trio
 
 from backends.errors import BadRequest, ClientError
+from frontend.heap import free_heap_bytes, heap_in_use_bytes, resident_bytes
 from frontend.server import Handler, HTTPRequest, Response, json_response
 from router.actors import BackendActor
 from router.config import BackendSpec, ConfigError
@@ -99,6 +103,7 @@ class AdminAPI:
             ("GET", "/admin/routing"): self.list_routing,
             ("GET", "/admin/policies"): self.list_policies,
             ("GET", "/admin/breakdown"): self.breakdown,
+            ("GET", "/admin/memory"): self.memory,
         }
 
     # ------------------------------------------------------------ backends
@@ -257,3 +262,14 @@ class AdminAPI:
         """The latency breakdown per backend (router/breakdown.py): what ``headrace top`` shows."""
         in_flight = {a.name: a.in_flight for a in self.router.actors}
         return json_response(self.router.breakdown.snapshot(trio.current_time(), in_flight))
+
+    async def memory(self, request: HTTPRequest) -> Response:
+        """Where the process's memory is (frontend/heap.py): why RSS is what it is.
+        A leak grows ``heap_in_use_bytes`` or ``python_blocks``; memory freed but
+        not yet handed back shows as ``heap_free_bytes``. Null where not glibc."""
+        trimmer = self.router.heap_trimmer.statistics()
+        return json_response({
+            "resident_bytes": resident_bytes(), "heap_in_use_bytes": heap_in_use_bytes(),
+            "heap_free_bytes": free_heap_bytes(), "python_blocks": sys.getallocatedblocks(),
+            "trims": trimmer.trims, "trimmed_bytes": trimmer.released_bytes,
+        })  # fmt: skip

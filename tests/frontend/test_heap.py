@@ -63,6 +63,25 @@ def scenario_trim() -> None:
     assert _rss() < grown + (8 << 20)
 
 
+def scenario_waves() -> None:
+    """Memory freed in two waves, the second under the threshold: each is
+    trimmed (a hostile connection's streams are reset, then it closes)."""
+    trimmer = heap.HeapTrimmer(threshold=16 << 20, step=2 << 20)
+    assert not trimmer.check()
+    first, second = [], []
+    for i in range(96 * 256):  # interleaved: the second wave's pages sit among the first's
+        (first if i % 8 else second).append(bytes(4096 - 33) + i.to_bytes(4, "little"))
+        if i % 256 == 255:
+            _pins.append(bytes(1024))
+    del first
+    assert trimmer.check() and trimmer.trims == 1
+    assert not trimmer.check()  # nothing freed since
+    before = _rss()
+    del second  # 12 MiB: under the threshold, over the step
+    assert trimmer.check() and trimmer.trims == 2
+    assert _rss() < before - (8 << 20), (before, _rss())
+
+
 def scenario_service() -> None:
     async def main() -> None:
         trimmer = heap.HeapTrimmer(interval=0.05, threshold=16 << 20)
@@ -87,6 +106,10 @@ def _fresh(name: str) -> None:
 
 def test_a_trim_returns_what_was_freed_and_then_waits_for_more_to_be_freed() -> None:
     _fresh("scenario_trim")
+
+
+def test_memory_freed_in_waves_is_trimmed_wave_by_wave() -> None:
+    _fresh("scenario_waves")
 
 
 def test_the_service_trims_on_its_interval() -> None:

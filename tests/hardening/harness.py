@@ -75,6 +75,12 @@ class RouterProcess:
         cpu = p.cpu_times()
         return p.memory_info().rss / 2**20, p.num_fds(), cpu.user + cpu.system
 
+    async def memory(self) -> dict[str, Any]:
+        """The router's ``GET /admin/memory``: resident, C heap in use and free, Python blocks."""
+        async with httpx.AsyncClient(base_url=self.admin_url, timeout=5) as client:
+            report: dict[str, Any] = (await client.get("/admin/memory")).json()
+            return report
+
     def log_text(self) -> str:
         """stderr and stdout (the access log) so far."""
         out = self.log.with_name("router.out")

@@ -181,6 +181,24 @@ async def test_admin_policies_says_what_decides_per_extension_point_and_model_gr
     assert data["ratelimit"]["policy"] == "memory" and data["tracing"]["export"] is False
     async with httpx.AsyncClient(base_url=url, timeout=20) as client:  # never on the API listener
         for method, path in (("GET", "/admin/policies"), ("GET", "/admin/backends"), ("DELETE", "/admin/backends/a"),
-                             ("POST", "/admin/backends/a/drain")):  # fmt: skip
+                             ("POST", "/admin/backends/a/drain"), ("GET", "/admin/memory")):  # fmt: skip
             r = await client.request(method, path)
             assert r.status_code == 404, (method, path)
+
+
+async def test_admin_memory_reports_the_process_s_memory(nursery: trio.Nursery) -> None:
+    """``/admin/memory``: the router's resident size and, on glibc, the C heap
+    in use and free; the heap in use follows what the process allocates."""
+    router, url, admin, _ = await fleet(nursery)
+    await complete(url, 2)
+    async with httpx.AsyncClient(base_url=admin, timeout=20) as client:
+        before = (await client.get("/admin/memory")).json()
+        held = [bytes(4096) + i.to_bytes(4, "little") for i in range(4096)]  # 16 MiB on the C heap
+        during = (await client.get("/admin/memory")).json()
+        del held
+    assert set(before) == {"resident_bytes", "heap_in_use_bytes", "heap_free_bytes", "python_blocks", "trims", "trimmed_bytes"}
+    assert before["resident_bytes"] > 20 << 20 and before["python_blocks"] > 10_000
+    assert before["trims"] == router.heap_trimmer.trims
+    if before["heap_in_use_bytes"] is not None:  # glibc
+        assert during["heap_in_use_bytes"] - before["heap_in_use_bytes"] > 15 << 20
+        assert before["heap_free_bytes"] >= 0
