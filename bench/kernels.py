@@ -5,7 +5,8 @@ whole pass over every layer at ``M`` rows with
 
 - ``int4``: packed 4-bit codes (``aten._weight_int4pack_mm_for_cpu``, what the engine
   runs for the decode rows of small batches with GGUF Q4 weights, quant.py);
-- ``bf16``: dense bfloat16 prepacked for oneDNN (the engine's dense path up to 32 rows);
+- ``bf16``: dense bfloat16 prepacked for oneDNN (the engine's dense path up to 32 rows;
+  only where oneDNN has bfloat16 kernels, AVX-512 and up: elsewhere ``-``);
 - ``fp32``: dense float32 ``F.linear``.
 
 Each layer gets its own weights, so the pass reads as many bytes as a real decode
@@ -36,10 +37,22 @@ SMOLLM2_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 _GROUP = 32
 
 
+def bf16_packed_supported() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (the engine's test too, model.py)."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # type: ignore[no-untyped-call]
+
+
+def _kinds() -> tuple[str, ...]:
+    return ("int4", "bf16", "fp32") if bf16_packed_supported() else ("int4", "fp32")
+
+
 def _weights(shapes: tuple[tuple[int, int], ...], layers: int) -> dict[str, list[list[Any]]]:
     import torch
 
-    out: dict[str, list[list[Any]]] = {"int4": [], "bf16": [], "fp32": []}
+    kinds = _kinds()
+    out: dict[str, list[list[Any]]] = {kind: [] for kind in kinds}
     for _ in range(layers):
         i4, b16, f32 = [], [], []
         for n, k in shapes:
@@ -48,11 +61,13 @@ def _weights(shapes: tuple[tuple[int, int], ...], layers: int) -> dict[str, list
             scales = (torch.rand(k // _GROUP, n, 2) * 0.01).to(torch.bfloat16)
             i4.append((packed, scales, k))
             dense = torch.randn(n, k) * 0.02
-            b16.append((torch.ops.mkldnn._reorder_linear_weight(dense.to(torch.bfloat16), 1), k))
+            if "bf16" in kinds:
+                b16.append((torch.ops.mkldnn._reorder_linear_weight(dense.to(torch.bfloat16), 1), k))
             f32.append(dense)
         out["int4"].append(i4)
-        out["bf16"].append(b16)
         out["fp32"].append(f32)
+        if "bf16" in kinds:
+            out["bf16"].append(b16)
     return out
 
 
@@ -82,14 +97,14 @@ def measure(rows: list[int], *, layers: int = 30, repeats: int = 3, threads: int
     results = []
     for i, m in enumerate(rows):
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
-        row: dict[str, Any] = {"rows": m}
-        for kind in ("int4", "bf16", "fp32"):
+        row: dict[str, Any] = {"rows": m, "bf16_ms": None}
+        for kind in weights:
             _pass(kind, weights[kind], xs)  # warm-up
             start = time.thread_time()
             for _ in range(repeats):
                 _pass(kind, weights[kind], xs)
             row[f"{kind}_ms"] = (time.thread_time() - start) / repeats * 1e3
-        row["int4_speedup_vs_bf16"] = row["bf16_ms"] / row["int4_ms"]
+        row["int4_speedup_vs_bf16"] = None if row["bf16_ms"] is None else row["bf16_ms"] / row["int4_ms"]
         results.append(row)
         bar.update((i + 1) / len(rows), f"M={m}", time.monotonic())
     bar.close("done")
@@ -100,9 +115,19 @@ def measure(rows: list[int], *, layers: int = 30, repeats: int = 3, threads: int
 def format_results(doc: dict[str, Any]) -> str:
     lines = [f"linears of {doc['layers']} layers, CPU ms per pass ({doc['threads']} thread(s))",
              f"{'rows':>5} {'int4':>8} {'bf16':>8} {'fp32':>8} {'int4 vs bf16':>13}"]
-    lines += [f"{r['rows']:>5} {r['int4_ms']:>8.1f} {r['bf16_ms']:>8.1f} {r['fp32_ms']:>8.1f} "
-              f"{r['int4_speedup_vs_bf16']:>12.2f}x" for r in doc["results"]]
+    lines += [f"{r['rows']:>5} {r['int4_ms']:>8.1f} {_ms(r['bf16_ms']):>8} {r['fp32_ms']:>8.1f} "
+              f"{_ratio(r['int4_speedup_vs_bf16']):>13}" for r in doc["results"]]
+    if any(r["bf16_ms"] is None for r in doc["results"]):
+        lines.append("bf16: - (no oneDNN bfloat16 kernels on this CPU; the engine runs float32 here)")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _parser() -> argparse.ArgumentParser:
