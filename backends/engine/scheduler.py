@@ -13,7 +13,11 @@ One step, as the engine drives it::
                 num_computed_tokens reset, back to the waiting queue, which is
                 also ordered by (priority desc, arrival), so it goes first);
                 then, if nobody was preempted, waiting sequences are admitted
-                (prefix-cache hits first, the rest chunked by the budget).
+                (prefix-cache hits first, the rest chunked by the budget);
+                a prompt's prefill of lower priority than the first waiting
+                request goes after the admissions, with the budget left (a
+                resumed or interactive request waits one step, not a whole
+                long prompt).
     runner      computes the KV and the logits of sequences that need sampling
     commit()    advances num_computed_tokens, registers full blocks in the
                 prefix cache, appends each sampled token
@@ -180,19 +184,34 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        deferred: list[Sequence] = []
+        budget = self._schedule_running(out, self.max_num_batched_tokens, deferred)
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        budget = self._schedule_deferred(out, budget, deferred)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self._steps += 1
         self._seqs_scheduled += len(out.scheduled)
         self._last = (len(out.scheduled), out.num_batched_tokens)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, deferred: list[Sequence]) -> int:
+        """Running sequences in order, within the budget. A prompt's prefill
+        of lower priority than the first waiting request is put in
+        ``deferred`` instead (when there is room to admit): that request is
+        admitted first and the prefill takes what budget is left, so a
+        higher-priority request (a resumed stream, an interactive one) waits
+        at most one step of a long lower-priority prompt, not all of it.
+        Decodes are never deferred."""
         running, bm, i = self.running, self.block_manager, 0
+        waiting = self.waiting
+        urgent = waiting[0].priority if waiting and len(running) < self.max_num_seqs else None
         while i < len(running) and budget > 0:
             seq = running[i]
+            if urgent is not None and seq.priority < urgent and seq.num_computed_tokens < seq.num_prompt_tokens:
+                deferred.append(seq)
+                i += 1
+                continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not bm.allocate(seq, n):
                 victim = running.pop()  # lowest priority, most recent: never one already scheduled
@@ -202,6 +221,23 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
+        return budget
+
+    def _schedule_deferred(self, out: SchedulerOutput, budget: int, deferred: list[Sequence]) -> int:
+        """The prefills :meth:`_schedule_running` put off, in order, with the
+        budget admission left; without preempting anyone (a victim could be
+        scheduled already): one that finds no blocks waits for the next step.
+        (None of them was preempted this step: victims come from the running
+        list's tail, and :meth:`_schedule_running` stops at the one it is on.)"""
+        bm = self.block_manager
+        for seq in deferred:
+            if budget <= 0:
+                break
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not bm.allocate(seq, n):
+                break
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
         return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

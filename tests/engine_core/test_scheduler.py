@@ -109,6 +109,35 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     assert order == ["high", "high2", "low", "low2"]
 
 
+def test_a_higher_priority_request_waits_one_step_of_a_lower_priority_prefill() -> None:
+    """A 64-token prompt prefills 16 tokens a step; a priority-5 4-token
+    request comes after its first chunk: it is admitted in the next step,
+    which gives the long prompt what budget is left (12), then the long one
+    goes on. Its decodes are never put off, and both answers are their solo
+    answers."""
+    sched, kv = make(64, 4, budget=16)
+    long = new("long", list(range(64)), max_tokens=2)
+    sched.add(long)
+    assert {s.seq.seq_id: s.num_new_tokens for s in run_step(sched, kv).scheduled} == {"long": 16}
+    urgent = new("urgent", [7, 8, 9, 10], max_tokens=3, priority=5)
+    sched.add(urgent)
+    plans = []
+    while sched.has_unfinished():
+        plans.append({s.seq.seq_id: s.num_new_tokens for s in run_step(sched, kv).scheduled})
+    assert plans[:3] == [{"urgent": 4, "long": 12}, {"urgent": 1, "long": 15}, {"urgent": 1, "long": 15}]
+    assert urgent.output_token_ids == solo([7, 8, 9, 10], 3) and long.output_token_ids == solo(list(range(64)), 2)
+
+
+def test_a_lower_priority_decode_is_never_put_off() -> None:
+    sched, kv = make(64, 4, budget=8)
+    low = new("low", [1, 2, 3], max_tokens=6)
+    sched.add(low)
+    run_step(sched, kv)  # its prompt: decoding from now on
+    sched.add(new("urgent", list(range(20)), max_tokens=1, priority=5))
+    plan = [(s.seq.seq_id, s.num_new_tokens) for s in run_step(sched, kv).scheduled]
+    assert plan == [("low", 1), ("urgent", 7)]
+
+
 def test_preemption_takes_the_lowest_priority_most_recent_and_requeues_it_first() -> None:
     sched, kv = make(6, 2, budget=64)
     seqs = [new("p1-old", [1, 2], 8, 1), new("p0-old", [3, 4], 8, 0), new("p0-new", [5, 6], 8, 0)]
