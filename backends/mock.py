@@ -22,7 +22,8 @@ it) and faults are injected in-process as :mod:`backends.errors` exceptions;
 With ``block_size > 0`` a replica models one accelerator's prefix cache
 (:mod:`backends.mock_cache`): the first token comes ``ttft_s`` plus the
 uncached prompt tokens times ``prefill_s_per_token`` after the request, the
-prefills of concurrent requests take turns in one lane (so load matters),
+prefills of concurrent requests take turns in one lane (so load matters;
+by priority, then arrival, a chunk of ``prefill_chunk_tokens`` at a time),
 ``usage.cached_tokens`` says what the cache served, and :meth:`MockBackend.kv_events`
 publishes what it caches and evicts. Off (the default), nothing changes.
 """
@@ -236,6 +237,11 @@ class MockConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     cache_blocks: int = 4096
     prefill_s_per_token: float = 0.0
+    # Chunked prefill: a prefill holds the lane this many tokens at a time, so
+    # a higher-priority request (a resumed stream, an interactive one) waits at
+    # most one chunk, as in the engine (its 512-token budget per step) and
+    # vLLM; 0: a whole prompt at once.
+    prefill_chunk_tokens: int = 512
 
 
 class MockStatistics(msgspec.Struct, frozen=True):
@@ -423,7 +429,10 @@ class PrefillLane:
     """One replica's prefill lane: one request at a time, the highest
     ``priority`` waiting first and, among equals, the one that came first
     (the engine's scheduler order). A waiter cancelled after it was handed
-    the lane passes it on."""
+    the lane passes it on. The holder may :meth:`yield_` between chunks of
+    its prefill (chunked prefill, as the engine's token budget per step
+    does): a higher-priority waiter goes first, and the holder comes back
+    before anyone it came ahead of."""
 
     def __init__(self) -> None:
         self._busy = False
@@ -431,32 +440,53 @@ class PrefillLane:
         self._arrivals = 0
 
     @asynccontextmanager
-    async def turn(self, priority: int = 0) -> AsyncIterator[None]:
+    async def turn(self, priority: int = 0) -> AsyncIterator[LaneTurn]:
+        self._arrivals += 1
+        held = LaneTurn(self, (-priority, self._arrivals))
         if self._busy:
-            self._arrivals += 1
-            entry = (-priority, self._arrivals, trio.Event())
-            heapq.heappush(self._waiting, entry)
-            try:
-                await entry[2].wait()
-            except BaseException:
-                if entry[2].is_set():
-                    self._release()  # handed the lane as it was cancelled: pass it on
-                else:
-                    self._waiting.remove(entry)
-                    heapq.heapify(self._waiting)
-                raise
+            await self._wait(held.order)
         else:
             self._busy = True
         try:
-            yield
+            yield held
         finally:
-            self._release()
+            if held.held:
+                self._release()
+
+    async def _wait(self, order: tuple[int, int]) -> None:
+        entry = (*order, trio.Event())
+        heapq.heappush(self._waiting, entry)
+        try:
+            await entry[2].wait()
+        except BaseException:
+            if entry[2].is_set():
+                self._release()  # handed the lane as it was cancelled: pass it on
+            else:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+            raise
 
     def _release(self) -> None:
         if self._waiting:
             heapq.heappop(self._waiting)[2].set()  # the lane stays busy: it is theirs now
         else:
             self._busy = False
+
+
+class LaneTurn:
+    """The lane, held: :meth:`yield_` hands it to a higher-priority waiter, if any, and waits for it back."""
+
+    def __init__(self, lane: PrefillLane, order: tuple[int, int]) -> None:
+        self.lane, self.order = lane, order
+        self.held = True
+
+    async def yield_(self) -> None:
+        lane = self.lane
+        if lane._waiting and lane._waiting[0][:2] < self.order:
+            self.held = False
+            lane._release()  # the lane is theirs; it comes back in this turn's order
+            await lane._wait(self.order)  # cancelled: not held (passed on if it was handed back)
+            self.held = True
 
 
 class MockRun:
@@ -689,8 +719,13 @@ class MockBackend:
         cache = self.cache
         if cache is None:
             return
-        async with self._lane.turn(run.priority):
+        chunk = self.config.prefill_chunk_tokens
+        async with self._lane.turn(run.priority) as turn:
             uncached = self._lookup(cache, run)
+            while chunk and uncached > chunk:
+                await trio.sleep(chunk * self.config.prefill_s_per_token)
+                uncached -= chunk
+                await turn.yield_()
             await trio.sleep(uncached * self.config.prefill_s_per_token)
             self._store(cache, run)
 

@@ -677,6 +677,12 @@ def _parser() -> argparse.ArgumentParser:
         help="prefill cost of each uncached prompt token, paid in the replica's one "
         "prefill lane, after --ttft-ms (with --block-size)",
     )
+    p.add_argument(
+        "--prefill-chunk-tokens", type=int, default=512, metavar="TOKENS",
+        help="chunked prefill: a prefill holds the lane this many tokens at a time, so a "
+        "higher-priority request waits at most one chunk (the engine's budget per step; "
+        "0: whole prompts)",
+    )
     p.add_argument("--certfile")
     p.add_argument("--keyfile")
     p.add_argument(
@@ -704,6 +710,7 @@ def _config(args: argparse.Namespace) -> MockConfig:
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
         prefill_s_per_token=args.prefill_ms_per_token / 1000,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
 
 
@@ -736,6 +743,7 @@ def main(argv: list[str]) -> int:
         ("--block-size", args.block_size < 0),
         ("--cache-blocks", args.cache_blocks < 1),
         ("--prefill-ms-per-token", args.prefill_ms_per_token < 0),
+        ("--prefill-chunk-tokens", args.prefill_chunk_tokens < 0),
         ("--prefill-ms-per-token without --block-size",
          args.prefill_ms_per_token > 0 and args.block_size == 0),
         ("--certfile/--keyfile", (args.certfile is None) != (args.keyfile is None)),

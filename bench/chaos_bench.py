@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-blocks", type=int, default=4096, help="mock: prefix-cache capacity")
     p.add_argument("--prefill-ms-per-token", type=float, default=0.2,
                    help="mock: prefill cost of an uncached prompt token (one lane per replica)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                   help="mock: chunked prefill, tokens a prefill holds the lane at a time (the "
+                        "engine's budget per step: a resumed stream waits at most one chunk of a "
+                        "fresh prompt's prefill); 0: whole prompts, non-preemptive")
     p.add_argument("--http", choices=("2", "1.1"), default="2",
                    help="2: the lean h2c client; 1.1: httpx, one connection per stream")
     p.add_argument("--streams-per-connection", type=int, default=10,
@@ -412,7 +416,8 @@ def _mock_argv(args: argparse.Namespace, *, oracle: bool = False) -> list[str]:
         return argv
     return [*argv, "--ttft-ms", f"{args.ttft_ms:g}", "--tpot-ms", f"{args.tpot_ms:g}",
             "--block-size", str(args.block_size), "--cache-blocks", str(args.cache_blocks),
-            "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}"]
+            "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}",
+            "--prefill-chunk-tokens", str(args.prefill_chunk_tokens)]
 
 
 # The router under tracemalloc: a thread takes a snapshot (after gc.collect)
@@ -1004,6 +1009,10 @@ def _f(value: float | None, spec: str = ".1f") -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def _chunks(tokens: int | None) -> str:
+    return f"prefill in chunks of {tokens}" if tokens else "whole prefills"
+
+
 def format_report(doc: dict[str, Any]) -> str:
     cpu, c, s = doc["cpu"], doc["config"], doc.get("streams", {})
     router, mig, r = doc.get("router", {}), doc.get("migrations", {}), doc.get("router_ms", {})
@@ -1011,7 +1020,7 @@ def format_report(doc: dict[str, Any]) -> str:
     lines = [
         f"CPU: {cpu['model']} ({cpu['cores']} cores; {', '.join(cpu['features'])})",
         f"{c['backends']} mocks (TTFT {c['ttft_ms']:g} ms + {c['prefill_ms_per_token']:g} ms per uncached "
-        f"prompt token, TPOT {c['tpot_ms']:g} ms), {c['concurrency']} streams (h{c['http']}), "
+        f"prompt token, {_chunks(c.get('prefill_chunk_tokens'))}, TPOT {c['tpot_ms']:g} ms), {c['concurrency']} streams (h{c['http']}), "
         f"{c['duration']:g} s, prompts of {c['prompt_tokens']} tokens, {c['max_tokens'][0]}-{c['max_tokens'][1]} out",
         f"kills: {len(doc.get('kills', []))} (SIGKILL, back after {c['down']:g} s plus a restart, every "
         f"{c['interval'][0]:g}-{c['interval'][1]:g} s)",

@@ -75,6 +75,69 @@ async def test_concurrent_prefills_take_turns_in_the_replicas_one_lane(
     assert sorted(ttfts) == pytest.approx([0.110, 0.210, 0.310])
 
 
+async def _ttft_at(backend: MockBackend, prompt: str, *, at: float, priority: int = 0) -> float:
+    """The first token's time after the request, sent ``at`` s from now."""
+    await trio.sleep(at)
+    start = trio.current_time()
+    request = GenerateRequest(prompt_token_ids=encode_text(prompt), max_tokens=1, priority=priority)
+    async with aclosing(backend.stream(request)) as events:
+        async for _ in events:
+            return trio.current_time() - start
+    raise AssertionError("no event")
+
+
+@pytest.mark.parametrize("chunk", [512, 0])
+async def test_a_higher_priority_prefill_waits_one_chunk_of_a_long_one(
+    autojump_clock: trio.testing.MockClock, chunk: int,
+) -> None:
+    """A 2000-token cold prefill holds the lane from 10 ms; a priority-5
+    100-token request comes at 50 ms. Chunked (512 tokens a turn, 1 ms each),
+    it goes when the first chunk ends (522 ms) and the long one finishes
+    100 ms late; whole prompts, it waits for all 2000."""
+    backend = MockBackend(msgspec.structs.replace(CACHED, prefill_chunk_tokens=chunk))
+    ttfts: dict[str, float] = {}
+
+    async def one(name: str, prompt: str, at: float, priority: int) -> None:
+        ttfts[name] = await _ttft_at(backend, prompt, at=at, priority=priority)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "long", "l" * 2000, 0.0, 0)
+        nursery.start_soon(one, "urgent", "u" * 100, 0.050, 5)
+    if chunk:
+        assert ttfts == pytest.approx({"urgent": 0.622 - 0.050, "long": 2.110})
+    else:
+        assert ttfts == pytest.approx({"urgent": 2.110 - 0.050, "long": 2.010})
+
+
+async def test_a_prefill_cancelled_while_it_yields_leaves_the_lane_to_one_holder(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The long prefill yields to an urgent one and is cancelled while it
+    waits for the lane back: the urgent one keeps it alone, and the two that
+    come next take it one after the other."""
+    backend = MockBackend(CACHED)
+    ttfts: dict[str, float] = {}
+
+    async def one(name: str, prompt: str, at: float, priority: int = 0) -> None:
+        ttfts[name] = await _ttft_at(backend, prompt, at=at, priority=priority)
+
+    long = trio.CancelScope()
+
+    async def cancellable() -> None:
+        with long:
+            await one("long", "l" * 2000, 0.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancellable)
+        nursery.start_soon(one, "urgent", "u" * 600, 0.050, 5)  # from 522 ms to 1122 ms
+        nursery.start_soon(one, "next", "n" * 100, 0.600)  # after urgent: 1122 -> 1222
+        nursery.start_soon(one, "last", "z" * 100, 0.700)  # then: 1222 -> 1322
+        await trio.sleep(0.8)
+        long.cancel()
+    assert "long" not in ttfts
+    assert ttfts == pytest.approx({"urgent": 1.122 - 0.050, "next": 1.222 - 0.600, "last": 1.322 - 0.700})
+
+
 def test_the_lru_holds_its_bound_and_reports_evictions_as_removed_events() -> None:
     cache = PrefixCache(capacity_blocks=4, block_size=2)
     a, b = chain_hashes([1, 2, 3, 4, 5, 6], 2), chain_hashes([7, 8, 9, 10], 2)
