@@ -105,6 +105,7 @@ from router.migration import (
     reason_of,
     resume_placement,
     resume_request,
+    short_prefill_first,
     text_continuation,
     text_request,
 )
@@ -641,10 +642,13 @@ class Dispatcher:
                 span.attributes.update({"headrace.reason": reason, "headrace.mode": mode, "headrace.from": b.backend})
             try:
                 route = route_request(sub, self.keys)
-                name = target.policy.pick(self._resume_views(target, candidates, route), route, self.clock())
+                views, held = self._resume_views(target, candidates, route)
+                name = target.policy.pick(views, route, self.clock())
                 actor = self.actors.get(name) if name is not None else None
                 if actor is None or actor not in candidates:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
+                if mode == "resumed" and held is not None:
+                    sub = short_prefill_first(sub, route.prompt_tokens - held.get(actor.name, 0))
                 info = actor.info
                 if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
@@ -678,18 +682,20 @@ class Dispatcher:
                 failed[actor.name] = trio.current_time()
             b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
 
-    def _resume_views(self, target: Target, candidates: list[BackendActor], route: RouteRequest) -> list[BackendView]:
+    def _resume_views(self, target: Target, candidates: list[BackendActor], route: RouteRequest,
+                      ) -> tuple[list[BackendView], dict[str, int] | None]:  # fmt: skip
         """A continuation's candidates as its policy sees them: those where it
         would wait least for its first token (:func:`~router.migration.resume_placement`),
         by the policy's estimate of what each holds when it makes one
-        (kv_aware's ``cached_tokens``). The pick and the first ``__anext__``
-        of its stream (where the actor counts the pending prefill) run with
-        no checkpoint between them, so the next stream's pick sees it."""
+        (kv_aware's ``cached_tokens``), and that estimate (None without one).
+        The pick and the first ``__anext__`` of its stream (where the actor
+        counts the pending prefill) run with no checkpoint between them, so
+        the next stream's pick sees it."""
         views = [a.view() for a in candidates]
         estimate: Callable[[list[BackendView], RouteRequest, float], dict[str, int]] | None
         estimate = getattr(target.policy, "cached_tokens", None)
         cached = estimate(views, route, self.clock()) if estimate is not None else None
-        return resume_placement(views, route.prompt_tokens, cached)
+        return resume_placement(views, route.prompt_tokens, cached), cached
 
     async def _continue(
         self,

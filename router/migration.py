@@ -53,6 +53,7 @@ __all__ = [
     "RESUME_DECODE_S_PER_SEQ",
     "RESUME_PREFILL_S_PER_TOKEN",
     "RESUME_PRIORITY_BOOST",
+    "RESUME_SHORT_PREFILL_TOKENS",
     "MigrationStatistics",
     "Progress",
     "Replay",
@@ -63,6 +64,7 @@ __all__ = [
     "reason_of",
     "resume_placement",
     "resume_request",
+    "short_prefill_first",
     "text_continuation",
     "text_request",
 ]
@@ -216,6 +218,23 @@ def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequ
         seed=progress.seed if progress.seed is not None else request.seed,
         priority=request.priority + RESUME_PRIORITY_BOOST,
     )
+
+
+# A continuation whose own prefill fits one step of the engine's token budget
+# (its new backend holds the rest of the prompt) goes one more step ahead of
+# those that must prefill more: shortest prefill first among the streams a
+# dead backend breaks at once. Most find their prompt held and need ~50
+# tokens; in arrival order, the few that must prefill the whole prompt (1000
+# tokens on the chaos bed) held the lane for the rest behind them.
+RESUME_SHORT_PREFILL_TOKENS = 512
+
+
+def short_prefill_first(request: GenerateRequest, uncached_tokens: int) -> GenerateRequest:
+    """``request`` (a continuation) one priority step up when what its new
+    backend must prefill fits :data:`RESUME_SHORT_PREFILL_TOKENS`."""
+    if uncached_tokens > RESUME_SHORT_PREFILL_TOKENS:
+        return request
+    return msgspec.structs.replace(request, priority=request.priority + 1)
 
 
 # kv_aware's default coefficients, read from its options (policies/kv_aware.py):

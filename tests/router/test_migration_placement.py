@@ -7,16 +7,22 @@ ones tied. In-process, with the deterministic mock as the reference."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import trio
 import trio.testing
 
-from backends.base import GenerateRequest
-from backends.fakes import FlakyBackend
+from backends.base import Event, GenerateRequest
+from backends.fakes import FlakyBackend, WrappedBackend
 from policies.base import BackendView, RouteRequest
 from router.dispatch import Dispatcher
-from router.migration import resume_placement
+from router.migration import (
+    RESUME_PRIORITY_BOOST,
+    RESUME_SHORT_PREFILL_TOKENS,
+    resume_placement,
+    short_prefill_first,
+)
+from tests.router.test_breakers import Prefer
 from tests.router.test_migration import actors, mock, reference, run, text
 
 
@@ -88,3 +94,50 @@ async def test_a_dead_backends_streams_resume_by_queued_prefill_not_in_turn(auto
     served = {a.name: a.statistics().requests for a in group}
     assert served == {"a": 6, "b": 3, "c": 3, "d": 2}  # d: only its backlog
     assert dispatcher.statistics().migration.migrations == {"broken:resumed": 6}
+
+
+def test_a_continuation_that_fits_one_prefill_step_goes_one_more_step_ahead() -> None:
+    request = GenerateRequest(prompt_token_ids=list(range(1100)), priority=3)
+    assert short_prefill_first(request, RESUME_SHORT_PREFILL_TOKENS).priority == 4
+    assert short_prefill_first(request, 0).priority == 4
+    assert short_prefill_first(request, RESUME_SHORT_PREFILL_TOKENS + 1) is request
+
+
+class Priorities(WrappedBackend):
+    """Records the priority of every request it is sent."""
+
+    def __init__(self, inner: object) -> None:
+        super().__init__(inner)  # type: ignore[arg-type]
+        self.priorities: list[int] = []
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.priorities.append(request.priority)
+        async for event in super().stream(request):
+            yield event
+
+
+class HoldsOn(Prefer):
+    """Prefers ``order``; estimates that ``holds`` caches all but ``uncached`` tokens of any request."""
+
+    def __init__(self, *order: str, holds: str, uncached: int) -> None:
+        super().__init__(*order)
+        self.holds, self.uncached = holds, uncached
+
+    def cached_tokens(self, views: Sequence[BackendView], request: RouteRequest, now: float) -> dict[str, int]:
+        return {self.holds: max(0, request.prompt_tokens - self.uncached)}
+
+
+async def test_a_resumed_stream_whose_backend_holds_its_prompt_goes_ahead_of_one_that_must_prefill() -> None:
+    """A stream with a 1050-token prompt breaks on ``a`` and resumes on
+    ``b``: with the policy's estimate that ``b`` holds all but 40 tokens, the
+    continuation goes two steps up (the resume boost, then the short
+    prefill); with 600 uncached, or no estimate, one. Every answer is the
+    uninterrupted one."""
+    request = GenerateRequest(prompt="the river runs " * 70, max_tokens=12, seed=7)
+    want = text(await reference(request))
+    for uncached, boost in ((40, RESUME_PRIORITY_BOOST + 1), (600, RESUME_PRIORITY_BOOST), (None, RESUME_PRIORITY_BOOST)):
+        b = Priorities(mock())
+        group = await actors(FlakyBackend(mock(), fail_first=1, after_events=3), b, names="ab")
+        policy = Prefer("a", "b") if uncached is None else HoldsOn("a", "b", holds="b", uncached=uncached)
+        assert text(await run(Dispatcher(group, policy), request)) == want
+        assert b.priorities == [request.priority + boost], uncached
