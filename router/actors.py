@@ -208,6 +208,10 @@ class BackendActor:
                     await self._refresh_info()
             except HeadraceError as exc:
                 ok, detail = False, exc.message
+            except Exception:
+                if not self.closed:
+                    raise  # an adapter bug: the supervisor restarts the actor
+                return  # the backend was closed under the probe (httpx: "the client has been closed")
         if self.closed:
             return  # closed while the probe ran: its result no longer matters
         self._detail = detail

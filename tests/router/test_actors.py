@@ -414,3 +414,30 @@ async def test_a_view_is_reused_until_something_it_shows_changes() -> None:
     assert actor.view().draining
     last = actor.view()
     assert actor.view() is last
+
+
+async def test_a_probe_whose_backend_is_closed_under_it_ends_quietly() -> None:
+    """``aclose()`` while a probe is in flight: the adapter's client is closed
+    under it and raises a non-project error (httpx's RuntimeError); the
+    actor's run ends without crashing. (An open actor's probe that raises so
+    is still a crash: tests/router/test_services.py.)"""
+    gate, waiting = trio.Event(), trio.Event()
+
+    class ClosedUnder(FakeBackend):
+        async def health(self):  # type: ignore[no-untyped-def]
+            if self.probes:
+                waiting.set()
+                await gate.wait()
+                if self.closed:
+                    raise RuntimeError("Cannot send a request, as the client has been closed.")
+            return await super().health()
+
+    backend = ClosedUnder()
+    actor = BackendActor("c", backend, probe_interval=0.01)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            await waiting.wait()  # the second probe is in flight
+            await actor.aclose()
+            gate.set()
+    assert actor.closed and backend.closed
