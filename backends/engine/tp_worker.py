@@ -115,6 +115,12 @@ class TPRunner:
         self._procs = list(procs)
         self._lock = threading.Lock()
         self._fail_lock = threading.Lock()
+        # Every poll of a worker's exit status goes through this lock: a
+        # forkserver child's status is read from its sentinel pipe once, and
+        # a second thread polling at the same time reads EOF and records 255
+        # over it (CPython's popen_forkserver), so a SIGKILL read as "exited
+        # with status 255".
+        self._reap_lock = threading.Lock()
         self._failure: str | None = None
         self._steps = 0
         self._closing = False
@@ -130,8 +136,17 @@ class TPRunner:
 
     @property
     def workers(self) -> tuple[BaseProcess, ...]:
-        """The worker processes this rank spawned (empty under torchrun)."""
+        """The worker processes this rank spawned (empty under torchrun). To
+        wait for one to end, wait on its ``sentinel``; its ``join`` or
+        ``exitcode`` from another thread races the runner's own (see
+        ``_reap_lock``)."""
         return tuple(self._procs)
+
+    def _exit_code(self, proc: BaseProcess, wait: float = 0.0) -> int | None:
+        """``proc``'s exit code once it has ended (waiting up to ``wait`` s), else None."""
+        with self._reap_lock:
+            proc.join(wait)
+            return proc.exitcode
 
     @property
     def failure(self) -> str | None:
@@ -183,7 +198,7 @@ class TPRunner:
             with self._lock, contextlib.suppress(RankFailure):
                 self.comm.send(("stop",))
         for proc in self._procs:
-            proc.join(timeout)
+            self._exit_code(proc, timeout)
         self._terminate_workers()
         os.write(self._wake_w, b"x")
         if self._monitor is not None:
@@ -213,11 +228,11 @@ class TPRunner:
         for rank, proc in enumerate(self._procs, start=1):
             if proc.sentinel not in ready or self._closing:
                 continue
+            code = None
             for _ in range(20):  # another thread may be reaping it right now
-                proc.join(0.05)
-                if proc.exitcode is not None:
+                if (code := self._exit_code(proc, 0.05)) is not None:
                     break
-            how = "exited" if proc.exitcode is None else _describe_exit(proc.exitcode)
+            how = "exited" if code is None else _describe_exit(code)
             return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine is down"
         return None
 
@@ -230,9 +245,9 @@ class TPRunner:
 
     def _terminate_workers(self) -> None:
         for proc in self._procs:
-            if proc.exitcode is None:
+            if self._exit_code(proc) is None:
                 proc.kill()
-                proc.join(5.0)
+                self._exit_code(proc, 5.0)
 
 
 def _describe_exit(code: int) -> str:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_a_killed_worker_takes_rank0_down_with_a_clear_error() -> None:
         tp.execute([ScheduledSeq(seqs[1], 3)])  # healthy first
         worker = tp.workers[0]
         os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        worker.join(10)
+        mp_connection.wait([worker.sentinel], 10)  # not join(): that would race the runner's own poll
         start = time.monotonic()
         with pytest.raises(RankFailure, match=r"rank 1 .* killed by SIGKILL"):
             tp.execute([ScheduledSeq(seqs[2], 9)])
