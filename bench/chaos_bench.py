@@ -75,7 +75,7 @@ from bench.client import RequestResult, StreamTimer, classify, leaf
 from bench.connect import make_client, make_pool
 from bench.procs import Server, cpu_info, cpu_seconds, start_server
 from bench.progress import ProgressBar
-from bench.report import write_json
+from bench.report import dash, write_json
 from bench.router_bench import _free_port, _python, _start_all
 from bench.schedule import make_prompt
 from bench.stats import summarize
@@ -1005,10 +1005,6 @@ def conclude(doc: dict[str, Any]) -> None:
     }
 
 
-def _f(value: float | None, spec: str = ".1f") -> str:
-    return format(value, spec) if value is not None else "-"
-
-
 def _chunks(tokens: int | None) -> str:
     return f"prefill in chunks of {tokens}" if tokens else "whole prefills"
 
@@ -1026,7 +1022,7 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{c['interval'][0]:g}-{c['interval'][1]:g} s)",
         "",
         f"{'streams':<36} {s.get('total', 0):>8}  ({s.get('cold_prompts', 0)} with a fresh prompt)",
-        f"{'  identical to the reference':<36} {s.get('identical', 0):>8}  ({_f(s.get('identical_pct'), '.3f')} %)",
+        f"{'  identical to the reference':<36} {s.get('identical', 0):>8}  ({dash(s.get('identical_pct'), '.3f')} %)",
         f"{'  truncated / different':<36} {s.get('truncated', 0):>8} / {s.get('different', 0)}",
         f"{'  errored':<36} {s.get('errored', 0):>8}  {s.get('errors') or ''}",
         f"{'migrations (router)':<36} {mig.get('total', '-'):>8}  {mig.get('by_reason_outcome', '')}",
@@ -1043,20 +1039,20 @@ def format_report(doc: dict[str, Any]) -> str:
             ("TTFT (client, shared prompt)", s.get("ttft_shared_ms", {})),
             ("inter-token latency (client)", s.get("itl_ms", {}))]
     for label, d in rows:
-        lines.append(f"{label:<36} {_f(d.get('p50')):>9} {_f(d.get('p99')):>9} {d.get('n', 0):>6}")
+        lines.append(f"{label:<36} {dash(d.get('p50')):>9} {dash(d.get('p99')):>9} {d.get('n', 0):>6}")
     for i, later in enumerate(doc.get("later_phases", []), start=2):
         g, t = later["router_ms"]["resume_gap_all"], later["router_ms"]["ttft_cold"]
-        lines.append(f"phase {i} alone: resume gap p50/p99 {_f(g.get('p50'))}/{_f(g.get('p99'))} ms (n={g.get('n', 0)}), "
-                     f"cold TTFT p50/p99 {_f(t.get('p50'))}/{_f(t.get('p99'))} ms (n={t.get('n', 0)})")
+        lines.append(f"phase {i} alone: resume gap p50/p99 {dash(g.get('p50'))}/{dash(g.get('p99'))} ms (n={g.get('n', 0)}), "
+                     f"cold TTFT p50/p99 {dash(t.get('p50'))}/{dash(t.get('p99'))} ms (n={t.get('n', 0)})")
     lines.append("router figures: p50/p99 interpolated inside the histogram's buckets (.., 50, 100, 250, 500 ms, ..)")
     lines.append("* by the continuation's usage: its backend served >= 90% of the prompt from its cache (or not, or it "
                  "broke again); a router without the prefix label: held = the shared prompts' route")
     lines.append("")
     for name, value in doc.get("ratios", {}).items():
-        lines.append(f"  {name}: {_f(value, '.2f')}")
+        lines.append(f"  {name}: {dash(value, '.2f')}")
     if before and after:
         lines += ["", f"router idle before / after: RSS {before['rss_mib']:.1f} / {after['rss_mib']:.1f} MiB "
-                      f"({_f(router.get('rss_growth_pct'), '+.1f')} %), fds {before['fds']:.0f} / {after['fds']:.0f}"]
+                      f"({dash(router.get('rss_growth_pct'), '+.1f')} %), fds {before['fds']:.0f} / {after['fds']:.0f}"]
     if len(router.get("idle_after_phase", [])) > 1:
         lines.append("router idle after each phase: " + " / ".join(f"{x['rss_mib']:.1f}" for x in router["idle_after_phase"])
                      + " MiB; growth per phase: " + " / ".join(f"{g:+.1f}" for g in router["rss_growth_per_phase_pct"]) + " %")

@@ -28,7 +28,7 @@ from typing import Any
 
 from backends.errors import ClientError
 from bench.progress import ProgressBar
-from bench.report import report_tool
+from bench.report import dash, report_tool
 
 __all__ = ["SMOLLM2_SHAPES", "main", "measure"]
 
@@ -115,19 +115,12 @@ def measure(rows: list[int], *, layers: int = 30, repeats: int = 3, threads: int
 def format_results(doc: dict[str, Any]) -> str:
     lines = [f"linears of {doc['layers']} layers, CPU ms per pass ({doc['threads']} thread(s))",
              f"{'rows':>5} {'int4':>8} {'bf16':>8} {'fp32':>8} {'int4 vs bf16':>13}"]
-    lines += [f"{r['rows']:>5} {r['int4_ms']:>8.1f} {_ms(r['bf16_ms']):>8} {r['fp32_ms']:>8.1f} "
-              f"{_ratio(r['int4_speedup_vs_bf16']):>13}" for r in doc["results"]]
+    lines += [f"{r['rows']:>5} {r['int4_ms']:>8.1f} {dash(r['bf16_ms']):>8} {r['fp32_ms']:>8.1f} "
+              f"{dash(r['int4_speedup_vs_bf16'], '.2f', 'x'):>13}" for r in doc["results"]]
     if any(r["bf16_ms"] is None for r in doc["results"]):
         lines.append("bf16: - (no oneDNN bfloat16 kernels on this CPU; the engine runs float32 here)")
     return "\n".join(lines)
 
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -58,7 +58,7 @@ from backends.h2client import H2Pool
 from backends.mock import MockBackend, MockConfig
 from bench.client import RequestResult, StreamTimer
 from bench.procs import Server, admin_url, cpu_info, cpu_seconds, start_server
-from bench.report import write_json
+from bench.report import dash, write_json
 from bench.stats import percentile
 
 __all__ = ["Slotted", "main"]
@@ -428,31 +428,27 @@ def render(doc: dict[str, Any]) -> str:
         run = doc["mixed"][mode]
         for cls, c in run["classes"].items():
             refused = ", ".join(f"{k} {v}" for k, v in sorted(c["refused"].items())) or "-"
-            out.append(f"{mode:<10}{cls:<13}{c['sent']:>6}{c['goodput']:>9.1%}{_f(c['ttft_ms']['p50']):>10}"
-                       f"{_f(c['ttft_ms']['p99']):>10}  {refused}")  # fmt: skip
+            out.append(f"{mode:<10}{cls:<13}{c['sent']:>6}{c['goodput']:>9.1%}{dash(c['ttft_ms']['p50']):>10}"
+                       f"{dash(c['ttft_ms']['p99']):>10}  {refused}")  # fmt: skip
         r, inside = run["refusal_ms"], run.get("router_refusal_ms") or {}
         out.append(f"{mode:<10}{'all':<13}{run['sent']:>6}{run['goodput']:>9.1%}   refusals at arrival: {r['count']}, "
-                   f"p50/p99 {_f(r['p50'])}/{_f(r['p99'])} ms at the client, "
-                   f"{_f(inside.get('p50'))}/{_f(inside.get('p99'))} ms inside the router; router CPU {run.get('router_cpu', 0):.0%}"
+                   f"p50/p99 {dash(r['p50'])}/{dash(r['p99'])} ms at the client, "
+                   f"{dash(inside.get('p50'))}/{dash(inside.get('p99'))} ms inside the router; router CPU {run.get('router_cpu', 0):.0%}"
                    + (f"; box {run['box']['cores_busy']:.2f} cores busy, {run['box']['other_cores']:.2f} not this bed, "
                       f"load {run['box']['load_avg_1m']:.2f}" if "box" in run else ""))  # fmt: skip
         if "probe" in run:
             pr = run["probe"]
             codes = ", ".join(f"{k} {v}" for k, v in sorted(pr["refused"].items())) or "-"
             out.append(f"{mode:<10}{'probe':<13}{pr['sent']:>6}{'':>9}   refused {pr['refusal_ms']['count']} ({codes}), "
-                       f"p50/p99 {_f(pr['refusal_ms']['p50'])}/{_f(pr['refusal_ms']['p99'])} ms at a client in its own process")  # fmt: skip
+                       f"p50/p99 {dash(pr['refusal_ms']['p50'])}/{dash(pr['refusal_ms']['p99'])} ms at a client in its own process")  # fmt: skip
     f = doc["fairness"]
-    out += ["", f"quiet tenant at {f['quiet_rps']:g} req/s, TTFT ms p50/p99: solo {_f(f['solo']['ttft_ms']['p50'])}/"
-                f"{_f(f['solo']['ttft_ms']['p99'])} ({f['solo']['count']}), beside a 20x flood "
-                f"{_f(f['flooded']['ttft_ms']['p50'])}/{_f(f['flooded']['ttft_ms']['p99'])} ({f['flooded']['count']}); "
+    out += ["", f"quiet tenant at {f['quiet_rps']:g} req/s, TTFT ms p50/p99: solo {dash(f['solo']['ttft_ms']['p50'])}/"
+                f"{dash(f['solo']['ttft_ms']['p99'])} ({f['solo']['count']}), beside a 20x flood "
+                f"{dash(f['flooded']['ttft_ms']['p50'])}/{dash(f['flooded']['ttft_ms']['p99'])} ({f['flooded']['count']}); "
                 f"flood goodput {f['flood_goodput']:.1%}", ""]  # fmt: skip
     for name, v in doc["verdicts"].items():
         out.append(f"{'INFO' if v['ok'] is None else 'PASS' if v['ok'] else 'MISS'}  {name}: {v['value']} (target {v['target']})")
     return "\n".join(out)
-
-
-def _f(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:

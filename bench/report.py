@@ -24,6 +24,7 @@ from bench.stats import summarize
 
 __all__ = [
     "compare",
+    "dash",
     "default_path",
     "format_compare",
     "format_table",
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+
+
+def dash(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    """``value`` formatted for a table, or ``-`` where there is none."""
+    return "-" if value is None else f"{format(value, spec)}{suffix}"
 
 
 def summarize_run(run: RunResult, *, label: str) -> dict[str, Any]:
