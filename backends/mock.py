@@ -36,6 +36,7 @@ import struct
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
@@ -442,7 +443,7 @@ class PrefillLane:
     @asynccontextmanager
     async def turn(self, priority: int = 0) -> AsyncIterator[LaneTurn]:
         self._arrivals += 1
-        held = LaneTurn(self, (-priority, self._arrivals))
+        held = LaneTurn((-priority, self._arrivals))
         if self._busy:
             await self._wait(held.order)
         else:
@@ -452,6 +453,14 @@ class PrefillLane:
         finally:
             if held.held:
                 self._release()
+
+    async def yield_(self, turn: LaneTurn) -> None:
+        """Hand the lane ``turn`` holds to a higher-priority waiter, if any, and wait for it back."""
+        if self._waiting and self._waiting[0][:2] < turn.order:
+            turn.held = False
+            self._release()  # the lane is theirs; it comes back in this turn's order
+            await self._wait(turn.order)  # cancelled: not held (passed on if it was handed back)
+            turn.held = True
 
     async def _wait(self, order: tuple[int, int]) -> None:
         entry = (*order, trio.Event())
@@ -473,20 +482,12 @@ class PrefillLane:
             self._busy = False
 
 
+@dataclass(slots=True)
 class LaneTurn:
-    """The lane, held: :meth:`yield_` hands it to a higher-priority waiter, if any, and waits for it back."""
+    """A place in a :class:`PrefillLane`: its order, and whether it holds the lane now."""
 
-    def __init__(self, lane: PrefillLane, order: tuple[int, int]) -> None:
-        self.lane, self.order = lane, order
-        self.held = True
-
-    async def yield_(self) -> None:
-        lane = self.lane
-        if lane._waiting and lane._waiting[0][:2] < self.order:
-            self.held = False
-            lane._release()  # the lane is theirs; it comes back in this turn's order
-            await lane._wait(self.order)  # cancelled: not held (passed on if it was handed back)
-            self.held = True
+    order: tuple[int, int]  # (-priority, arrival)
+    held: bool = True
 
 
 class MockRun:
@@ -725,7 +726,7 @@ class MockBackend:
             while chunk and uncached > chunk:
                 await trio.sleep(chunk * self.config.prefill_s_per_token)
                 uncached -= chunk
-                await turn.yield_()
+                await self._lane.yield_(turn)
             await trio.sleep(uncached * self.config.prefill_s_per_token)
             self._store(cache, run)
 
