@@ -228,10 +228,7 @@ class TPRunner:
         for rank, proc in enumerate(self._procs, start=1):
             if proc.sentinel not in ready or self._closing:
                 continue
-            code = None
-            for _ in range(20):  # another thread may be reaping it right now
-                if (code := self._exit_code(proc, 0.05)) is not None:
-                    break
+            code = self._exit_code(proc, 1.0)  # ended (its sentinel is ready): reaped at once
             how = "exited" if code is None else _describe_exit(code)
             return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine is down"
         return None
