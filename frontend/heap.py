@@ -28,7 +28,7 @@ __all__ = [
     "HeapTrimmerStatistics",
     "can_release_pages",
     "free_heap_bytes",
-    "heap_in_use_bytes",
+    "heap_bytes",
     "release_free_heap",
     "release_pages",
     "resident_bytes",
@@ -67,15 +67,16 @@ def free_heap_bytes() -> int | None:
     return None if _INFO is None else int(_INFO().fordblks)
 
 
-def heap_in_use_bytes() -> int | None:
-    """Bytes glibc has handed out and not taken back (``uordblks`` + ``hblkhd``:
-    heap chunks and mmapped blocks in use), or None without glibc 2.33+. Unlike
-    the resident size, it does not depend on whether freed pages were trimmed:
-    what a leak grows."""
+def heap_bytes() -> tuple[int, int] | None:
+    """(in use, free) bytes of glibc's heaps from one ``mallinfo2`` (which walks
+    every arena), or None without glibc 2.33+. In use (``uordblks`` +
+    ``hblkhd``: chunks and mmapped blocks handed out) does not depend on
+    whether freed pages were trimmed, unlike the resident size: what a leak
+    grows."""
     if _INFO is None:
         return None
     info = _INFO()
-    return int(info.uordblks + info.hblkhd)
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
 
 
 def resident_bytes() -> int | None:

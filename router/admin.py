@@ -39,7 +39,7 @@ import msgspec
 import trio
 
 from backends.errors import BadRequest, ClientError
-from frontend.heap import free_heap_bytes, heap_in_use_bytes, resident_bytes
+from frontend.heap import heap_bytes, resident_bytes
 from frontend.server import Handler, HTTPRequest, Response, json_response
 from router.actors import BackendActor
 from router.config import BackendSpec, ConfigError
@@ -268,8 +268,9 @@ class AdminAPI:
         A leak grows ``heap_in_use_bytes`` or ``python_blocks``; memory freed but
         not yet handed back shows as ``heap_free_bytes``. Null where not glibc."""
         trimmer = self.router.heap_trimmer.statistics()
+        in_use, free = heap_bytes() or (None, None)
         return json_response({
-            "resident_bytes": resident_bytes(), "heap_in_use_bytes": heap_in_use_bytes(),
-            "heap_free_bytes": free_heap_bytes(), "python_blocks": sys.getallocatedblocks(),
+            "resident_bytes": resident_bytes(), "heap_in_use_bytes": in_use,
+            "heap_free_bytes": free, "python_blocks": sys.getallocatedblocks(),
             "trims": trimmer.trims, "trimmed_bytes": trimmer.released_bytes,
         })  # fmt: skip
