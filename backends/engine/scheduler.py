@@ -204,8 +204,7 @@ class Scheduler:
         at most one step of a long lower-priority prompt, not all of it.
         Decodes are never deferred."""
         running, bm, i = self.running, self.block_manager, 0
-        waiting = self.waiting
-        urgent = waiting[0].priority if waiting and len(running) < self.max_num_seqs else None
+        urgent = self.waiting[0].priority if self.waiting and len(running) < self.max_num_seqs else None
         while i < len(running) and budget > 0:
             seq = running[i]
             if urgent is not None and seq.priority < urgent and seq.num_computed_tokens < seq.num_prompt_tokens:

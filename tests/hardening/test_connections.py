@@ -111,21 +111,7 @@ async def _hold(port: int, n: int, local: str) -> list[trio.SocketStream]:
 
 async def _refused(socks: list[trio.SocketStream], wait: float = 1.0) -> int:
     """How many of ``socks`` the server closed within ``wait`` s."""
-    closed = 0
-
-    async def check(sock: trio.SocketStream) -> None:
-        nonlocal closed
-        with trio.move_on_after(wait):
-            try:
-                eof = await sock.receive_some(1) == b""
-            except trio.BrokenResourceError:
-                eof = True
-            closed += eof
-
-    async with trio.open_nursery() as nursery:
-        for sock in socks:
-            nursery.start_soon(check, sock)
-    return closed
+    return await _refused_until(socks, len(socks) + 1, trio.current_time() + wait)
 
 
 async def _refused_until(socks: list[trio.SocketStream], want: int, deadline: float) -> int:

@@ -49,8 +49,7 @@ async def _cancelled(mocks: list[MockProcess]) -> int:
     return sum([(await m.counts())["cancelled"] for m in mocks])
 
 
-def _mib(*reports_and_key: Any) -> str:
-    *reports, key = reports_and_key
+def _mib(reports: tuple[dict[str, Any], ...], key: str) -> str:
     return " -> ".join("?" if r[key] is None else f"{r[key] / 2**20:.0f}" for r in reports)
 
 
@@ -113,7 +112,7 @@ async def _attack(nursery: trio.Nursery, tmp: Path, *, window: int | None, read:
         f" neighbour {len(neighbour.runs)} requests, {len(neighbour.errors())} errors,"
         f" p99 {before * 1000:.0f} ms before, {filling * 1000:.0f} ms while the windows fill, {steady * 1000:.0f} ms on the plateau,"
         f" {during * 1000:.0f} ms over the attack;"
-        f" heap in use / free {_mib(mem0, mem3, mem4, 'heap_in_use_bytes')} / {_mib(mem0, mem3, mem4, 'heap_free_bytes')} MiB,"
+        f" heap in use / free {_mib((mem0, mem3, mem4), 'heap_in_use_bytes')} / {_mib((mem0, mem3, mem4), 'heap_free_bytes')} MiB,"
         f" trims {mem4['trims']} ({mem4['trimmed_bytes'] / 2**20:.0f} MiB)"
     )
     assert plateau is not None, "the backends never stopped generating"

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 import trio.testing
 
-from backends.base import Event, GenerateRequest
+from backends.base import Backend, Event, GenerateRequest
 from backends.fakes import FlakyBackend, WrappedBackend
 from policies.base import BackendView, RouteRequest
 from router.dispatch import Dispatcher
@@ -106,8 +106,8 @@ def test_a_continuation_that_fits_one_prefill_step_goes_one_more_step_ahead() ->
 class Priorities(WrappedBackend):
     """Records the priority of every request it is sent."""
 
-    def __init__(self, inner: object) -> None:
-        super().__init__(inner)  # type: ignore[arg-type]
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
         self.priorities: list[int] = []
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
