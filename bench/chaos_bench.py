@@ -619,6 +619,26 @@ async def _monitor(load: Load, router: Server, admin: str, kills: list[dict[str,
             await trio.sleep(max(0.0, now + 1.0 - trio.current_time()))
 
 
+async def idle_sample(router: Server, admin: str) -> dict[str, Any]:
+    """:func:`process_sample`, and where the memory is (``GET /admin/memory`` of
+    the process that answers: the whole router with one worker): the C heap in
+    use and free, in MiB, and Python's allocated blocks. A leak grows the heap
+    in use or the blocks; RSS that grows while they do not is memory freed but
+    kept (the allocator's high-water mark), not live objects."""
+    sample: dict[str, Any] = process_sample(router.pid)
+    try:
+        async with httpx.AsyncClient(base_url=admin, trust_env=False, timeout=5) as client:
+            memory = (await client.get("/admin/memory")).json()
+    except (httpx.HTTPError, ValueError):
+        return sample
+    for key in ("heap_in_use", "heap_free"):
+        if isinstance(memory.get(f"{key}_bytes"), int):
+            sample[f"{key}_mib"] = memory[f"{key}_bytes"] / 2**20
+    if isinstance(memory.get("python_blocks"), int):
+        sample["python_blocks"] = memory["python_blocks"]
+    return sample
+
+
 # ---------------------------------------------------------------- router metrics
 
 
@@ -825,7 +845,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         await _phase(load, args, router.url, now + args.warmup, now)
         doc["warmup"] = {"streams": len(load.outcomes), "identical": load.identical}
         await trio.sleep(args.settle)
-        doc["router"] = {"idle_before": process_sample(router.pid), "idle_after_phase": []}
+        doc["router"] = {"idle_before": await idle_sample(router, metrics_url), "idle_after_phase": []}
         snaps = [await heap_snapshot(heaps, "before")] if args.tracemalloc else []
 
         load.reset()
@@ -847,7 +867,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
                 else:  # the later phases' gaps and TTFT, each phase alone (the report's figures are the first's)
                     doc.setdefault("later_phases", []).append(_gap_summary(metrics_delta(scraped[-1], scraped[-2])))
                 await trio.sleep(max(0.5, args.settle - 1.0))
-                idle = process_sample(router.pid)
+                idle = await idle_sample(router, metrics_url)
                 doc["router"]["idle_after_phase"].append(idle)
                 if phase == 0:
                     doc["router"]["idle_after"] = idle
@@ -1053,6 +1073,11 @@ def format_report(doc: dict[str, Any]) -> str:
     if before and after:
         lines += ["", f"router idle before / after: RSS {before['rss_mib']:.1f} / {after['rss_mib']:.1f} MiB "
                       f"({dash(router.get('rss_growth_pct'), '+.1f')} %), fds {before['fds']:.0f} / {after['fds']:.0f}"]
+        if "heap_in_use_mib" in before and "heap_in_use_mib" in after:
+            lines.append(f"router idle before / after: C heap in use {before['heap_in_use_mib']:.1f} / "
+                         f"{after['heap_in_use_mib']:.1f} MiB, free {before['heap_free_mib']:.1f} / "
+                         f"{after['heap_free_mib']:.1f} MiB, Python blocks {before['python_blocks']:,} / "
+                         f"{after['python_blocks']:,}")
     if len(router.get("idle_after_phase", [])) > 1:
         lines.append("router idle after each phase: " + " / ".join(f"{x['rss_mib']:.1f}" for x in router["idle_after_phase"])
                      + " MiB; growth per phase: " + " / ".join(f"{g:+.1f}" for g in router["rss_growth_per_phase_pct"]) + " %")

@@ -133,6 +133,8 @@ def test_a_short_run_with_one_kill_counts_every_stream_and_all_are_identical(
     assert doc["migrations"]["failed"] == 0
     for key in ("rss_growth_pct", "fds_growth", "idle_before", "idle_after", "in_flight_after_drain"):
         assert key in doc["router"]
+    for idle in (doc["router"]["idle_before"], doc["router"]["idle_after"]):  # /admin/memory beside RSS
+        assert idle["heap_in_use_mib"] > 0 and idle["heap_free_mib"] >= 0 and idle["python_blocks"] > 10_000
     assert doc["migrations"]["resumed"] >= 1  # ten streams on two backends: some were on the victim
     gaps = doc["router_ms"]
     assert gaps["resume_gap_held"]["n"] + gaps["resume_gap_not_held"]["n"] == doc["migrations"]["resumed"]
@@ -140,7 +142,8 @@ def test_a_short_run_with_one_kill_counts_every_stream_and_all_are_identical(
     assert {"resume_gap_held_p50_over_cold_ttft_p50", "resume_gap_all_p99_over_cold_ttft_p99"} <= set(doc["ratios"])
     assert doc["cpu"]["cores"] >= 1 and doc["cpu"]["model"]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
-    assert "identical to the reference" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "identical to the reference" in printed and "C heap in use" in printed
 
 
 def test_the_router_config_lists_each_mock_twice_in_two_routes_and_decodes() -> None:
