@@ -79,6 +79,7 @@ from bench.report import dash, write_json
 from bench.router_bench import _free_port, _python, _start_all
 from bench.schedule import make_prompt
 from bench.stats import summarize
+from frontend import metric_names as N
 
 __all__ = ["Shape", "Workload", "histogram_quantile", "judge", "main", "metrics_delta", "parse_metrics"]
 
@@ -1064,7 +1065,8 @@ def format_report(doc: dict[str, Any]) -> str:
         g, t = later["router_ms"]["resume_gap_all"], later["router_ms"]["ttft_cold"]
         lines.append(f"phase {i} alone: resume gap p50/p99 {dash(g.get('p50'))}/{dash(g.get('p99'))} ms (n={g.get('n', 0)}), "
                      f"cold TTFT p50/p99 {dash(t.get('p50'))}/{dash(t.get('p99'))} ms (n={t.get('n', 0)})")
-    lines.append("router figures: p50/p99 interpolated inside the histogram's buckets (.., 50, 100, 250, 500 ms, ..)")
+    bounds = ", ".join(f"{b * 1000:g}" for b in N.RESUME_GAP.buckets if 0.05 <= b <= 0.5)
+    lines.append(f"router figures: p50/p99 interpolated inside the histogram's buckets (.., {bounds} ms, ..)")
     lines.append("* by the continuation's usage: its backend served >= 90% of the prompt from its cache (or not, or it "
                  "broke again); a router without the prefix label: held = the shared prompts' route")
     lines.append("")

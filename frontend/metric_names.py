@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = [
     "FAMILIES",
+    "FIRST_TOKEN_BUCKETS",
     "OTHER",
     "REQUEST_BUCKETS",
     "TOKEN_BUCKETS",
@@ -57,6 +58,13 @@ OTHER = "other"  # the label value of a tenant or model outside the configured s
 
 # Seconds: token latencies are small, request latencies can be minutes.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A first token (and a resumed stream's next one): TTFT SLOs sit between 50 ms
+# and 1 s, where TOKEN_BUCKETS' 100 -> 250 -> 500 ms steps leave a quantile to
+# linear interpolation across 150-250 ms; here no step there exceeds 1.5x. And
+# a queued first token can wait up to the 60 s first-token timeout, past
+# TOKEN_BUCKETS' 10 s.
+FIRST_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                       2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # sequences per engine step
 
@@ -128,16 +136,16 @@ WORKER_REQUESTS = declare("headrace_worker_requests", "counter", "HTTP requests 
 # ------------------------------------------------------------ router: SLIs per call (route, model, tenant, priority)
 
 E2E_LATENCY = declare("headrace_e2e_request_latency_seconds", "histogram", "Generation call latency: arrival to the last event of its last choice", _SLI, buckets=REQUEST_BUCKETS)
-REQUEST_TTFT = declare("headrace_request_time_to_first_token_seconds", "histogram", "Arrival to a choice's first event from the backends (a streamed answer's first token to the client)", _SLI, buckets=TOKEN_BUCKETS)
+REQUEST_TTFT = declare("headrace_request_time_to_first_token_seconds", "histogram", "Arrival to a choice's first event from the backends (a streamed answer's first token to the client)", _SLI, buckets=FIRST_TOKEN_BUCKETS)
 REQUEST_ITL = declare("headrace_request_inter_token_latency_seconds", "histogram", "Between consecutive token events of a choice", _SLI, buckets=TOKEN_BUCKETS)
 REQUEST_QUEUE = declare("headrace_request_queue_time_seconds", "histogram", "Arrival to admission (rate limits and the admission queue)", _SLI, buckets=REQUEST_BUCKETS)
 REQUEST_INFERENCE = declare("headrace_request_inference_time_seconds", "histogram", "Admission to the last event (backends, retries, migrations)", _SLI, buckets=REQUEST_BUCKETS)
 
 # ------------------------------------------------------------ router: per backend, as the dispatcher sees it
 
-TTFT = declare("headrace_time_to_first_token_seconds", "histogram", "From the dispatcher's start to the backend's first event", _B, buckets=TOKEN_BUCKETS)
+TTFT = declare("headrace_time_to_first_token_seconds", "histogram", "From the dispatcher's start to the backend's first event", _B, buckets=FIRST_TOKEN_BUCKETS)
 ITL = declare("headrace_inter_token_latency_seconds", "histogram", "Between consecutive token events", _B, buckets=TOKEN_BUCKETS)
-RESUME_GAP = declare("headrace_resume_gap_seconds", "histogram", "From a stream breaking mid-answer to its next token from the backend it migrated to; prefix: held if that backend served at least 90% of the original prompt from its cache (by its usage), missed if less, unknown without usage", ("backend", "prefix"), buckets=TOKEN_BUCKETS)
+RESUME_GAP = declare("headrace_resume_gap_seconds", "histogram", "From a stream breaking mid-answer to its next token from the backend it migrated to; prefix: held if that backend served at least 90% of the original prompt from its cache (by its usage), missed if less, unknown without usage", ("backend", "prefix"), buckets=FIRST_TOKEN_BUCKETS)
 QUEUE_TIME = declare("headrace_queue_time_seconds", "histogram", "From the dispatcher's start to the backend being chosen", _B, buckets=TOKEN_BUCKETS)
 # The latency breakdown (router/logs.py): each request's time by phase, which add up to its duration.
 PHASES = ("ingress", "queue", "connect", "prefill", "decode", "egress")
@@ -243,7 +251,7 @@ ENGINE_SPEC_PER_VERIFY = declare(_E + "spec_tokens_per_verify", "gauge", "Tokens
 ENGINE_SPEC_CUTOFFS = declare(_E + "spec_batch_cutoffs", "counter", "Steps with speculation off because the batch was large", exporters=ENGINE, when=_SPEC)
 _RM = ("route", "model")
 ENGINE_E2E = declare(_E + "e2e_request_latency_seconds", "histogram", "Arrival at the engine server to a choice's last event", _RM, buckets=REQUEST_BUCKETS, exporters=ENGINE)
-ENGINE_TTFT = declare(_E + "time_to_first_token_seconds", "histogram", "Arrival at the engine server to a choice's first event (the engine's queue and prefill)", _RM, buckets=TOKEN_BUCKETS, exporters=ENGINE)
+ENGINE_TTFT = declare(_E + "time_to_first_token_seconds", "histogram", "Arrival at the engine server to a choice's first event (the engine's queue and prefill)", _RM, buckets=FIRST_TOKEN_BUCKETS, exporters=ENGINE)
 ENGINE_ITL = declare(_E + "inter_token_latency_seconds", "histogram", "Between consecutive token events of a choice", _RM, buckets=TOKEN_BUCKETS, exporters=ENGINE)
 
 # ------------------------------------------------------------ GPUs (pynvml), in the engine's /metrics (and a router's with an in-process engine)

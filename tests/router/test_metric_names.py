@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
+import itertools
+import math
 import os
 import re
 import signal
@@ -22,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from backends.mock import MockBackend, MockConfig
+from backends.openai_http import OpenAIHTTPBackend
 from frontend import metric_names as N
 from frontend.serving import ServeOptions, serve
 from router.app import NamedBackend, Router
@@ -70,6 +74,20 @@ def test_the_registry_is_well_formed() -> None:
         assert all(re.fullmatch(r"[a-z_]+", label) for label in f.labels), name
         assert (f.type == "histogram") == bool(f.buckets), name
         assert list(f.buckets) == sorted(f.buckets), name
+
+
+def test_first_token_histograms_resolve_the_slo_range_and_reach_the_first_token_timeout() -> None:
+    """TTFT and resume-gap SLOs sit between 50 ms and 1 s: no bucket step there
+    may exceed 1.5x, or a p50 is a straight line across 150 ms (the coarse
+    token buckets' 100 -> 250 ms); and a first token may come as late as the
+    backends' default first-token timeout, which must not fall in +Inf."""
+    timeout = inspect.signature(OpenAIHTTPBackend).parameters["stall_timeout"].default  # first token's by default
+    for family in (N.REQUEST_TTFT, N.TTFT, N.RESUME_GAP, N.ENGINE_TTFT):
+        inside = [b for b in family.buckets if 0.05 <= b <= 1.0]
+        assert inside[0] == 0.05 and inside[-1] == 1.0, family.name
+        assert max(hi / lo for lo, hi in itertools.pairwise(inside)) <= 1.5, family.name
+        assert family.buckets[-1] >= timeout, family.name
+    assert max(hi / lo for lo, hi in itertools.pairwise(N.TOKEN_BUCKETS)) > 1.5  # what the first-token families left
 
 
 def test_a_name_declared_twice_is_refused() -> None:
@@ -143,6 +161,8 @@ async def test_a_live_router_exports_exactly_the_declared_families_and_labels() 
         return {tuple(s.labels[k] for k in family.labels): s.value for s in found[family.name] if s.name.endswith("_count")}
 
     ttft = counts(N.REQUEST_TTFT)
+    bounds = {float(s.labels["le"]) for s in found[N.REQUEST_TTFT.name] if s.name.endswith("_bucket")}
+    assert bounds == {*N.REQUEST_TTFT.buckets, math.inf}  # the declared buckets are the exported ones
     # team-b has a key but no [tenants] entry: still configured (keys are config), so named
     assert ttft == {("/v1/completions", "mock", "team-a", "interactive"): 1.0, ("/v1/completions", "mock", "team-b", "default"): 1.0}
     assert counts(N.REQUEST_QUEUE).keys() == ttft.keys() == counts(N.E2E_LATENCY).keys() == counts(N.REQUEST_INFERENCE).keys()
