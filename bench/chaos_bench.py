@@ -20,9 +20,10 @@ again. Growth between the two idle readings is a leak, or a warm-up: with
 each, and a leak grows again in every phase where caches warming up do not.
 ``--tracemalloc FRAMES`` starts the router under :mod:`tracemalloc` (a
 diagnostic run: tracing slows it) and diffs its heap between the idle
-readings (after a ``gc.collect``): the allocation sites that grew most. The
-router exposes no task count, so its in-flight gauges after the drain stand
-in for leaked streams.
+readings (after a ``gc.collect``): the allocation sites that grew most.
+Leaked streams would show in the router's Trio task count
+(``headrace_router_tasks``) idle before and after, and in its in-flight
+gauges after the drain.
 
 Requests: ``--cold-fraction`` of them carry a fresh prompt that no backend
 has seen, the others one of ``--prompts`` shared prompts (every live backend
@@ -621,17 +622,22 @@ async def _monitor(load: Load, router: Server, admin: str, kills: list[dict[str,
 
 
 async def idle_sample(router: Server, admin: str) -> dict[str, Any]:
-    """:func:`process_sample`, and where the memory is (``GET /admin/memory`` of
+    """:func:`process_sample`, where the memory is (``GET /admin/memory`` of
     the process that answers: the whole router with one worker): the C heap in
-    use and free, in MiB, and Python's allocated blocks. A leak grows the heap
-    in use or the blocks; RSS that grows while they do not is memory freed but
-    kept (the allocator's high-water mark), not live objects."""
+    use and free, in MiB, and Python's allocated blocks; and the router's Trio
+    tasks (``headrace_router_tasks``, summed over workers). A leak grows the
+    heap in use or the blocks; RSS that grows while they do not is memory
+    freed but kept (the allocator's high-water mark), not live objects."""
     sample: dict[str, Any] = process_sample(router.pid)
     try:
         async with httpx.AsyncClient(base_url=admin, trust_env=False, timeout=5) as client:
             memory = (await client.get("/admin/memory")).json()
+            metrics = (await client.get("/metrics")).text
     except (httpx.HTTPError, ValueError):
         return sample
+    tasks = [s.value for f in text_string_to_metric_families(metrics) if f.name == N.ROUTER_TASKS.name for s in f.samples]
+    if tasks:  # one series per worker with several
+        sample["tasks"] = int(sum(tasks))
     for key in ("heap_in_use", "heap_free"):
         if isinstance(memory.get(f"{key}_bytes"), int):
             sample[f"{key}_mib"] = memory[f"{key}_bytes"] / 2**20
@@ -951,8 +957,8 @@ def _router_health(doc: dict[str, Any]) -> None:
     if len(loaded) >= 2:
         router["loaded_start"], router["loaded_end"] = loaded[0], loaded[-1]
         router["loaded_rss_growth_pct"] = 100.0 * (loaded[-1]["rss_mib"] - loaded[0]["rss_mib"]) / loaded[0]["rss_mib"]
-    router["tasks"] = ("the router exposes no task count; in_flight_after_drain (its in-flight gauges "
-                       "after the load drained) stands in for leaked streams")
+    if before and after and "tasks" in before and "tasks" in after:
+        router["tasks_growth"] = after["tasks"] - before["tasks"]
     if doc.get("metrics"):
         router["in_flight_after_drain"] = doc["metrics"]["gauges"]
 
@@ -1016,6 +1022,9 @@ def conclude(doc: dict[str, Any]) -> None:
         # A pool may keep one more idle connection per backend entry than before; a leak
         # (a socket per broken stream) would be hundreds.
         "router fds not grown (<= 1 per backend entry)": router.get("fds_growth", math.inf) <= 2 * doc["config"]["backends"],
+        # Its tasks likewise: a pool's connection has its reader task; a leak (a task per broken stream) is hundreds.
+        **({"router tasks not grown (<= 1 per backend entry)": router["tasks_growth"] <= 2 * doc["config"]["backends"]}
+           if "tasks_growth" in router else {}),
         **({"router RSS growth in each later phase <= 10% (a leak grows again, a warm-up does not)":
             all(g <= 10.0 for g in router["rss_growth_per_phase_pct"][1:])}
            if len(router.get("rss_growth_per_phase_pct", [])) > 1 else {}),
@@ -1087,7 +1096,9 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"router RSS under load, start / end: {router['loaded_start']['rss_mib']:.1f} / "
                      f"{router['loaded_end']['rss_mib']:.1f} MiB ({router['loaded_rss_growth_pct']:+.1f} %)")
     if "in_flight_after_drain" in router:
-        lines.append(f"in-flight gauges after the drain: {router['in_flight_after_drain']} ({router['tasks'].split(';')[0]})")
+        lines.append(f"in-flight gauges after the drain: {router['in_flight_after_drain']}")
+    if "tasks_growth" in router:
+        lines.append(f"router tasks idle before / after: {before['tasks']} / {after['tasks']} ({router['tasks_growth']:+d})")
     if "loadavg" in doc:
         lines.append("load average (1, 5, 15 min) at the chaos start / end: "
                      + " / ".join(", ".join(f"{x:.2f}" for x in doc["loadavg"][k]) for k in ("start", "end") if k in doc["loadavg"]))

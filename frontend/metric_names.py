@@ -198,6 +198,7 @@ MIGRATION_INEXACT = declare("headrace_migration_inexact", "counter", "Resumes on
 
 # ------------------------------------------------------------ router: pipeline and admission queue
 
+ROUTER_TASKS = declare("headrace_router_tasks", "gauge", "Trio tasks alive in this router process, its own and the HTTP server's (back to its idle count once load drains; one that keeps growing is a leak)")
 PIPELINE_ADMITTED = declare("headrace_pipeline_admitted", "counter", "Client requests the pipeline let through")
 PIPELINE_IN_FLIGHT = declare("headrace_pipeline_in_flight", "gauge", "Admitted client requests not finished yet")
 PIPELINE_REJECTED = declare("headrace_pipeline_rejected", "counter", "Client requests refused by the pipeline, by error code", ("code",))

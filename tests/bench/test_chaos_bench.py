@@ -133,8 +133,11 @@ def test_a_short_run_with_one_kill_counts_every_stream_and_all_are_identical(
     assert doc["migrations"]["failed"] == 0
     for key in ("rss_growth_pct", "fds_growth", "idle_before", "idle_after", "in_flight_after_drain"):
         assert key in doc["router"]
-    for idle in (doc["router"]["idle_before"], doc["router"]["idle_after"]):  # /admin/memory beside RSS
+    for idle in (doc["router"]["idle_before"], doc["router"]["idle_after"]):  # /admin/memory and the task gauge beside RSS
         assert idle["heap_in_use_mib"] > 0 and idle["heap_free_mib"] >= 0 and idle["python_blocks"] > 10_000
+        assert idle["tasks"] >= 10  # trio's, hypercorn's, the actors', the services'
+    assert doc["router"]["tasks_growth"] == doc["router"]["idle_after"]["tasks"] - doc["router"]["idle_before"]["tasks"]
+    assert doc["targets"]["router tasks not grown (<= 1 per backend entry)"] is True
     assert doc["migrations"]["resumed"] >= 1  # ten streams on two backends: some were on the victim
     gaps = doc["router_ms"]
     assert gaps["resume_gap_held"]["n"] + gaps["resume_gap_not_held"]["n"] == doc["migrations"]["resumed"]
