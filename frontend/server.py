@@ -374,31 +374,53 @@ class _Exchange:
         self.complete = False
 
 
+# The key of an ``http.response.start`` message by which an app promises that
+# a ``http.response.body`` follows at once: frontend/serving.py then holds the
+# start for that body, and both leave in one write. ASGI servers that do not
+# know it ignore it.
+BODY_FOLLOWS = "headrace.body_follows"
+
+
 async def _send_response(send: Any, response: Response, exchange: _Exchange) -> None:
+    """The start goes right before the first body, with :data:`BODY_FOLLOWS`
+    (a stream's first chunk may be long in coming: its head waits with it),
+    so that frontend/serving.py writes the head and that body together."""
     exchange.status = response.status
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.encode(), v.encode()) for k, v in response.headers]
+    start = {"type": "http.response.start", "status": response.status, "headers": headers, BODY_FOLLOWS: True}
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send(start)
         exchange.complete = True
         await send({"type": "http.response.body", "body": response.body})
         return
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
 
-    ended = False
+    started = ended = False
 
     async def emit(chunk: bytes, last: bool = False) -> None:
-        nonlocal ended
+        nonlocal started, ended
         if ended:
             raise RuntimeError("the response body has already ended")
         if last:
             ended = exchange.complete = True
+        if not started:
+            started = True
+            await send(start)
         await send({"type": "http.response.body", "body": chunk, "more_body": not last})
 
-    await response.stream(emit)
+    try:
+        await response.stream(emit)
+    except BaseException:
+        if not started:  # the head goes out as before, then the server ends the stream
+            started = True
+            with trio.CancelScope(shield=True):
+                await send(start)
+        raise
     if not ended:
         exchange.complete = True
+        if not started:
+            await send(start)
         await send({"type": "http.response.body", "body": b""})
 
 

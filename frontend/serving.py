@@ -39,10 +39,12 @@ from wsgiref.handlers import format_date_time
 import h2.errors
 import h2.events
 import h2.exceptions
+import h11
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Updated
 from hypercorn.protocol import h2 as hypercorn_h2
+from hypercorn.protocol import h11 as hypercorn_h11
 from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -53,6 +55,7 @@ from hypercorn.utils import build_and_validate_headers, suppress_body
 from frontend import hardening
 from frontend.h2_scheduler import RoundRobinStreams
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
+from frontend.server import BODY_FOLLOWS
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
 __all__ = ["Limits", "ServeOptions", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
@@ -134,27 +137,39 @@ class WholeResponse(StreamEvent):
     data: bytes
 
 
+@dataclass(frozen=True)
+class StartedResponse(WholeResponse):
+    """A response's status and headers with the first part of a body that
+    goes on (``data`` is not empty; no end of stream)."""
+
+
 def _send_whole_responses_in_one_write() -> None:
-    """hypercorn 0.18 sends an HTTP/2 response's HEADERS as soon as the app
-    sends ``http.response.start`` (a flush: the send lock and the socket
+    """hypercorn 0.18 sends a response's head as soon as the app sends
+    ``http.response.start`` (over HTTP/2 a flush: the send lock and the socket
     write each a checkpoint), then hands the body to the connection's send
     task, which sends it on its next turn (one more checkpoint for the
     lock): four trips to the back of the scheduler's queue, each behind
     every other runnable task, before a 200-byte refusal is complete at the
     client. Under ``headrace bench overload`` those trips were most of a
     refusal's 8 ms p50 and 30-50 ms p99 (each 1-5 ms among token bursts).
+    Over HTTP/1.1 the head, each body and the end each were a socket write.
 
-    Here a start that declares ``content-length`` is held until its body
-    (the ASGI spec lets a server wait for the first body message); a body
-    that ends the response and fits the flow-control window then leaves
-    with its HEADERS in one write from the app's own task, tried at once
-    without a checkpoint (:class:`frontend.hardening.ImmediateRawData`).
-    Anything else (a body in parts, no window, trailers, HTTP/1.1) goes the
-    old way, in the old order."""
+    Here a start that declares ``content-length``, or whose app promises a
+    body at once (:data:`BODY_FOLLOWS`), is held until that body (the ASGI
+    spec lets a server wait for the first body message). A body that ends the
+    response and fits the flow-control window then leaves with its head in
+    one write from the app's own task, tried at once without a checkpoint
+    (:class:`frontend.hardening.ImmediateRawData`); so does the first part
+    of a streamed body (an SSE stream's head and first events: one write,
+    where there were two, and none of the send task's turns before the
+    first token reaches the client). Anything else (no window, trailers, an
+    empty first part) goes the old way, in the old order."""
     stream_cls = HTTPStream
     app_send = stream_cls.app_send
     protocol = hypercorn_h2.H2Protocol
     stream_send = protocol.stream_send
+    h11_protocol = hypercorn_h11.H11Protocol
+    h11_stream_send = h11_protocol.stream_send
 
     async def held_app_send(self: Any, message: Any) -> None:
         held = getattr(self, "_headrace_start", None)
@@ -163,24 +178,34 @@ def _send_whole_responses_in_one_write() -> None:
                 message is not None
                 and message["type"] == "http.response.start"
                 and self.state == ASGIHTTPState.REQUEST
-                and self.scope.get("http_version") == "2"
+                and self.scope.get("http_version") in ("1.0", "1.1", "2")
                 and not message.get("trailers", False)
-                and any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))
+                and int(message["status"]) >= 200
+                and (message.get(BODY_FOLLOWS) or any(name.lower() == b"content-length" for name, _ in message.get("headers", ())))
             ):
                 self._headrace_start = message
                 return
             await app_send(self, message)
             return
         self._headrace_start = None
-        if message is None or message["type"] != "http.response.body" or message.get("more_body", False):
-            await app_send(self, held)  # not the whole body: the start goes first, as before
+        status = int(held["status"])
+        if message is None or message["type"] != "http.response.body" or suppress_body(self.scope["method"], status):
+            await app_send(self, held)  # not a body (or none allowed): the start goes first, as before
+            await app_send(self, message)
+            return
+        more = bool(message.get("more_body", False))
+        body = bytes(message.get("body", b""))
+        if more and not body:
+            await app_send(self, held)
             await app_send(self, message)
             return
         self.response = held
         self.state = ASGIHTTPState.RESPONSE
-        status = int(held["status"])
-        body = b"" if suppress_body(self.scope["method"], status) else bytes(message.get("body", b""))
-        await self.send(WholeResponse(self.stream_id, status, build_and_validate_headers(held.get("headers", [])), body))
+        headers = build_and_validate_headers(held.get("headers", []))
+        if more:
+            await self.send(StartedResponse(self.stream_id, status, headers, body))
+            return
+        await self.send(WholeResponse(self.stream_id, status, headers, body))
         # hypercorn's _send_closed, less its EndBody (the stream has ended)
         self.state = ASGIHTTPState.CLOSED
         await self.config.log.access(self.scope, self.response, time.time() - self.start_time)
@@ -191,6 +216,7 @@ def _send_whole_responses_in_one_write() -> None:
             await stream_send(self, event)
             return
         sid, data = event.stream_id, event.data
+        end = not isinstance(event, StartedResponse)
         buffer = self.stream_buffers.get(sid)
         try:
             fits = buffer is not None and not buffer.buffer and len(data) <= min(
@@ -202,22 +228,45 @@ def _send_whole_responses_in_one_write() -> None:
             await stream_send(self, Response(stream_id=sid, headers=event.headers, status_code=event.status_code))
             if data:
                 await stream_send(self, Body(stream_id=sid, data=data))
-            await stream_send(self, EndBody(stream_id=sid))
+            if end:
+                await stream_send(self, EndBody(stream_id=sid))
             return
         try:
             headers = [(b":status", b"%d" % event.status_code), *event.headers, *self.config.response_headers("h2")]
-            self.connection.send_headers(sid, headers, end_stream=not data)
+            self.connection.send_headers(sid, headers, end_stream=end and not data)
             if data:
-                self.connection.send_data(sid, data, end_stream=True)
+                self.connection.send_data(sid, data, end_stream=end)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             return
-        del self.stream_buffers[sid]
-        self.priority.remove_stream(sid)
-        await buffer.close()
+        if end:
+            del self.stream_buffers[sid]
+            self.priority.remove_stream(sid)
+            await buffer.close()
         await self.send(hardening.ImmediateRawData(data=self.connection.data_to_send()))
+
+    async def whole_h11_send(self: Any, event: Any) -> None:
+        if not isinstance(event, WholeResponse):
+            await h11_stream_send(self, event)
+            return
+        # hypercorn's Response, Body and EndBody (each its own write), in one write.
+        headers = [*event.headers, *self.config.response_headers("h11")]
+        if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+            headers.append((b"connection", b"close"))
+        try:
+            data = self.connection.send(h11.Response(headers=headers, status_code=event.status_code))
+            if event.data:
+                data += self.connection.send(h11.Data(data=event.data))
+            if not isinstance(event, StartedResponse):
+                data += self.connection.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        await self.send(hardening.ImmediateRawData(data=data))
 
     stream_cls.app_send = held_app_send  # type: ignore[method-assign]
     protocol.stream_send = whole_stream_send  # type: ignore[method-assign]
+    h11_protocol.stream_send = whole_h11_send  # type: ignore[method-assign]
 
 
 def _goaway_after_the_last_byte() -> None:

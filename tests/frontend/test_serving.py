@@ -313,6 +313,20 @@ def test_the_h11_keep_alive_limit_is_unchanged() -> None:
     assert HypercornConfig.keep_alive_max_requests == 1000
 
 
+def test_the_h11_internals_the_whole_response_path_uses_are_unchanged() -> None:
+    """serving's whole_h11_send writes what H11Protocol.stream_send writes
+    for Response (status >= 200), Body and EndBody, joined in one write."""
+    from hypercorn.protocol import h11 as hypercorn_h11
+
+    cls = _class_node(hypercorn_h11, "H11Protocol")
+    source = ast.get_source_segment(_source(hypercorn_h11), next(
+        n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "stream_send")) or ""
+    for line in ('headers = list(chain(event.headers, self.config.response_headers("h11")))',
+                 'headers.append((b"connection", b"close"))', "h11.Data(data=event.data)", "h11.EndOfMessage()"):  # fmt: skip
+        assert line in source, line
+    assert {"connection", "keep_alive_requests", "config", "send"} <= _self_attributes(cls)
+
+
 def test_the_http_stream_internals_the_patches_use_are_unchanged() -> None:
     from hypercorn.protocol import events, http_stream
 
@@ -618,3 +632,159 @@ async def test_a_stream_waiting_to_drain_when_its_connection_closes_does_not_hol
             while nursery.child_tasks:
                 await trio.sleep(0.01)
         assert trio.current_time() - start < 2
+
+
+# ---------------------------------------------------------------- a response's head leaves with its first body
+
+
+def _writes_to_clients_of(port: int, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every socket write the server in this process makes on a connection
+    accepted on ``port``: the immediate ones (hardening._write_now) and the
+    locked ones (trio's send_all), in order."""
+    writes: list[bytes] = []
+    write_now, send_all = hardening._write_now, trio.SocketStream.send_all
+
+    def ours(stream: Any) -> bool:
+        return isinstance(stream, trio.SocketStream) and stream.socket.getsockname()[1] == port
+
+    def counted_write_now(stream: Any, data: bytes) -> int:
+        sent = write_now(stream, data)
+        if ours(stream) and sent:
+            writes.append(bytes(data[:sent]))
+        return sent
+
+    async def counted_send_all(self: trio.SocketStream, data: Any) -> None:
+        if ours(self):
+            writes.append(bytes(data))
+        await send_all(self, data)
+
+    monkeypatch.setattr(hardening, "_write_now", counted_write_now)
+    monkeypatch.setattr(trio.SocketStream, "send_all", counted_send_all)
+    return writes
+
+
+@pytest.mark.parametrize("http", ["1.1", "2"])
+async def test_a_promised_body_holds_the_head_and_both_leave_in_one_write(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, http: str
+) -> None:
+    """An app that promises its first body at once (frontend/server.py's
+    streams: ``BODY_FOLLOWS``) gets its head written with that body: one
+    socket write where hypercorn made two (HTTP/2: the HEADERS flush, then
+    the send task's DATA; HTTP/1.1: the head, then the chunk). The head is
+    held until then, and the rest of the body follows as before."""
+    release, more = trio.Event(), trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")],
+                    serving.BODY_FOLLOWS: True})  # fmt: skip
+        await release.wait()  # a promise kept late: the head waits with it
+        await send({"type": "http.response.body", "body": b"first-part", "more_body": True})
+        await more.wait()
+        await send({"type": "http.response.body", "body": b"second-part", "more_body": False})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    port = int(url.rsplit(":", 1)[1])
+    writes = _writes_to_clients_of(port, monkeypatch)
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    received = b""
+    if http == "1.1":
+        await sock.send_all(b"GET /s HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.move_on_after(0.3):
+            received += await sock.receive_some(65536)
+        assert received == b"", received  # no head before the body it was promised with
+        release.set()
+        with trio.fail_after(5):
+            while b"first-part" not in received:
+                received += await sock.receive_some(65536)
+        [write] = [w for w in writes if b"first-part" in w]
+        assert write.startswith(b"HTTP/1.1 200") and write.endswith(b"first-part\r\n"), write
+        more.set()
+        with trio.fail_after(5):
+            while not received.endswith(b"0\r\n\r\n"):
+                received += await sock.receive_some(65536)
+        assert b"second-part" in received and b"transfer-encoding: chunked" in received.lower()
+    else:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "GET"), (":path", "/s"), (":scheme", "http"), (":authority", "x")], end_stream=True)
+        await sock.send_all(conn.data_to_send())
+        events: list[h2.events.Event] = []
+
+        async def read(until: type) -> None:
+            while not any(isinstance(e, until) for e in events):
+                for event in conn.receive_data(await sock.receive_some(65536)):
+                    events.append(event)
+                    if isinstance(event, h2.events.DataReceived):
+                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                await sock.send_all(conn.data_to_send())
+
+        with trio.move_on_after(0.3):
+            await read(h2.events.ResponseReceived)
+        assert not any(isinstance(e, h2.events.ResponseReceived) for e in events), events
+        release.set()
+        with trio.fail_after(5):
+            await read(h2.events.DataReceived)
+        [write] = [w for w in writes if b"first-part" in w]
+        # a HEADERS frame (type 1) of stream 1 opens the write, the DATA frame (type 0) without END_STREAM ends it
+        assert write[3] == 1 and int.from_bytes(write[5:9], "big") == 1, write
+        data_frame = write[-(9 + len(b"first-part")):]
+        assert data_frame[3] == 0 and not data_frame[4] & 0x1 and data_frame.endswith(b"first-part"), write
+        more.set()
+        with trio.fail_after(5):
+            await read(h2.events.StreamEnded)
+        body = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+        assert body == b"first-partsecond-part"
+    await sock.aclose()
+
+
+@pytest.mark.parametrize("http", ["1.1", "2"])
+async def test_a_head_without_the_promise_is_sent_at_once(nursery: trio.Nursery, http: str) -> None:
+    """A streamed start without ``BODY_FOLLOWS`` (an app that may wait long
+    for its first body) leaves at once, as hypercorn sends it."""
+    release = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    async with httpx.AsyncClient(http1=http == "1.1", http2=http == "2", timeout=5) as client:
+        with trio.fail_after(5):
+            async with client.stream("GET", url + "/s") as response:  # the head, before any body
+                assert response.status_code == 200
+                release.set()
+                assert await response.aread() == b"late"
+
+
+async def test_a_stream_that_fails_before_its_first_chunk_still_sends_its_head_first() -> None:
+    """frontend/server.py sends a stream's start right before its first
+    chunk; a stream that raises before any chunk sends the start all the
+    same (then the server ends the stream: reset or close, as before)."""
+    from frontend.server import BODY_FOLLOWS, Response, _Exchange, _send_response
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def broken(emit: Any) -> None:
+        raise RuntimeError("before the first chunk")
+
+    async def two(emit: Any) -> None:
+        await emit(b"a")
+        await emit(b"b", True)
+
+    with pytest.raises(RuntimeError):
+        await _send_response(send, Response(stream=broken), _Exchange())
+    assert [m["type"] for m in sent] == ["http.response.start"] and sent[0][BODY_FOLLOWS]
+    sent.clear()
+    await _send_response(send, Response(stream=two), _Exchange())
+    assert [(m["type"], m.get("body"), m.get("more_body")) for m in sent] == [
+        ("http.response.start", None, None), ("http.response.body", b"a", True), ("http.response.body", b"b", False)]
