@@ -126,6 +126,7 @@ def _patch_hypercorn() -> None:
     _close_under_send_lock()
     _schedule_streams_round_robin()
     _send_whole_responses_in_one_write()
+    _recycle_after_an_answer_given_at_content_length()
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,38 @@ def _send_whole_responses_in_one_write() -> None:
     stream_cls.app_send = held_app_send  # type: ignore[method-assign]
     protocol.stream_send = whole_stream_send  # type: ignore[method-assign]
     h11_protocol.stream_send = whole_h11_send  # type: ignore[method-assign]
+
+
+def _recycle_after_an_answer_given_at_content_length() -> None:
+    """An app may answer as soon as ``content-length`` body bytes are in
+    (frontend/server.py's ``_read_body``), before hypercorn's reader has
+    taken the request's end from h11 (it hands the last bytes to the app,
+    a checkpoint, and takes the end after). hypercorn 0.18 then finds the
+    client still sending its body when the response ends, and closes the
+    connection instead of keeping it alive; a client that already sent its
+    next request on it sees the server hang up without an answer. With the
+    head and body written at once, from the app's task (above), httpx met
+    that in 1 of 8 requests that followed a refusal on one connection.
+
+    Here, before that decision, the request's end that h11 already holds
+    is taken (what remains of a body already answered is dropped, as the
+    app read it all); a body still in flight closes the connection, as
+    before."""
+    protocol = hypercorn_h11.H11Protocol
+    maybe_recycle = protocol._maybe_recycle
+
+    async def _maybe_recycle(self: Any) -> None:
+        connection = self.connection
+        if connection.our_state is h11.DONE:
+            try:
+                while connection.their_state is h11.SEND_BODY:
+                    if connection.next_event() in (h11.NEED_DATA, h11.PAUSED):
+                        break  # the body is still coming: closed below
+            except h11.RemoteProtocolError:
+                pass  # a malformed rest: closed below
+        await maybe_recycle(self)
+
+    protocol._maybe_recycle = _maybe_recycle  # type: ignore[method-assign]
 
 
 def _goaway_after_the_last_byte() -> None:
