@@ -103,7 +103,7 @@ async def measure(backend_url: str, rounds: int, warmup: int, max_tokens: int) -
     body = msgspec.json.encode({"model": "mock", "prompt": "hello world", "max_tokens": max_tokens, "stream": True})
     counts: list[int] = []
     walls: list[float] = []
-    last: Counter[str] = Counter()
+    last: list[str] = []
     async with trio.open_nursery() as nursery:
         url: str = await nursery.start(lambda task_status: run_router(router, options_for(config), shutdown=trio.Event(),
                                                                       task_status=task_status))  # fmt: skip
@@ -129,7 +129,7 @@ async def measure(backend_url: str, rounds: int, warmup: int, max_tokens: int) -
                 if i >= warmup:
                     counts.append(len(counter.steps))
                     walls.append(wall)
-                    last = Counter(counter.steps)
+                    last = list(counter.steps)
                 with trio.fail_after(10):
                     await _rest(sock, conn, ended)
         finally:
@@ -142,7 +142,8 @@ async def measure(backend_url: str, rounds: int, warmup: int, max_tokens: int) -
         "steps_median": statistics.median(counts),
         "steps_min": min(counts),
         "wall_ms_median": 1000 * statistics.median(walls),
-        "last_round_by_task": dict(last.most_common()),
+        "last_round_by_task": dict(Counter(last).most_common()),
+        "last_round_steps": last,  # in order
     }
 
 
