@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -143,9 +144,10 @@ async def _ready(url: str, path: str, patience: float = 30.0) -> None:
     raise BackendUnavailable(f"{url}{path} did not answer 200 within {patience:g} s")
 
 
-async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStack) -> Bed:
-    """The mocks first (the router needs their URLs), then the router and the
-    bare app, each group started side by side."""
+async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStack, *,
+                    bare: bool = True, serve_args: Sequence[str] = ()) -> Bed:
+    """The mocks first (the router needs their URLs), then the router (with
+    ``serve_args`` appended) and the bare app (``bare``), side by side."""
     bed = Bed()
     mock_argv = _python("router.cli", "mock", "--port", "0", "--tpot-ms", f"{args.tpot_ms:g}",
                         "--max-tokens", str(args.max_tokens))
@@ -155,9 +157,10 @@ async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStac
         serve += ["--backend", mock.url]
     if serve_has_workers(args.router_src):
         serve += ["--workers", str(args.workers)]
-    bed.router, bed.bare = await _start_all(
-        stack, logdir, [("router", serve), ("bare", _python("bench.bare_app", "--port", "0"))],
-        cwd={"router": args.router_src})
+    serve += serve_args
+    wanted = [("router", serve)] + ([("bare", _python("bench.bare_app", "--port", "0"))] if bare else [])
+    started = await _start_all(stack, logdir, wanted, cwd={"router": args.router_src})
+    bed.router, bed.bare = started[0], (started[1] if bare else None)
     await _ready(bed.router.url, "/ready")
     return bed
 
