@@ -1178,7 +1178,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from bench.cli import describe_stop, is_interrupt
+    from bench.cli import run_reported
 
     args = _parser().parse_args(argv)
     if args.report:
@@ -1189,16 +1189,7 @@ def main(argv: list[str]) -> int:
     doc: dict[str, Any] = {"kind": "chaos", "cpu": {k: v for k, v in cpu.items() if k != "flags"},
                            "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot_path", "no_plot", "report")},
                            "kills": [], "timeline": []}
-    try:
-        trio.run(run, args, doc)
-    except BaseException as exc:  # the report is written whatever stopped the run
-        doc["interrupted"] = describe_stop(exc)
-        _finish(args, doc)
-        if is_interrupt(exc):
-            return 130
-        raise
-    _finish(args, doc)
-    return 0
+    return run_reported(run, args, doc, _finish)
 
 
 def _finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from bench.loadgen import LoadConfig, RunResult, run_rate
 from bench.report import compare, default_path, format_compare, format_table, summarize_run
 from bench.report import write_json as write_report
 
-__all__ = ["Partial", "add_common_arguments", "describe_stop", "is_interrupt", "main", "pick_model", "run_load"]
+__all__ = ["Partial", "add_common_arguments", "describe_stop", "is_interrupt", "main", "pick_model", "run_load",
+           "run_reported"]
 
 RESULTS_DIR = "bench/results"
 
@@ -243,6 +245,28 @@ def is_interrupt(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(is_interrupt(e) for e in exc.exceptions)
     return isinstance(exc, KeyboardInterrupt)
+
+
+def run_reported(run: Callable[[argparse.Namespace, dict[str, Any]], Awaitable[None]], args: argparse.Namespace,
+                 doc: dict[str, Any], finish: Callable[[argparse.Namespace, dict[str, Any]], None],
+                 name: str | None = None) -> int:
+    """``trio.run(run, args, doc)``, then ``finish(args, doc)`` (the report)
+    whatever stopped it, with ``interrupted`` set when something did: 130
+    after Ctrl-C; 1 for a :class:`HeadraceError` when ``name`` is given (the
+    message printed under it); anything else re-raised. 0 when it ran through."""
+    try:
+        trio.run(run, args, doc)
+    except BaseException as exc:  # the report is written whatever happened
+        doc["interrupted"] = describe_stop(exc)
+        finish(args, doc)
+        if is_interrupt(exc):
+            return 130
+        if name is not None and isinstance(inner := leaf(exc), HeadraceError):
+            print(f"{name}: error: {inner.message}", file=sys.stderr)
+            return 1
+        raise
+    finish(args, doc)
+    return 0
 
 
 def _print_load(document: dict[str, Any]) -> None:

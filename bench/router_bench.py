@@ -44,9 +44,9 @@ import httpx
 import msgspec
 import trio
 
-from backends.errors import BackendUnavailable, ClientError, HeadraceError
-from bench.cli import LAG_WARN_MS, RESULTS_DIR, describe_stop, is_interrupt
-from bench.client import RequestSpec, build_body, leaf
+from backends.errors import BackendUnavailable, ClientError
+from bench.cli import LAG_WARN_MS, RESULTS_DIR, run_reported
+from bench.client import RequestSpec, build_body
 from bench.drivers import native_available, run_driver
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info, start_server
@@ -485,19 +485,7 @@ def main(argv: list[str]) -> int:
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                    "workers": args.workers, "router_src": _source(args.router_src)},
     }
-    try:
-        trio.run(run, args, doc)
-    except BaseException as exc:  # the report is written whatever happened
-        doc["interrupted"] = describe_stop(exc)
-        _finish(args, doc)
-        if is_interrupt(exc):
-            return 130
-        if isinstance(inner := leaf(exc), HeadraceError):
-            print(f"headrace bench router: error: {inner.message}", file=sys.stderr)
-            return 1
-        raise
-    _finish(args, doc)
-    return 0
+    return run_reported(run, args, doc, _finish, name="headrace bench router")
 
 
 def _finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:

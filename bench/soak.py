@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import trio
 
-from bench.cli import RESULTS_DIR, describe_stop, is_interrupt
+from bench.cli import RESULTS_DIR, run_reported
 from bench.client import RequestSpec
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info
@@ -152,16 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                            "config": {k: getattr(args, k) for k in ("duration", "http", "concurrency", "client",
                                                                     "open_duration", "fractions", "tpot_ms",
                                                                     "max_tokens", "prompt_tokens")}}  # fmt: skip
-    try:
-        trio.run(run, args, doc)
-    except BaseException as exc:  # the report is written whatever happened
-        doc["interrupted"] = describe_stop(exc)
-        _finish(args, doc)
-        if is_interrupt(exc):
-            return 130
-        raise
-    _finish(args, doc)
-    return 0 if all(verdict(doc).values()) else 1
+    code = run_reported(run, args, doc, _finish)
+    return code or (0 if all(verdict(doc).values()) else 1)
 
 
 def _finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
