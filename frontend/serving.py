@@ -190,14 +190,10 @@ def _send_whole_responses_in_one_write() -> None:
             return
         self._headrace_start = None
         status = int(held["status"])
-        if message is None or message["type"] != "http.response.body" or suppress_body(self.scope["method"], status):
-            await app_send(self, held)  # not a body (or none allowed): the start goes first, as before
-            await app_send(self, message)
-            return
-        more = bool(message.get("more_body", False))
-        body = bytes(message.get("body", b""))
-        if more and not body:
-            await app_send(self, held)
+        more = message is not None and bool(message.get("more_body", False))
+        body = b"" if suppress_body(self.scope["method"], status) or message is None else bytes(message.get("body", b""))
+        if message is None or message["type"] != "http.response.body" or (more and not body):
+            await app_send(self, held)  # not a body to send with it: the start goes first, as before
             await app_send(self, message)
             return
         self.response = held

@@ -842,3 +842,26 @@ def msgspec_json(obj: Any) -> bytes:
     import msgspec
 
     return msgspec.json.encode(obj)
+
+
+@pytest.mark.parametrize("http", ["1.1", "2"])
+async def test_a_head_request_gets_the_head_alone_and_the_connection_goes_on(nursery: trio.Nursery, http: str) -> None:
+    """HEAD of a whole response (a held start with ``content-length``): the
+    status and headers, no body, and the connection serves the next request."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", b"5")], serving.BODY_FOLLOWS: True})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"whole"})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    async with httpx.AsyncClient(http1=http == "1.1", http2=http == "2", timeout=5) as client:
+        for _ in range(3):
+            head = await client.head(url + "/x")
+            assert head.status_code == 200 and head.headers["content-length"] == "5" and head.content == b""
+            got = await client.get(url + "/x")
+            assert got.status_code == 200 and got.content == b"whole"
+            assert got.http_version == ("HTTP/2" if http == "2" else "HTTP/1.1")
