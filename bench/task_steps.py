@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,8 +36,8 @@ import msgspec
 import trio
 
 from backends.openai_http import OpenAIHTTPBackend
-from bench.procs import cpu_info
-from frontend.serving import reserve_port
+from bench.procs import cpu_info, start_server
+from bench.report import write_json
 from router.app import NamedBackend, Router
 from router.config import decode_config
 from router.server import options_for, run_router
@@ -167,35 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds >= 1, --warmup >= 0")
-    sock = reserve_port("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    mock = subprocess.Popen([sys.executable, "-m", "router.cli", "mock", "--port", str(port), "--tpot-ms", "0",
-                             "--max-tokens", str(args.max_tokens)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        doc = trio.run(_run, f"http://127.0.0.1:{port}", args)
-    finally:
-        mock.kill()
-        mock.wait()
+    doc = trio.run(_run, args)
     doc |= {"kind": "task_steps", "cpu": cpu_info(), "max_tokens": args.max_tokens}
     print(format_report(doc))
     if args.json_path is not None:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
-        print(f"wrote {args.json_path}")
+        print(f"wrote {write_json(args.json_path, doc)}")
     return 0
 
 
-async def _run(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    with trio.fail_after(60):  # the mock's start: imports, then it listens
-        while True:
-            try:
-                await (await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))).aclose()
-                break
-            except OSError:
-                await trio.sleep(0.1)
-    return await measure(url, args.rounds, args.warmup, args.max_tokens)
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`measure` in front of a ``headrace mock`` process started (and
+    stopped) here, once it says it listens."""
+    argv = [sys.executable, "-m", "router.cli", "mock", "--port", "0", "--tpot-ms", "0", "--max-tokens", str(args.max_tokens)]
+    with tempfile.TemporaryDirectory(prefix="headrace-task-steps-") as logdir:
+        mock = await start_server("mock", argv, Path(logdir), cwd=REPO)
+        try:
+            return await measure(mock.url, args.rounds, args.warmup, args.max_tokens)
+        finally:
+            with trio.CancelScope(shield=True):
+                await mock.stop(grace=2.0)
 
 
 if __name__ == "__main__":

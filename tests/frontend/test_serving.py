@@ -18,6 +18,7 @@ import h2.connection
 import h2.events
 import h2.settings
 import httpx
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -807,8 +808,8 @@ async def test_an_answer_given_once_content_length_bytes_are_in_keeps_the_connec
 
     url = await nursery.start(serve, OpenAIServer(MockBackend(MockConfig(max_context=4096))), ServeOptions())
     sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    big = msgspec_json({"model": "mock", "prompt": " hello" * 4160, "max_tokens": 4})
-    small = msgspec_json({"model": "no-such-model", "prompt": "hi"})
+    big = msgspec.json.encode({"model": "mock", "prompt": " hello" * 4160, "max_tokens": 4})
+    small = msgspec.json.encode({"model": "no-such-model", "prompt": "hi"})
     buffer = b""
 
     async def exchange(body: bytes, status: bytes) -> None:
@@ -836,12 +837,6 @@ async def test_an_answer_given_once_content_length_bytes_are_in_keeps_the_connec
         await exchange(big, b"400")
         await exchange(small, b"404")
     await sock.aclose()
-
-
-def msgspec_json(obj: Any) -> bytes:
-    import msgspec
-
-    return msgspec.json.encode(obj)
 
 
 @pytest.mark.parametrize("http", ["1.1", "2"])
