@@ -269,7 +269,7 @@ class OpenAIServer:
                     body = b"" if streams else await self._read_body(headers, receive)
                     context.read_at = trio.current_time()
                     if not streams:  # only now watch for disconnect: the body has been consumed
-                        nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+                        _on_disconnect(scope, receive, nursery, exchange)
                     # No route: 404 or 405, told only to an authenticated client.
                     match = found or self.routes.resolve(scope["method"], scope["path"])
                     request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)
@@ -443,6 +443,54 @@ def _queued(receive: Any) -> Callable[[], dict[str, Any] | None]:
         return message
 
     return take
+
+
+# The key of a request scope's ``extensions`` under which frontend/serving.py
+# offers a :class:`DisconnectHook`: the server calls it when the request's
+# stream closes (the client left, or the response ended). Under another ASGI
+# server (no such key) a task per request reads ``receive`` for
+# ``http.disconnect`` instead; the hook spares that task's spawn, its wake-ups
+# and its cancellation on every request.
+ON_DISCONNECT = "headrace.on_disconnect"
+
+
+class DisconnectHook:
+    """Called once by the server when the stream closes; :meth:`then`
+    registers what to call (at once if the stream closed already)."""
+
+    __slots__ = ("_callback", "closed")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[], None] | None = None
+        self.closed = False
+
+    def then(self, callback: Callable[[], None]) -> None:
+        if self.closed:
+            callback()
+        else:
+            self._callback = callback
+
+    def __call__(self) -> None:
+        self.closed = True
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
+
+
+def _on_disconnect(scope: dict[str, Any], receive: Any, nursery: trio.Nursery, exchange: _Exchange) -> None:
+    """Cancel the request's nursery if the client leaves before the last
+    message of the response is handed to the server."""
+    hook = scope.get("extensions", {}).get(ON_DISCONNECT)
+    if hook is None:
+        nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+        return
+    cancel_scope = nursery.cancel_scope
+
+    def disconnected() -> None:
+        if not exchange.complete:
+            cancel_scope.cancel()
+
+    hook.then(disconnected)
 
 
 async def _watch_disconnect(receive: Any, scope: trio.CancelScope, exchange: _Exchange) -> None:

@@ -45,7 +45,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Updated
 from hypercorn.protocol import h2 as hypercorn_h2
 from hypercorn.protocol import h11 as hypercorn_h11
-from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
+from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
@@ -55,7 +55,7 @@ from hypercorn.utils import build_and_validate_headers, suppress_body
 from frontend import hardening
 from frontend.h2_scheduler import RoundRobinStreams
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
-from frontend.server import BODY_FOLLOWS
+from frontend.server import BODY_FOLLOWS, ON_DISCONNECT, DisconnectHook
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
 __all__ = ["Limits", "ServeOptions", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
@@ -127,6 +127,7 @@ def _patch_hypercorn() -> None:
     _schedule_streams_round_robin()
     _send_whole_responses_in_one_write()
     _recycle_after_an_answer_given_at_content_length()
+    _call_the_app_back_on_disconnect()
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,28 @@ def _send_whole_responses_in_one_write() -> None:
     stream_cls.app_send = held_app_send  # type: ignore[method-assign]
     protocol.stream_send = whole_stream_send  # type: ignore[method-assign]
     h11_protocol.stream_send = whole_h11_send  # type: ignore[method-assign]
+
+
+def _call_the_app_back_on_disconnect() -> None:
+    """Each request's scope offers a :class:`~frontend.server.DisconnectHook`
+    (under :data:`~frontend.server.ON_DISCONNECT`), called when its stream
+    closes, before ``http.disconnect`` is queued for the app as before: the
+    app learns of the disconnect without a task per request that waits on
+    ``receive`` for it (one spawn and three scheduler turns a request, and
+    one of the 16 task steps before its first byte; see bench/task_steps.py)."""
+    handle = HTTPStream.handle
+
+    async def hooked_handle(self: Any, event: Any) -> None:
+        if isinstance(event, StreamClosed) and not self.closed and self.app_put is not None:
+            hook = self.scope["extensions"].get(ON_DISCONNECT)
+            if hook is not None:
+                hook()
+        await handle(self, event)
+        if isinstance(event, Request) and self.app_put is not None:
+            # The app's task is spawned, not yet run: it finds the hook.
+            self.scope["extensions"][ON_DISCONNECT] = DisconnectHook()
+
+    HTTPStream.handle = hooked_handle  # type: ignore[method-assign]
 
 
 def _recycle_after_an_answer_given_at_content_length() -> None:

@@ -13,7 +13,7 @@ import trio
 
 from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable
-from frontend.server import OpenAIServer
+from frontend.server import DisconnectHook, OpenAIServer
 from frontend.serving import ServeOptions, serve
 from tests.router.fakes import FakeBackend
 
@@ -137,6 +137,76 @@ async def test_client_disconnect_cancels_backend_stream(served: tuple[str, Count
         while backend.in_flight:
             await trio.sleep(0.01)
     assert backend.cancelled == 1
+
+
+class _Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2"])
+async def test_client_leaving_a_whole_answer_cancels_it_without_a_watcher_task(
+    served: tuple[str, CountingBackend], http2: bool
+) -> None:
+    """A non-streaming request is cancelled when its client leaves: the
+    server calls the request's DisconnectHook, and no task per request waits
+    on ``receive`` for ``http.disconnect`` (it used to be spawned)."""
+    url, backend = served
+    backend.delay = 0.05
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        async with httpx.AsyncClient(base_url=url, http1=not http2, http2=http2) as client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+            with trio.move_on_after(0.3):  # leaves after a few of its 1000 tokens
+                await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000})
+            assert backend.in_flight == 1
+        with trio.fail_after(2):
+            while backend.in_flight:
+                await trio.sleep(0.01)
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert backend.cancelled == 1
+    assert not [n for n in spawns.names if "watch_disconnect" in n], spawns.names
+
+
+async def test_disconnect_is_watched_by_a_task_under_a_server_without_the_hook() -> None:
+    """An ASGI server that offers no hook (here the app called directly):
+    a task reads ``receive`` and the disconnect still cancels the request."""
+    backend = CountingBackend(delay=0.05)
+    app = OpenAIServer(backend)
+    inbox_send, inbox = trio.open_memory_channel[dict](4)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    body = json.dumps({"prompt": "x", "max_tokens": 1000}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", str(len(body)).encode())]}
+    await inbox_send.send({"type": "http.request", "body": body, "more_body": False})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app, scope, inbox.receive, send)
+        with trio.fail_after(2):
+            while not backend.in_flight:
+                await trio.sleep(0.01)
+        await inbox_send.send({"type": "http.disconnect"})
+    assert backend.cancelled == 1
+    assert not any(m.get("type") == "http.response.body" and not m.get("more_body") and m.get("body") for m in sent)
+
+
+def test_disconnect_hook_calls_back_once_and_at_once_when_already_closed() -> None:
+    calls: list[str] = []
+    hook = DisconnectHook()
+    hook.then(lambda: calls.append("a"))
+    hook()
+    hook()
+    assert calls == ["a"]
+    hook.then(lambda: calls.append("b"))  # registered after the close: called at once
+    assert calls == ["a", "b"]
 
 
 async def test_oversized_h2_body_does_not_take_the_server_down(served: tuple[str, CountingBackend]) -> None:
