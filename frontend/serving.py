@@ -414,7 +414,13 @@ def _reset_h2_stream_on_app_error() -> None:
     """hypercorn 0.18 forgets an HTTP/2 stream whose app ended mid-body (an
     exception, or a return before the last ``http.response.body``) without
     resetting it, so the client waits forever. Over HTTP/1.1 it closes the
-    connection. Make HTTP/2 equally loud: send RST_STREAM(INTERNAL_ERROR)."""
+    connection. Make HTTP/2 equally loud: send RST_STREAM(INTERNAL_ERROR).
+
+    Body the app handed over before it failed goes first, as far as the
+    flow-control window lets it (HTTP/1.1 wrote it already): an app that
+    fails right after a ``send``, without a checkpoint between, must not
+    lose what that send took (it was still in the stream's buffer, for the
+    connection's send task)."""
     protocol = hypercorn_h2.H2Protocol
     original = protocol.stream_send
 
@@ -427,6 +433,7 @@ def _reset_h2_stream_on_app_error() -> None:
                 and not stream.closed
             ):
                 try:
+                    _send_buffered(self, event.stream_id)
                     self.connection.reset_stream(
                         event.stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR
                     )
@@ -438,6 +445,19 @@ def _reset_h2_stream_on_app_error() -> None:
         await original(self, event)
 
     protocol.stream_send = stream_send  # type: ignore[method-assign]
+
+
+def _send_buffered(protocol: Any, sid: int) -> None:
+    """Hand h2 what a stream's buffer holds, as far as the window lets it."""
+    buffer = protocol.stream_buffers.get(sid)
+    if buffer is None or not buffer.buffer:
+        return
+    data = buffer.buffer
+    room = min(len(data), protocol.connection.local_flow_control_window(sid))
+    frame = protocol.connection.max_outbound_frame_size
+    for at in range(0, room, frame):
+        protocol.connection.send_data(sid, bytes(data[at : min(room, at + frame)]))
+    del data[:room]
 
 
 def _end_stream_with_the_last_data() -> None:

@@ -860,3 +860,32 @@ async def test_a_head_request_gets_the_head_alone_and_the_connection_goes_on(nur
             got = await client.get(url + "/x")
             assert got.status_code == 200 and got.content == b"whole"
             assert got.http_version == ("HTTP/2" if http == "2" else "HTTP/1.1")
+
+
+async def test_body_sent_right_before_an_app_fails_still_reaches_the_h2_client_before_the_reset(nursery: trio.Nursery) -> None:
+    """An app that fails right after a ``send``, with no checkpoint between,
+    had that body in the stream's buffer for the connection's send task; the
+    reset for the failure dropped it. A stream relayed without a pump fails
+    that way (a backend cut right after a token): the client lost the token."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await trio.sleep(0.05)  # "first" leaves on the send task's turn
+        await send({"type": "http.response.body", "body": b"second", "more_body": True})
+        raise RuntimeError("cut right after a send")
+
+    url = await nursery.start(serve, app, ServeOptions())
+    host, port = url.removeprefix("http://").split(":")
+    sock = await trio.open_tcp_stream(host, int(port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    with trio.fail_after(5):
+        seen = await _h2_batch(sock, conn, [1])
+    await sock.aclose()
+    data = b"".join(e.data for e in seen if isinstance(e, h2.events.DataReceived))
+    assert data == b"firstsecond"
+    assert isinstance(seen[-1], h2.events.StreamReset) and seen[-1].error_code == h2.errors.ErrorCodes.INTERNAL_ERROR
