@@ -157,6 +157,10 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     # First event only, when the model that answers is not the one asked for
     # (the router's fallbacks and versions); the response's ``model`` then says it.
     model: str | None = None
+    # A hint for a consumer that writes what it relays: the stream's next step
+    # (another event, or its end) is already here, so a write can wait for it.
+    # A backend that cannot tell leaves it False (each event is written alone).
+    more_ready: bool = False
 
 
 class Health(msgspec.Struct, frozen=True):

@@ -624,11 +624,24 @@ class OpenAIHTTPBackend:
                         sse_events = decoder.feed(chunk)
                     except UnicodeDecodeError:
                         raise BackendProtocolError("stream data is not UTF-8") from None
-                    for sse in sse_events:
-                        events = parser.feed(sse.data)
-                        self._saw_ids = self._saw_ids or parser.saw_ids
-                        for event in events:
-                            yield event
+                    # The events of this read, each but the last marked
+                    # ``more_ready``, and the last too when the stream ends
+                    # with it. Not before an error in the read's rest: what
+                    # follows it (a migration) may wait.
+                    batch: list[Event] = []
+                    failure: HeadraceError | None = None
+                    try:
+                        for sse in sse_events:
+                            batch += parser.feed(sse.data)
+                            self._saw_ids = self._saw_ids or parser.saw_ids
+                    except HeadraceError as exc:
+                        failure = exc
+                    last, ends = len(batch) - 1, parser.done and failure is None
+                    for k, event in enumerate(batch):
+                        event.more_ready = k < last or ends
+                        yield event
+                    if failure is not None:
+                        raise failure
         except HeadraceError:
             raise
         except _ERRORS as exc:

@@ -6,10 +6,13 @@ The HTTP frontend (:mod:`frontend.server`) runs every completions, chat and
 generate request through :func:`prepare_call` and :class:`Call`; the job and
 batch runners run request bodies the same way, without a socket.
 
-Streaming: one pump task per choice iterates that choice's backend stream
-start to end (async generators must not migrate between tasks) and hands its
-events to the producer over a channel; the producer turns them into SSE
-chunks, writing those that are ready together in one write. Any exception
+Streaming: each choice's backend stream is iterated start to end by one
+task (async generators must not migrate between tasks). With one choice,
+that is the request's own task, which turns the events into SSE chunks and
+writes them, those the backend marks ready together (``Event.more_ready``)
+in one write. With ``n`` > 1, one pump task per choice hands its events to
+the producer over a channel, and the producer writes the chunks that are
+ready together in one write. Any exception
 that ends a choice early ends the answer with the in-band error event and no
 ``[DONE]``: a truncated answer never looks complete.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
@@ -157,13 +161,18 @@ class Call:
 
     # -------- streaming
 
-    async def start_stream(self, nursery: trio.Nursery) -> Producer:
-        """Start one pump task per choice in the request's nursery, wait for
-        each choice's first event (an error there raises, so it gets a real
-        status code), and return the producer of the SSE body.
+    async def start_stream(self, nursery: trio.Nursery, defer: AsyncExitStack) -> Producer:
+        """Wait for each choice's first event (an error there raises, so it
+        gets a real status code), and return the producer of the SSE body.
 
-        Each backend stream is iterated start to end by one task (its pump):
-        async generators must not migrate between tasks."""
+        Each backend stream is iterated start to end by one task: async
+        generators must not migrate between tasks. With one choice that is
+        the request's own task, which reads the stream and writes the body
+        (see :meth:`_start_one`); with ``n`` > 1, one pump task per choice
+        in the request's nursery. ``defer`` closes a stream the producer
+        never ran for."""
+        if len(self.subs) == 1:
+            return await self._start_one(defer)
         send, recv = trio.open_memory_channel[tuple[int, Event | HeadraceError]](CHANNEL_EVENTS)
         budget = _TextBudget(CHANNEL_TEXT_BYTES)
         async with send:
@@ -184,13 +193,7 @@ class Call:
             if i == 0 and item.model is not None:
                 self.model = item.model  # the model that answered (a router's fallback)
 
-        async def flush(emit: Emit, parts: list[bytes], last: bool = False) -> None:
-            if self.coalesce:
-                await emit(b"".join(parts), last)
-            else:  # one SSE event per write, as fault injectors count them
-                for part in parts:
-                    await emit(part)
-            parts.clear()
+        flush = self._flush
 
         async def produce(emit: Emit) -> None:
             states = [_Choice() for _ in self.subs]
@@ -215,19 +218,85 @@ class Call:
                     return
                 budget.give(len(item.text))
                 parts.append(self._chunk(i, item, states[i]))
-            if any(state.finish_reason is None for state in states):
-                # Every pump ended, yet some choice never got its final event:
-                # a truncated answer must not look like a complete one.
-                parts.append(error_event(_cut_short()))
-                await flush(emit, parts, True)
-                return
-            opts = self.wire.stream_options
-            if self.kind != "native" and opts is not None and opts.include_usage:
-                parts.append(sse(self._envelope([], usage_payload(_total_usage(states)))))
-            parts.append(DONE)
-            await flush(emit, parts, True)
+            await flush(emit, self._ending(parts, states), True)
 
         return produce
+
+    async def _start_one(self, defer: AsyncExitStack) -> Producer:
+        """One choice, without a pump, a channel or a task: the request's task
+        pulls the stream's events and writes them. Events the backend marks
+        ``more_ready`` (the rest of one upstream read) wait for the next, so
+        those ready together leave in one write, as the pump's channel gave;
+        and the upstream is read only as fast as the client takes the body,
+        so a client that stops reading holds nothing here.
+
+        Two fewer scheduler turns before the first byte (the pump's start, the
+        producer's wake on its channel) and a task spawn less per request."""
+        it = self.backend.stream(self.subs[0])
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            defer.push_async_callback(_shielded, aclose)
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise UpstreamError("the backend ended the stream without any event") from None
+        except HeadraceError:
+            raise
+        except Exception as exc:
+            raise _untranslated(0, exc) from exc
+        if first.model is not None:
+            self.model = first.model  # the model that answered (a router's fallback)
+        flush = self._flush
+
+        async def produce(emit: Emit) -> None:
+            state = _Choice()
+            parts = [self._chunk(0, first, state)]
+            more = first.more_ready
+            try:
+                while True:
+                    if not more:
+                        await flush(emit, parts)
+                    try:
+                        event = await it.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except HeadraceError as exc:
+                        parts.append(error_event(exc))
+                        await flush(emit, parts, True)
+                        return
+                    except Exception as exc:
+                        parts.append(error_event(_untranslated(0, exc)))
+                        await flush(emit, parts, True)
+                        return
+                    parts.append(self._chunk(0, event, state))
+                    more = event.more_ready
+                await flush(emit, self._ending(parts, [state]), True)
+            finally:
+                if aclose is not None:
+                    await _shielded(aclose)
+
+        return produce
+
+    async def _flush(self, emit: Emit, parts: list[bytes], last: bool = False) -> None:
+        if self.coalesce:
+            await emit(b"".join(parts), last)
+        else:  # one SSE event per write, as fault injectors count them
+            for part in parts:
+                await emit(part)
+        parts.clear()
+
+    def _ending(self, parts: list[bytes], states: list[_Choice]) -> list[bytes]:
+        """``parts`` and what ends the body once every stream has ended."""
+        if any(state.finish_reason is None for state in states):
+            # Every stream ended, yet some choice never got its final event:
+            # a truncated answer must not look like a complete one.
+            parts.append(error_event(_cut_short()))
+            return parts
+        opts = self.wire.stream_options
+        if self.kind != "native" and opts is not None and opts.include_usage:
+            parts.append(sse(self._envelope([], usage_payload(_total_usage(states)))))
+        parts.append(DONE)
+        return parts
 
     def _chunk(self, i: int, event: Event, state: _Choice) -> bytes:
         first = state.events == 0
@@ -305,6 +374,11 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+
+async def _shielded(aclose: Callable[[], Awaitable[object]]) -> None:
+    with trio.CancelScope(shield=True):
+        await aclose()
 
 
 def _untranslated(i: int, exc: Exception) -> UpstreamError:

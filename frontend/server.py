@@ -359,7 +359,7 @@ class OpenAIServer:
         if call.wire.stream:
             # Pull the first event before answering 200, so errors that happen
             # before any token (overload, bad prompt) get a real status code.
-            stream = await call.start_stream(request.nursery)
+            stream = await call.start_stream(request.nursery, request.defer)
             return Response(200, content_type="text/event-stream", headers=[("cache-control", "no-cache"), *call.headers], stream=stream)
         return json_response(await call.collect(), headers=call.headers)
 
