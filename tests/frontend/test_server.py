@@ -15,6 +15,7 @@ from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable
 from frontend.server import DisconnectHook, OpenAIServer
 from frontend.serving import ServeOptions, serve
+from tests.frontend.instruments import Spawns
 from tests.router.fakes import FakeBackend
 
 
@@ -139,14 +140,6 @@ async def test_client_disconnect_cancels_backend_stream(served: tuple[str, Count
     assert backend.cancelled == 1
 
 
-class _Spawns(trio.abc.Instrument):
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def task_spawned(self, task: trio.lowlevel.Task) -> None:
-        self.names.append(task.name)
-
-
 @pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2"])
 async def test_client_leaving_a_whole_answer_cancels_it_without_a_watcher_task(
     served: tuple[str, CountingBackend], http2: bool
@@ -156,7 +149,7 @@ async def test_client_leaving_a_whole_answer_cancels_it_without_a_watcher_task(
     on ``receive`` for ``http.disconnect`` (it used to be spawned)."""
     url, backend = served
     backend.delay = 0.05
-    spawns = _Spawns()
+    spawns = Spawns()
     trio.lowlevel.add_instrument(spawns)
     try:
         async with httpx.AsyncClient(base_url=url, http1=not http2, http2=http2) as client:

@@ -19,6 +19,7 @@ from frontend.call import DONE, prepare_call
 from frontend.context import RequestContext
 from frontend.server import OpenAIServer
 from frontend.serving import ServeOptions, serve
+from tests.frontend.instruments import Spawns
 
 
 class ScriptedBackend:
@@ -106,18 +107,10 @@ async def test_a_stream_whose_producer_never_runs_is_closed_by_the_request() -> 
     assert backend.closed == 1
 
 
-class _Spawns(trio.abc.Instrument):
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def task_spawned(self, task: trio.lowlevel.Task) -> None:
-        self.names.append(task.name)
-
-
 @pytest.mark.parametrize("n", [1, 2])
 async def test_one_choice_streams_without_a_pump_task_and_n_choices_with_one_each(n: int) -> None:
     backend = ScriptedBackend(_script(True, False, False))
-    spawns = _Spawns()
+    spawns = Spawns()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve, OpenAIServer(backend, coalesce=True), ServeOptions())
         async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
