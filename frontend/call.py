@@ -144,9 +144,12 @@ class Call:
                 raise _cut_short()
 
         try:
-            async with trio.open_nursery() as nursery:
-                for i in range(len(self.subs)):
-                    nursery.start_soon(run, i)
+            if len(self.subs) == 1:
+                await run(0)  # in this task: no nursery, no task to spawn
+            else:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(self.subs)):
+                        nursery.start_soon(run, i)
         except BaseExceptionGroup as group:
             # One failed choice fails the call: surface the first error of
             # ours unwrapped so it keeps its status code.

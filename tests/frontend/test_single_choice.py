@@ -2,7 +2,8 @@
 task, no channel. The events a backend marks ``more_ready`` wait for the
 next one, so the events of one upstream read leave in one write; any other
 event is written at once; the backend stream is closed however the call
-ends, even when its producer never runs."""
+ends, even when its producer never runs. A whole (non-streamed) answer with
+one choice is collected in the request's task too."""
 
 from __future__ import annotations
 
@@ -125,3 +126,22 @@ async def test_one_choice_streams_without_a_pump_task_and_n_choices_with_one_eac
     assert r.text.count('"text":" t1"') == n
     assert sum("_pump" in name for name in spawns.names) == (0 if n == 1 else n), spawns.names
     assert backend.closed == n
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_whole_answer_with_one_choice_is_collected_in_the_requests_task(n: int) -> None:
+    backend = ScriptedBackend(_script(True, False, False))
+    spawns = Spawns()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, OpenAIServer(backend), ServeOptions())
+        async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+            await client.get("/health")
+            trio.lowlevel.add_instrument(spawns)
+            try:
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": n})
+            finally:
+                trio.lowlevel.remove_instrument(spawns)
+        nursery.cancel_scope.cancel()
+    assert r.status_code == 200
+    assert [c["text"] for c in r.json()["choices"]] == [" t0 t1 t2"] * n
+    assert sum("Call.collect" in name for name in spawns.names) == (0 if n == 1 else n), spawns.names
