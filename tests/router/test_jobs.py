@@ -275,7 +275,7 @@ async def test_two_routers_on_one_file_share_the_queue_and_run_each_job_once_tho
         spans: dict[str, list[tuple[float, float]]] = {"alice": [], "bob": []}
         for job_id, (c, h) in zip(ids, where, strict=True):
             job = await wait_for(c, job_id, "completed", headers=h)
-            assert job["attempts"] == 1
+            assert job["attempts"] == 1, job
             spans["alice" if h is ALICE else "bob"].append((job["started_at"], job["finished_at"]))
     for tenant_spans in spans.values():
         ordered = sorted(tenant_spans)
