@@ -663,9 +663,11 @@ def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        # The address in the message: `headrace serve` binds two ports (the
+        # main one and the admin one, by default the main + 1).
+        raise OSError(exc.errno, f"{exc.strerror or exc} ({host}:{port})") from exc
     return sock
 
 
