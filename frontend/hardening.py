@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import re
 import sys
@@ -453,13 +454,19 @@ def _patch_tcp_server() -> None:
     connection (hypercorn's write is shielded and waits forever); a
     connection over the caps is closed as soon as it is accepted; a client
     gone (end of file) gives its socket back at once, not after the
-    keep-alive timeout (hypercorn's idle task held it that long)."""
+    keep-alive timeout (hypercorn's idle task held it that long); the
+    keep-alive timeout itself is one task per connection, not one per idle
+    spell (:class:`IdleDeadline`)."""
     protocol_send, run, read_data = TCPServer.protocol_send, TCPServer.run, TCPServer._read_data
 
     async def _read_data(self: Any) -> None:
         await read_data(self)
         self._headrace_read_done = True
-        await self.idle_task.stop()
+        idle = self.idle_task
+        if isinstance(idle, IdleDeadline):
+            idle.end()
+        else:
+            await idle.stop()
 
     async def _protocol_send(self: Any, event: Any) -> None:
         if isinstance(event, Updated) and getattr(self, "_headrace_read_done", False):
@@ -514,9 +521,77 @@ def _patch_tcp_server() -> None:
         finally:
             ledger.release(client)
 
+    init = TCPServer.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.idle_task = IdleDeadline(self)
+
     TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     TCPServer.run = _run  # type: ignore[method-assign]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    TCPServer.__init__ = __init__  # type: ignore[method-assign]
+
+
+class IdleDeadline:
+    """hypercorn's keep-alive timeout (``TCPServer.idle_task``) without a
+    task per idle spell. hypercorn 0.18 cancels its idle task whenever the
+    connection gets busy and starts a new one (``nursery.start``: a spawn,
+    and the caller waits a scheduler turn for it) whenever it goes idle again:
+    with one request at a time on a connection, that is every request, at the
+    end of its answer. Here one watcher task per connection, started at its
+    first idle spell, waits under a cancel scope whose deadline moves:
+    ``keep_alive_timeout`` from now when the connection goes idle, never while
+    it is busy. The behaviour is hypercorn's: an idle connection closes at its
+    deadline, or at once when the server shuts down (a busy one once it is
+    idle again). The same two methods as hypercorn's ``TrioSingleTask``
+    (``action``, the server's own ``_idle_timeout``, is what this does), and
+    :meth:`end` for a connection whose reading is over."""
+
+    __slots__ = ("_ended", "_idle", "_scope", "_server")
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+        self._ended = False
+
+    async def restart(self, task_group: Any, action: object) -> None:
+        """The connection is idle: it closes ``keep_alive_timeout`` from now."""
+        self._idle = True
+        server = self._server
+        terminated = server.context.terminated.is_set()
+        deadline = -math.inf if terminated else trio.current_time() + server.config.keep_alive_timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group._nursery.start_soon(self._watch, name="hypercorn idle deadline")
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """The connection is busy: no deadline."""
+        self._idle = False
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def end(self) -> None:
+        """Reading is over (the client left, or the connection closed): the
+        watcher goes without closing anything, so the connection's task group
+        can end."""
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch(self) -> None:
+        assert self._scope is not None
+        with self._scope:
+            await self._server.context.terminated.wait()
+            while not self._idle:
+                await trio.sleep_forever()  # busy at shutdown: ends at the next idle spell (deadline now)
+        if self._ended:
+            return
+        with trio.CancelScope(shield=True):
+            await self._server._initiate_server_close()
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,12 @@ def test_the_tcp_server_internals_the_patches_use_are_unchanged() -> None:
         n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "protocol_send"
     )) or ""
     assert "async with self.send_lock:" in source and "await self._close()" in source
+    # frontend/hardening.py's IdleDeadline stands in for idle_task: the same calls, the same close
+    assert methods["_initiate_server_close"] == ["self"] and methods["_idle_timeout"] == ["self"]
+    assert {"idle_task", "context", "config"} <= _self_attributes(cls)
+    calls = _source(tcp_server)
+    assert "self.idle_task.restart(self._task_group, self._idle_timeout)" in calls
+    assert "await self.idle_task.stop()" in calls
 
 
 def test_the_hypercorn_entry_points_serve_uses_are_unchanged() -> None:
