@@ -5,13 +5,14 @@ last byte; a stage that refuses stops the request with its status."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
+from backends.base import Event, GenerateRequest
 from backends.errors import RateLimited
 from frontend.call import Call
 from frontend.context import RequestContext
@@ -66,17 +67,34 @@ async def test_the_gate_runs_once_per_request_with_n_choices(nursery: trio.Nurse
 
 
 async def test_the_gate_is_held_until_the_last_byte_of_a_stream(nursery: trio.Nursery) -> None:
-    stage, backend = CountingStage(), FakeBackend(delay=0.05)
-    url, _ = await _serve(nursery, stage, backend)
+    """Held while the body is produced: the backend's events come after the
+    handler has returned its response, so a gate released then shows 0 at
+    them. At the client, every line but the last write's arrives while it is
+    held (the last write ends the body, and the gate goes right after it, so
+    the client may read that write after the release)."""
+    stage = CountingStage()
+    held_at_events: list[int] = []
+
+    class Watched(FakeBackend):
+        async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+            async with aclosing(super().stream(request)) as events:  # type: ignore[type-var]
+                async for event in events:
+                    held_at_events.append(stage.holding)
+                    yield event
+
+    url, _ = await _serve(nursery, stage, Watched(delay=0.05))
     seen: list[int] = []
     async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
         body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as r:
-            async for _ in r.aiter_lines():
-                seen.append(stage.holding)
-    assert seen and all(h == 1 for h in seen)
-    await trio.sleep(0.05)
-    assert stage.holding == 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen.append(stage.holding)
+    assert len(held_at_events) >= 4 and all(h == 1 for h in held_at_events), held_at_events
+    assert len(seen) >= 5 and all(h == 1 for h in seen[:-2]), seen  # 50 ms apart: read while held
+    with trio.fail_after(1):
+        while stage.holding:
+            await trio.sleep(0.01)
 
 
 async def test_a_refusing_stage_answers_its_status_and_no_backend_stream_starts(nursery: trio.Nursery) -> None:
