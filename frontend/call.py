@@ -231,13 +231,15 @@ class Call:
         ``more_ready`` (the rest of one upstream read) wait for the next, so
         those ready together leave in one write, as the pump's channel gave;
         and the upstream is read only as fast as the client takes the body,
-        so a client that stops reading holds nothing here.
+        so a client that stops reading holds nothing here. The stream is
+        closed by ``defer`` (the request's exit stack), whether the producer
+        ran to its end, failed, was cancelled, or never ran.
 
         Two fewer scheduler turns before the first byte (the pump's start, the
         producer's wake on its channel) and a task spawn less per request."""
         it = self.backend.stream(self.subs[0])
         aclose = getattr(it, "aclose", None)
-        if aclose is not None:
+        if aclose is not None:  # the one place it is closed, however the request ends
             defer.push_async_callback(_shielded, aclose)
         try:
             first = await it.__anext__()
@@ -255,28 +257,24 @@ class Call:
             state = _Choice()
             parts = [self._chunk(0, first, state)]
             more = first.more_ready
-            try:
-                while True:
-                    if not more:
-                        await flush(emit, parts)
-                    try:
-                        event = await it.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except HeadraceError as exc:
-                        parts.append(error_event(exc))
-                        await flush(emit, parts, True)
-                        return
-                    except Exception as exc:
-                        parts.append(error_event(_untranslated(0, exc)))
-                        await flush(emit, parts, True)
-                        return
-                    parts.append(self._chunk(0, event, state))
-                    more = event.more_ready
-                await flush(emit, self._ending(parts, [state]), True)
-            finally:
-                if aclose is not None:
-                    await _shielded(aclose)
+            while True:
+                if not more:
+                    await flush(emit, parts)
+                try:
+                    event = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except HeadraceError as exc:
+                    parts.append(error_event(exc))
+                    await flush(emit, parts, True)
+                    return
+                except Exception as exc:
+                    parts.append(error_event(_untranslated(0, exc)))
+                    await flush(emit, parts, True)
+                    return
+                parts.append(self._chunk(0, event, state))
+                more = event.more_ready
+            await flush(emit, self._ending(parts, [state]), True)
 
         return produce
 
@@ -375,8 +373,7 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+                await _shielded(aclose)
 
 
 async def _shielded(aclose: Callable[[], Awaitable[object]]) -> None:

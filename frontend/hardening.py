@@ -462,11 +462,7 @@ def _patch_tcp_server() -> None:
     async def _read_data(self: Any) -> None:
         await read_data(self)
         self._headrace_read_done = True
-        idle = self.idle_task
-        if isinstance(idle, IdleDeadline):
-            idle.end()
-        else:
-            await idle.stop()
+        self.idle_task.end()  # an IdleDeadline: the __init__ below installs it
 
     async def _protocol_send(self: Any, event: Any) -> None:
         if isinstance(event, Updated) and getattr(self, "_headrace_read_done", False):
