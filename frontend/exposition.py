@@ -20,22 +20,46 @@ refusals waited behind it. So a labelled metric of prometheus_client's own
 internals used are checked by tests/frontend/test_exposition.py); a child
 is never split, so each series' buckets, sum and count are read together.
 Other collectors are collected whole, as before.
+
+Observing is batched where it is per token: :func:`observe_many` adds a
+list of values to a histogram child with one lock round per bucket touched
+and one for the sum, where ``observe`` takes two per value (the
+inter-token histograms took about 4% of the router's CPU per streamed
+request, observed per event).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["SLICE", "render_cooperatively"]
+__all__ = ["SLICE", "observe_many", "render_cooperatively"]
 
 SLICE = 50  # samples formatted (or collected) between two checkpoints (~0.5 ms)
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """``for v in values: histogram.observe(v)``, in one update per bucket
+    touched. ``histogram`` is a child (or a histogram without labels). The
+    same buckets, sum and count as observing one at a time (the internals
+    used, prometheus_client 0.2x, are checked by
+    tests/frontend/test_exposition.py)."""
+    if not values:
+        return
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]
+    histogram._sum.inc(sum(values))
+    bounds, buckets = histogram._upper_bounds, histogram._buckets
+    # a NaN falls in no bucket, as with observe
+    for i, n in Counter(bisect_left(bounds, v) for v in values if v == v).items():
+        buckets[i].inc(n)
 
 
 class _Collected(Collector):

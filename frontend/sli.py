@@ -15,7 +15,9 @@ must be a bounded set: the caller maps unknown tenants and models to
 :data:`~frontend.metric_names.OTHER`. A histogram left out (None) is not
 observed: the engine has no queue before its gate, so it exports no queue
 time rather than zeros. Label children are cached per label tuple, not
-looked up per token.
+looked up per token, and a stream's inter-token gaps are observed
+:data:`GAP_BATCH` at a time (and the rest when it ends), not one at a
+time: a scrape sees a long stream's gaps at most that many tokens late.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import trio
 
 from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health
 from frontend.context import RequestContext
+from frontend.exposition import observe_many
 
 if TYPE_CHECKING:
     from prometheus_client import Histogram
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from frontend.call import Call
 
 __all__ = ["ROUTE_OF_KIND", "CallTimer"]
+
+GAP_BATCH = 16  # inter-token gaps a stream holds before they are observed
 
 ROUTE_OF_KIND = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/v1/generate"}
 
@@ -55,6 +60,12 @@ class _Children:
         if child is None:
             child = self.cache[labels] = self.family.labels(*labels)
         child.observe(seconds)
+
+    def observe_many(self, labels: tuple[str, ...], seconds: list[float]) -> None:
+        child = self.cache.get(labels)
+        if child is None:
+            child = self.cache[labels] = self.family.labels(*labels)
+        observe_many(child, seconds)
 
 
 class CallTimer:
@@ -103,6 +114,7 @@ class _Timed:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         last: float | None = None
+        gaps: list[float] = []  # observed GAP_BATCH at a time, and the rest at the end
         events = self.inner.stream(request)
         try:
             async for event in events:
@@ -111,10 +123,15 @@ class _Timed:
                     self.timer.ttft.observe(self.labels, now - self.arrival)
                     last = now
                 elif event.token_ids or event.text:
-                    self.timer.itl.observe(self.labels, now - last)
+                    gaps.append(now - last)
                     last = now
+                    if len(gaps) >= GAP_BATCH:
+                        self.timer.itl.observe_many(self.labels, gaps)
+                        gaps = []
                 yield event
         finally:  # close the inner stream however this one ends, so the backend hears of it
+            if gaps:
+                self.timer.itl.observe_many(self.labels, gaps)
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 with trio.CancelScope(shield=True):

@@ -79,6 +79,7 @@ from backends.errors import (
     UpstreamRateLimited,
 )
 from frontend.context import new_span_id
+from frontend.sli import GAP_BATCH
 from policies.base import BackendView, RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
@@ -138,7 +139,7 @@ AFFINITY_KEYS = 10_000
 class Recorder(Protocol):
     def queue_time(self, backend: str, seconds: float) -> None: ...
     def time_to_first_token(self, backend: str, seconds: float) -> None: ...
-    def inter_token_latency(self, backend: str, seconds: float) -> None: ...
+    def inter_token_latencies(self, backend: str, seconds: Sequence[float]) -> None: ...
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None: ...
 
 
@@ -149,11 +150,34 @@ class NullRecorder:
     def time_to_first_token(self, backend: str, seconds: float) -> None:
         pass
 
-    def inter_token_latency(self, backend: str, seconds: float) -> None:
+    def inter_token_latencies(self, backend: str, seconds: Sequence[float]) -> None:
         pass
 
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
         pass
+
+
+class _Gaps:
+    """One attempt's inter-token gaps on one backend, handed to the recorder
+    and the stall watch :data:`~frontend.sli.GAP_BATCH` at a time (and the
+    rest by ``flush`` when the attempt ends), not per token."""
+
+    __slots__ = ("backend", "recorder", "stall", "values")
+
+    def __init__(self, recorder: Recorder, stall: StallWatch, backend: str) -> None:
+        self.recorder, self.stall, self.backend = recorder, stall, backend
+        self.values: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+        if len(self.values) >= GAP_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.values:
+            self.recorder.inter_token_latencies(self.backend, self.values)
+            self.stall.extend(self.backend, self.values)
+            self.values = []
 
 
 class DispatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -512,6 +536,7 @@ class Dispatcher:
                     if feedback.dispatch is not None:
                         feedback.dispatch(actor.name, route, self.clock())
                     recorder, name, last_at = self.recorder, actor.name, arrived
+                    gaps = _Gaps(recorder, self.stall, name)
                     cached: int | None = None
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
@@ -533,8 +558,7 @@ class Dispatcher:
                                     if feedback.first_token is not None:
                                         feedback.first_token(name, route, now)
                                 elif event.token_ids:
-                                    recorder.inter_token_latency(name, now - last_at)
-                                    self.stall.add(name, now - last_at)
+                                    gaps.add(now - last_at)
                                 if event.usage is not None:
                                     cached = event.usage.cached_tokens
                                     if rec is not None:
@@ -565,6 +589,7 @@ class Dispatcher:
                             # The actor's stream already told its health (and woke its prober).
                             self._failed_early(actor, exc, outcome)
                     finally:
+                        gaps.flush()
                         self._judge(name, verdict)
                         if feedback.complete is not None:
                             feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
@@ -720,6 +745,7 @@ class Dispatcher:
             feedback.dispatch(name, route, self.clock())
         finished, verdict, first, cached = False, None, True, None
         last_at = self.clock()
+        gaps = _Gaps(self.recorder, self.stall, name)
         gap_from: float | None = broke_at  # until the first new event reaches the client
         gap: float | None = None  # observed at the end, labelled by what the backend held (its usage)
         try:
@@ -735,8 +761,7 @@ class Dispatcher:
                         if feedback.first_token is not None:
                             feedback.first_token(name, route, now)
                     elif event.token_ids:
-                        self.recorder.inter_token_latency(name, now - last_at)
-                        self.stall.add(name, now - last_at)
+                        gaps.add(now - last_at)
                     last_at = now
                     if event.usage is not None:
                         cached = event.usage.cached_tokens
@@ -762,6 +787,7 @@ class Dispatcher:
                 actor.stalled()
             raise
         finally:
+            gaps.flush()
             if gap is not None:
                 original = len(progress.prompt_token_ids) if progress.prompt_token_ids is not None else route.prompt_tokens
                 self.recorder.resume_gap(name, gap, prefix_label(cached, original))

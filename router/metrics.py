@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from frontend import metric_names as N
 from frontend.call import Call
 from frontend.context import RequestContext
-from frontend.exposition import render_cooperatively
+from frontend.exposition import observe_many, render_cooperatively
 from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
 from frontend.sli import ROUTE_OF_KIND, CallTimer
 from policies.capacity import ReplicaEstimator
@@ -447,8 +447,8 @@ class RouterMetrics:
     def time_to_first_token(self, backend: str, seconds: float) -> None:
         _child(self._ttft, self.ttft, backend).observe(seconds)
 
-    def inter_token_latency(self, backend: str, seconds: float) -> None:
-        _child(self._itl, self.itl, backend).observe(seconds)
+    def inter_token_latencies(self, backend: str, seconds: Sequence[float]) -> None:
+        observe_many(_child(self._itl, self.itl, backend), seconds)
 
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
         _child2(self._resume, self.resume, backend, prefix).observe(seconds)

@@ -396,12 +396,17 @@ class StallWatch:
         self._p99: dict[str, float] = {}
 
     def add(self, backend: str, seconds: float) -> None:
+        self.extend(backend, (seconds,))
+
+    def extend(self, backend: str, seconds: Sequence[float]) -> None:
+        """``add`` each of ``seconds``, the p99 recomputed (at most once) if
+        ``every`` samples have come since it last was."""
         gaps = self._gaps.get(backend)
         if gaps is None:
             gaps = self._gaps[backend] = deque(maxlen=self.window)
             self._since[backend] = 0
-        gaps.append(seconds)
-        n = self._since[backend] + 1
+        gaps.extend(seconds)
+        n = self._since[backend] + len(seconds)
         if n >= self.every:
             n = 0
             ordered = sorted(gaps)

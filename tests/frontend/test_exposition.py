@@ -113,3 +113,34 @@ def test_the_prometheus_client_internals_the_sliced_collection_uses_are_unchange
     registry_collect = inspect.getsource(Registry.collect)
     for line in ("collectors = copy.copy(self._collector_to_names)", "if self._target_info:", "yield from collector.collect()"):
         assert line in registry_collect, line
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.01, 0.1, 1.0])), max_size=40))
+def test_observing_many_values_at_once_gives_the_samples_of_observing_them_one_at_a_time(values: list[float]) -> None:
+    """Bucket edges included (a value equal to a bound is in that bound's
+    bucket), infinities and NaN too; the sum is compared as text, NaN and all."""
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("t_gap_seconds", "gap", ["backend"], registry=one, buckets=(0.01, 0.1, 1.0))
+    hm = Histogram("t_gap_seconds", "gap", ["backend"], registry=many, buckets=(0.01, 0.1, 1.0))
+    child = h1.labels("b")
+    for v in values:
+        child.observe(v)
+    exposition.observe_many(hm.labels("b"), values)
+    exposition.observe_many(hm.labels("b"), [])
+
+    def text(r: CollectorRegistry) -> list[bytes]:
+        return [line for line in generate_latest(r).splitlines() if not line.startswith(b"t_gap_seconds_created")]
+
+    assert text(many) == text(one)
+
+
+def test_the_prometheus_client_internals_observe_many_uses_are_unchanged() -> None:
+    """If this fails, re-read Histogram.observe and _metric_init, and
+    frontend/exposition.py's observe_many, which does what observe does."""
+    import inspect
+
+    observe = inspect.getsource(Histogram.observe)
+    for line in ("self._raise_if_not_observable()", "self._sum.inc(amount)",
+                 "for i, bound in enumerate(self._upper_bounds):", "if amount <= bound:", "self._buckets[i].inc(1)"):  # fmt: skip
+        assert line in observe, line

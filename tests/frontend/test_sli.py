@@ -1,0 +1,64 @@
+"""The per-call SLI histograms: inter-token gaps observed a batch at a time
+while the stream runs, and the rest however it ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry, Histogram
+
+from backends.base import Event, GenerateRequest
+from frontend.sli import GAP_BATCH, CallTimer, _Timed
+
+
+class _Tokens:
+    """A backend stub: ``n`` token events, ``gap`` seconds apart."""
+
+    def __init__(self, n: int, gap: float) -> None:
+        self.n, self.gap = n, gap
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        for i in range(self.n):
+            await trio.sleep(self.gap)
+            yield Event(text=f" t{i}", token_ids=[i])
+
+
+def _timer() -> tuple[CallTimer, Histogram]:
+    registry = CollectorRegistry()
+    hist = lambda name: Histogram(name, name, ["route"], registry=registry, buckets=(0.05, 0.5))  # noqa: E731
+    itl = hist("itl")
+    return CallTimer(lambda c, k: ("r",), ttft=hist("ttft"), itl=itl, e2e=hist("e2e")), itl
+
+
+def _count(itl: Histogram) -> tuple[float, float]:
+    samples = {s.name: s.value for metric in itl.collect() for s in metric.samples}
+    return samples.get("itl_count", 0.0), samples.get("itl_sum", 0.0)
+
+
+async def test_gaps_are_observed_at_most_a_batch_late_and_all_of_them_at_the_end(autojump_clock: trio.testing.MockClock) -> None:
+    timer, itl = _timer()
+    n = 2 * GAP_BATCH + 3
+    timed = _Timed(_Tokens(n, 0.1), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
+    seen = []
+    stream = timed.stream(GenerateRequest())
+    async for _ in stream:
+        seen.append(_count(itl)[0])
+    count, total = _count(itl)
+    assert count == n - 1 and abs(total - (n - 1) * 0.1) < 1e-9
+    assert all(0 <= k - 1 - c < GAP_BATCH for k, c in enumerate(seen, start=1)), seen
+    assert seen[GAP_BATCH] == GAP_BATCH
+
+
+async def test_a_stream_the_client_leaves_still_observes_its_gaps(autojump_clock: trio.testing.MockClock) -> None:
+    timer, itl = _timer()
+    timed = _Timed(_Tokens(100, 0.1), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
+    stream = timed.stream(GenerateRequest())
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 5:
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert _count(itl)[0] == 4
