@@ -98,6 +98,8 @@ import h2.settings
 import msgspec
 import trio
 
+from backends.h2lite import LeanH2Connection
+
 __all__ = [
     "ConnectError",
     "ConnectionLost",
@@ -312,7 +314,7 @@ class H2Connection:
     def __init__(self, pool: H2Pool, transport: trio.abc.Stream) -> None:
         self._pool = pool
         self._transport = transport
-        self._h2 = h2.connection.H2Connection(config=_h2_config())
+        self._h2 = LeanH2Connection(config=_h2_config())
         self._filter = _GoawayFilter()
         self._streams: dict[int, _Stream] = {}
         self._parked: set[_Stream] = set()

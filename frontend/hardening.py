@@ -82,6 +82,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
+from backends.h2lite import LeanH2Connection
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
 from frontend.wire import error_body
 
@@ -236,7 +237,7 @@ class StreamBuffer:
 # ---------------------------------------------------------------- h2: refuse, don't die
 
 
-class GuardedH2Connection(h2.connection.H2Connection):
+class GuardedH2Connection(LeanH2Connection):
     """h2's server connection, spending two budgets frame by frame (a read
     of 64 KiB holds thousands of frames: a check per read would let a Rapid
     Reset client open 2,400 streams before it) and with two connection

@@ -1,0 +1,106 @@
+"""The lean h2 connection: header blocks any HPACK decoder reads back
+exactly (with a fresh or a shrunk dynamic table), and h2's frame handling
+unchanged but for its trace line."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+from hpack import Decoder, Encoder
+from hpack.struct import HeaderTuple, NeverIndexedHeaderTuple
+from hpack.table import HeaderTable
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.h2lite import CACHE_FIELDS, LeanH2Connection, StatelessEncoder, _integer
+
+_static_names = sorted({n for n, _ in HeaderTable.STATIC_TABLE})
+_names = st.one_of(st.sampled_from(_static_names), st.binary(min_size=1, max_size=40).map(lambda b: b.hex().encode()))
+_values = st.one_of(st.sampled_from([v for _, v in HeaderTable.STATIC_TABLE]), st.binary(max_size=300))
+_field = st.tuples(_names, _values, st.booleans())
+_blocks = st.lists(st.lists(_field, max_size=12), min_size=1, max_size=5)
+
+
+def _as_headers(block: list[tuple[bytes, bytes, bool]]) -> list[HeaderTuple]:
+    return [NeverIndexedHeaderTuple(n, v) if s else HeaderTuple(n, v) for n, v, s in block]
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=_blocks, table=st.sampled_from([4096, 256, 0]))
+def test_every_block_decodes_to_its_fields_and_their_sensitivity(blocks: list[list[tuple[bytes, bytes, bool]]], table: int) -> None:
+    """A decoder whose table the peer lowered (``table``) before the first
+    block, as SETTINGS_HEADER_TABLE_SIZE does, reads every block; the
+    sensitive fields come back never-indexed, the others indexable."""
+    encoder, decoder = StatelessEncoder(), Decoder()
+    decoder.max_allowed_table_size = table
+    encoder.header_table_size = table  # what h2 does on the peer's SETTINGS
+    for block in blocks:
+        got = decoder.decode(encoder.encode(_as_headers(block)), raw=True)
+        assert [(h[0], h[1]) for h in got] == [(n, v) for n, v, _ in block]
+        assert [isinstance(h, NeverIndexedHeaderTuple) for h in got] == [s for _, _, s in block]
+        assert len(decoder.header_table.dynamic_entries) == 0  # nothing indexed, ever
+
+
+def test_plain_and_three_tuples_and_str_are_accepted_as_hpacks_encoder_accepts_them() -> None:
+    headers = [(":method", "POST"), ("authorization", "Bearer k", True), (b"x-id", b"1"), ("x-t", "é")]
+    decoded = Decoder().decode(StatelessEncoder().encode(headers), raw=True)
+    assert Decoder().decode(Encoder().encode(headers), raw=True) == decoded
+    assert isinstance(decoded[1], NeverIndexedHeaderTuple)
+
+
+def test_static_fields_are_one_byte_and_the_first_block_announces_a_table_of_zero() -> None:
+    encoder = StatelessEncoder()
+    first = encoder.encode([(b":method", b"POST"), (b":scheme", b"http")])
+    assert first == b"\x20\x83\x86"  # size update 0, then static indices 3 and 6
+    assert encoder.encode([(b":method", b"POST")]) == b"\x83"  # once per connection
+
+
+@pytest.mark.parametrize(("value", "bits", "want"), [(10, 5, b"\x0a"), (1337, 5, b"\x1f\x9a\x0a"), (42, 8, b"\x2a"), (31, 5, b"\x1f\x00"), (127, 7, b"\x7f\x00")])
+def test_integers_are_rfc_7541s_examples(value: int, bits: int, want: bytes) -> None:
+    assert _integer(value, bits, 0) == want  # RFC 7541 C.1, and each prefix's edge
+
+
+def test_the_field_cache_is_bounded() -> None:
+    encoder = StatelessEncoder()
+    for i in range(CACHE_FIELDS + 100):
+        encoder.encode([(b"x-request-id", str(i).encode())])
+    assert len(encoder._cache) == CACHE_FIELDS
+
+
+def test_a_lean_client_and_a_stock_h2_server_exchange_requests_and_a_table_size_change() -> None:
+    """Over h2's own state machines: the server lowers its header table to
+    0 and the client's requests still decode, stream after stream."""
+    client = LeanH2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
+    server = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 0})
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    for stream_id in (1, 3, 5):
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/v1/completions"),
+                   (b":authority", b"127.0.0.1:8000"), (b"x-request-id", str(stream_id).encode())]  # fmt: skip
+        client.send_headers(stream_id, headers, end_stream=True)
+        events = server.receive_data(client.data_to_send())
+        got = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+        assert list(got.headers) == headers
+
+
+def test_h2s_receive_frame_is_still_the_one_lean_copies() -> None:
+    """If this fails, h2 changed ``H2Connection._receive_frame``: copy it
+    again into backends/h2lite.py, less its trace line."""
+    def body(f: object) -> list[str]:
+        src = textwrap.dedent(inspect.getsource(f))  # type: ignore[arg-type]
+        src = re.sub(r'""".*?"""', "", src, flags=re.S)
+        lines = [line.split("#")[0].rstrip() for line in src.splitlines()]
+        return [line for line in lines if line.strip() and "logger.trace" not in line and not line.lstrip().startswith("def ")]
+
+    assert body(h2.connection.H2Connection._receive_frame) == body(LeanH2Connection._receive_frame)
