@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
+import trio
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -31,6 +32,7 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "chain_hashes",
+    "close_stream",
     "hash_block",
 ]
 
@@ -223,6 +225,21 @@ class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None
+
+
+async def close_stream(stream: object) -> None:
+    """Close an event stream (its ``aclose``) however its consumer ends,
+    shielded from cancellation, so the backend hears of it and an adapter's
+    cleanup may wait. An async generator that already ran to its end has
+    nothing left to close and is left alone: a stream passes about seven
+    layers that each close it, and the common ending, a finished stream,
+    then costs them no cancel scope."""
+    if getattr(stream, "ag_frame", True) is None:  # an exhausted (or closed) async generator
+        return
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with trio.CancelScope(shield=True):
+            await aclose()
 
 
 @runtime_checkable

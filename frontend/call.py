@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import trio
 
-from backends.base import Backend, Event, GenerateRequest, Usage
+from backends.base import Backend, Event, GenerateRequest, Usage, close_stream
 from backends.errors import HeadraceError, ModelNotFound, StreamBroken, UpstreamError
 from frontend.context import RequestContext
 from frontend.wire import (
@@ -238,9 +238,7 @@ class Call:
         Two fewer scheduler turns before the first byte (the pump's start, the
         producer's wake on its channel) and a task spawn less per request."""
         it = self.backend.stream(self.subs[0])
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:  # the one place it is closed, however the request ends
-            defer.push_async_callback(_shielded, aclose)
+        defer.push_async_callback(close_stream, it)  # the one place it is closed, however the request ends
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
@@ -371,14 +369,7 @@ async def _pump(i: int, it: AsyncIterator[Event], send: trio.MemorySendChannel[t
         except Exception as exc:
             await send.send((i, _untranslated(i, exc)))
         finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await _shielded(aclose)
-
-
-async def _shielded(aclose: Callable[[], Awaitable[object]]) -> None:
-    with trio.CancelScope(shield=True):
-        await aclose()
+            await close_stream(it)
 
 
 def _untranslated(i: int, exc: Exception) -> UpstreamError:

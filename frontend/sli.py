@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health
+from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health, close_stream
 from frontend.context import RequestContext
 from frontend.exposition import observe_many
 
@@ -132,10 +132,7 @@ class _Timed:
         finally:  # close the inner stream however this one ends, so the backend hears of it
             if gaps:
                 self.timer.itl.observe_many(self.labels, gaps)
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            await close_stream(events)
 
     def info(self) -> BackendInfo:
         return self.inner.info()

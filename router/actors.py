@@ -51,12 +51,12 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import msgspec
 import trio
 
-from backends.base import Backend, BackendInfo, Event, GenerateRequest, KVEvent
+from backends.base import Backend, BackendInfo, Event, GenerateRequest, KVEvent, close_stream
 from backends.errors import (
     BackendProtocolError,
     BackendUnavailable,
@@ -585,7 +585,4 @@ class closing_stream(Generic[T]):
         return self.it
 
     async def __aexit__(self, *exc: object) -> None:
-        aclose: Callable[[], Any] | None = getattr(self.it, "aclose", None)
-        if aclose is not None:
-            with trio.CancelScope(shield=True):
-                await aclose()
+        await close_stream(self.it)

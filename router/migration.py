@@ -386,9 +386,10 @@ class Replay:
 class StallWatch:
     """Inter-token latency per backend over its last ``window`` gaps, and the
     stall timeout it implies. The p99 is recomputed every ``every`` samples
-    (a sort of ``window`` floats), not per token."""
+    (a sort of ``window`` floats, ~14 us), not per token, and as soon as
+    there are ``stall_samples`` of them."""
 
-    def __init__(self, settings: Settings, window: int = 512, every: int = 32) -> None:
+    def __init__(self, settings: Settings, window: int = 512, every: int = 128) -> None:
         self.settings = settings
         self.window, self.every = window, every
         self._gaps: dict[str, deque[float]] = {}
@@ -407,7 +408,7 @@ class StallWatch:
             self._since[backend] = 0
         gaps.extend(seconds)
         n = self._since[backend] + len(seconds)
-        if n >= self.every:
+        if n >= self.every or (backend not in self._p99 and len(gaps) >= self.settings.stall_samples):
             n = 0
             ordered = sorted(gaps)
             self._p99[backend] = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]

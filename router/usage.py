@@ -40,7 +40,7 @@ import msgspec
 import trio
 from prometheus_client import Counter
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
+from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage, close_stream
 from backends.errors import BadRequest, HeadraceError, NotFound
 from frontend import metric_names as N
 from frontend.context import RequestContext
@@ -334,10 +334,7 @@ class _Watched:
                     self.seen.usages.append(event.usage)
                 yield event
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            await close_stream(events)
 
     def info(self) -> BackendInfo:
         result: BackendInfo = self.inner.info()

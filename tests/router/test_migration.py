@@ -187,6 +187,17 @@ async def test_the_default_watchdog_uses_the_backends_measured_latency(autojump_
     assert watch.timeout("a", Settings(stall_timeout=0.5)) == 0.5  # a fixed timeout wins
 
 
+def test_the_measured_watchdog_starts_at_stall_samples_however_rarely_the_p99_is_recomputed() -> None:
+    s = Settings(stall_samples=8)
+    watch = StallWatch(s, every=1000)
+    watch.extend("a", [0.2] * 7)
+    assert watch.timeout("a") == s.stall_initial  # under stall_samples
+    watch.extend("a", [0.9])
+    assert watch.timeout("a") == pytest.approx(max(2 * 0.9, s.stall_floor))  # the 8th sample: measured at once
+    watch.extend("a", [5.0] * 100)
+    assert watch.timeout("a") == pytest.approx(max(2 * 0.9, s.stall_floor))  # then only every 1000
+
+
 async def test_a_per_model_stall_timeout_overrides_the_routers() -> None:
     from router.config import decode_config
     from router.routes import RouteTable
