@@ -319,3 +319,18 @@ def test_bad_resumed_tokens_are_a_400_naming_it(kind: str, body: dict[str, objec
         decode_request(json.dumps(body).encode(), kind)  # type: ignore[arg-type]
     assert info.value.param == "resumed_tokens"
 
+
+
+def test_chunks_outside_the_typed_fast_path_parse_as_before_or_fail_as_protocol_errors() -> None:
+    """What the typed decoder refuses goes through the generic checks: a
+    float index 0.0 is the first choice as ever, a chat delta that is not an
+    object is a protocol error (it was an AttributeError, a bug)."""
+    parser = ChunkParser(chat=False)
+    (event,) = parser.feed(json.dumps({"choices": [{"index": 0.0, "text": " a", "token_ids": [3]}]}))
+    assert (event.text, event.token_ids) == (" a", [3])
+    with pytest.raises(BackendProtocolError, match="delta is not an object"):
+        ChunkParser(chat=True).feed(json.dumps({"choices": [{"index": 0, "delta": "x"}]}))
+    with pytest.raises(StreamBroken):  # an error with a wrongly typed choices is still the error
+        p = ChunkParser(chat=False)
+        p.feed(_chunk("a", [300]))
+        p.feed(json.dumps({"error": {"message": "died"}, "choices": "x"}))
