@@ -164,7 +164,7 @@ class Call:
 
     # -------- streaming
 
-    async def start_stream(self, nursery: trio.Nursery, defer: AsyncExitStack) -> Producer:
+    async def start_stream(self, nursery: trio.Nursery | None, defer: AsyncExitStack) -> Producer:
         """Wait for each choice's first event (an error there raises, so it
         gets a real status code), and return the producer of the SSE body.
 
@@ -173,9 +173,11 @@ class Call:
         the request's own task, which reads the stream and writes the body
         (see :meth:`_start_one`); with ``n`` > 1, one pump task per choice
         in the request's nursery. ``defer`` closes a stream the producer
-        never ran for."""
+        never ran for. ``nursery`` may be None with one choice."""
         if len(self.subs) == 1:
             return await self._start_one(defer)
+        if nursery is None:
+            raise TypeError(f"{len(self.subs)} choices need a nursery for their pumps")
         send, recv = trio.open_memory_channel[tuple[int, Event | HeadraceError]](CHANNEL_EVENTS)
         budget = _TextBudget(CHANNEL_TEXT_BYTES)
         async with send:

@@ -81,23 +81,24 @@ _encoder = msgspec.json.Encoder()
 
 class HTTPRequest:
     """What a route handler sees: method, path, path parameters, query,
-    headers, body, the request's context, and ``defer`` (an exit stack closed
+    headers, body, the request's context, ``defer`` (an exit stack closed
     once the response has been sent: a streamed answer's resources live until
-    its last byte)."""
+    its last byte) and :meth:`task_nursery` (tasks that live as long as the
+    response)."""
 
     def __init__(
         self,
         scope: dict[str, Any],
         body: bytes,
         context: RequestContext,
-        nursery: trio.Nursery,
+        tasks: _Tasks,
         *,
         headers: dict[str, str],
         params: dict[str, str],
         defer: AsyncExitStack,
     ) -> None:
         self.scope = scope
-        self.nursery = nursery  # lives as long as the response; cancelled on disconnect
+        self._tasks = tasks
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.query: bytes = scope.get("query_string", b"")
@@ -107,6 +108,28 @@ class HTTPRequest:
         self.context = context
         self.defer = defer
         self.reader: BodyReader | None = None  # a StreamingBody route's body, unread
+
+    async def task_nursery(self) -> trio.Nursery:
+        """A nursery whose tasks live as long as the response, cancelled
+        when the client leaves or the response is sent. Opened on first use."""
+        return await self._tasks.nursery()
+
+
+class _Tasks:
+    """A request's nursery, opened on first use, in ``stack`` (inside the
+    request's cancel scope, closed before it). Most requests start no task,
+    and a nursery even without a task costs a scheduler turn at its exit."""
+
+    __slots__ = ("_nursery", "_stack")
+
+    def __init__(self, stack: AsyncExitStack) -> None:
+        self._stack = stack
+        self._nursery: trio.Nursery | None = None
+
+    async def nursery(self) -> trio.Nursery:
+        if self._nursery is None:
+            self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        return self._nursery
 
 
 class BodyReader:
@@ -255,34 +278,39 @@ class OpenAIServer:
         exchange = _Exchange()
         route = "other"
         try:
-            async with AsyncExitStack() as defer, trio.open_nursery() as nursery:
-                try:
-                    found = self.routes.match(scope["method"], scope["path"])
-                    route = found.template if found is not None else "other"
-                    # On the headers, before any of the body is read: a client
-                    # without a key holds nothing while it trickles a body in.
-                    if self.authenticate is not None:
-                        principal = self.authenticate(headers)
-                        context.tenant, context.key_id = principal.tenant, principal.key_id
-                    apply_request_headers(context, headers)
-                    streams = found is not None and isinstance(found.handler, StreamingBody)
-                    body = b"" if streams else await self._read_body(headers, receive)
-                    context.read_at = trio.current_time()
-                    if not streams:  # only now watch for disconnect: the body has been consumed
-                        _on_disconnect(scope, receive, nursery, exchange)
-                    # No route: 404 or 405, told only to an authenticated client.
-                    match = found or self.routes.resolve(scope["method"], scope["path"])
-                    request = HTTPRequest(scope, body, context, nursery, headers=headers, params=match.params, defer=defer)
-                    if streams:
-                        request.reader = BodyReader(receive, self.body_idle_timeout)
-                    response = await match.handler(request)
-                except HeadraceError as exc:
-                    response = error_response(exc)
-                except Exception:
-                    log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-                    response = json_response(error_body("internal error", "server_error", None, None), 500)
-                await _send_response(send, response, exchange)
-                nursery.cancel_scope.cancel()
+            # ``cancel``: the request's cancel scope, cancelled when the client
+            # leaves before the response is complete, and once it is sent.
+            async with AsyncExitStack() as defer:
+                with trio.CancelScope() as cancel:
+                    async with AsyncExitStack() as spawned:
+                        tasks = _Tasks(spawned)
+                        try:
+                            found = self.routes.match(scope["method"], scope["path"])
+                            route = found.template if found is not None else "other"
+                            # On the headers, before any of the body is read: a client
+                            # without a key holds nothing while it trickles a body in.
+                            if self.authenticate is not None:
+                                principal = self.authenticate(headers)
+                                context.tenant, context.key_id = principal.tenant, principal.key_id
+                            apply_request_headers(context, headers)
+                            streams = found is not None and isinstance(found.handler, StreamingBody)
+                            body = b"" if streams else await self._read_body(headers, receive)
+                            context.read_at = trio.current_time()
+                            if not streams:  # only now watch for disconnect: the body has been consumed
+                                await _on_disconnect(scope, receive, cancel, tasks, exchange)
+                            # No route: 404 or 405, told only to an authenticated client.
+                            match = found or self.routes.resolve(scope["method"], scope["path"])
+                            request = HTTPRequest(scope, body, context, tasks, headers=headers, params=match.params, defer=defer)
+                            if streams:
+                                request.reader = BodyReader(receive, self.body_idle_timeout)
+                            response = await match.handler(request)
+                        except HeadraceError as exc:
+                            response = error_response(exc)
+                        except Exception:
+                            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                            response = json_response(error_body("internal error", "server_error", None, None), 500)
+                        await _send_response(send, response, exchange)
+                        cancel.cancel()  # the tasks of the response, if any
         finally:
             # Once per request, however it ended: the status actually sent,
             # 499 when the body never completed (the client left).
@@ -359,7 +387,7 @@ class OpenAIServer:
         if call.wire.stream:
             # Pull the first event before answering 200, so errors that happen
             # before any token (overload, bad prompt) get a real status code.
-            stream = await call.start_stream(request.nursery, request.defer)
+            stream = await call.start_stream(await request.task_nursery() if len(call.subs) > 1 else None, request.defer)
             return Response(200, content_type="text/event-stream", headers=[("cache-control", "no-cache"), *call.headers], stream=stream)
         return json_response(await call.collect(), headers=call.headers)
 
@@ -477,14 +505,14 @@ class DisconnectHook:
             callback()
 
 
-def _on_disconnect(scope: dict[str, Any], receive: Any, nursery: trio.Nursery, exchange: _Exchange) -> None:
-    """Cancel the request's nursery if the client leaves before the last
-    message of the response is handed to the server."""
+async def _on_disconnect(scope: dict[str, Any], receive: Any, cancel_scope: trio.CancelScope, tasks: _Tasks, exchange: _Exchange) -> None:
+    """Cancel the request's scope if the client leaves before the last
+    message of the response is handed to the server: through the server's
+    hook, else a task that waits for ``http.disconnect``."""
     hook = scope.get("extensions", {}).get(ON_DISCONNECT)
     if hook is None:
-        nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, exchange)
+        (await tasks.nursery()).start_soon(_watch_disconnect, receive, cancel_scope, exchange)
         return
-    cancel_scope = nursery.cancel_scope
 
     def disconnected() -> None:
         if not exchange.complete:

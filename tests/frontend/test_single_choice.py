@@ -145,3 +145,31 @@ async def test_a_whole_answer_with_one_choice_is_collected_in_the_requests_task(
     assert r.status_code == 200
     assert [c["text"] for c in r.json()["choices"]] == [" t0 t1 t2"] * n
     assert sum("Call.collect" in name for name in spawns.names) == (0 if n == 1 else n), spawns.names
+
+
+@pytest.mark.parametrize(("n", "stream", "nurseries"), [(1, True, 0), (1, False, 0), (2, True, 1)])
+async def test_a_request_opens_a_nursery_only_for_tasks_it_starts(
+    n: int, stream: bool, nurseries: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One choice spawns no task (the server's disconnect hook, no pump), so
+    it opens no nursery, whose exit alone costs a scheduler turn."""
+    from frontend import server as server_module
+
+    opened: list[object] = []
+    original = server_module._Tasks.nursery
+
+    async def counted(self: server_module._Tasks) -> trio.Nursery:
+        nursery = await original(self)
+        if nursery not in opened:
+            opened.append(nursery)
+        return nursery
+
+    monkeypatch.setattr(server_module._Tasks, "nursery", counted)
+    backend = ScriptedBackend(_script(True, False, False))
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, OpenAIServer(backend, coalesce=True), ServeOptions())
+        async with httpx.AsyncClient(base_url=url, http1=False, http2=True) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": stream, "n": n})
+        nursery.cancel_scope.cancel()
+    assert r.status_code == 200
+    assert len(opened) == nurseries
