@@ -392,7 +392,8 @@ class Queue:
             g.busy -= slots
             g.shares.give(context.tenant, rank, slots)
             g.rate.observe(trio.current_time() - started)
-            self._grant(g)
+            if g.waiters:  # the freed slots go to the queue (an empty one takes nothing)
+                self._grant(g)
 
     def _ahead(self, g: _Group, tenant: str, rank: int, weight: float) -> int:
         """Waiting requests that would go before this one: the queue policy's
