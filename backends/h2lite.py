@@ -1,6 +1,6 @@
-"""h2's connection with two per-frame costs taken out, for the router's two
-HTTP/2 ends: its upstream client (backends/h2client.py) and its ingress
-(frontend/hardening.py's GuardedH2Connection).
+"""h2's connection with two per-frame costs taken out, for the router's
+HTTP/2 ingress (frontend/hardening.py's GuardedH2Connection); the header
+encoder serves the upstream client too (backends/h2wire.py).
 
 - **Header blocks are encoded without HPACK's dynamic table and without
   Huffman coding** (:class:`StatelessEncoder`). hpack's encoder, in pure

@@ -24,8 +24,6 @@ import h2.exceptions
 import h2.settings
 import pytest
 import trio
-from hypothesis import given
-from hypothesis import strategies as st
 
 from backends.h2client import (
     ConnectError,
@@ -36,7 +34,6 @@ from backends.h2client import (
     PoolTimeout,
     RefusedStream,
     StreamReset,
-    _GoawayFilter,
 )
 from frontend.serving import ServeOptions, serve
 from tests.backends.conftest import TLSFiles, eventually
@@ -709,21 +706,3 @@ async def test_leaving_early_sends_rst_stream_cancel(nursery: trio.Nursery) -> N
 
 def _frame(kind: int, payload: bytes, sid: int = 0) -> bytes:
     return struct.pack(">I", len(payload))[1:] + bytes([kind, 0]) + struct.pack(">I", sid) + payload
-
-
-@given(cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
-def test_the_goaway_filter_cuts_goaway_frames_however_the_bytes_are_split(
-    cuts: list[int],
-) -> None:
-    data_a, data_b = _frame(0, b"x" * 40, 1), _frame(0, b"y" * 70, 3)
-    goaway = _frame(7, struct.pack(">II", 3, 0) + b"debug")
-    wire = data_a + goaway + data_b + _frame(7, struct.pack(">II", 1, 2))
-    pieces = [
-        wire[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(wire)], strict=True)
-    ]
-    flt, out = _GoawayFilter(), b""
-    found: list[tuple[int, int]] = []
-    for piece in pieces:
-        passed, goaways = flt.feed(piece)
-        out, found = out + passed, found + goaways
-    assert out == data_a + data_b and found == [(3, 0), (1, 2)]
