@@ -367,6 +367,7 @@ class Dispatcher:
         retries in flight; before each retry a full-jitter backoff of up to
         ``backoff_base x 2^(k-1)``, at most ``backoff_cap`` (``draw`` in [0, 1))."""
         self.actors = {a.name: a for a in actors}
+        self._info_cache: tuple[RouteTable, tuple[BackendInfo | None, ...], BackendInfo] | None = None
         self.breakers = breakers
         self._release: Callable[[str, float], None] | None = getattr(breakers, "release", None)
         self._set_serving: Callable[[str, bool, float], None] | None = getattr(breakers, "set_serving", None)
@@ -411,7 +412,21 @@ class Dispatcher:
     def info(self) -> BackendInfo:
         """The configured model names and aliases, then the union of every
         backend's models (up or not: a model whose backends are all down is
-        503, not 404)."""
+        503, not 404). Asked on every request (the model check): cached
+        until the route table or a backend's info changes (a probe's
+        refresh puts a new info object in place)."""
+        routes = self.routes
+        infos = tuple(a.info for a in self.actors.values())
+        cached = self._info_cache
+        if cached is not None and cached[0] is routes and len(cached[1]) == len(infos) and all(
+            x is y for x, y in zip(cached[1], infos, strict=True)
+        ):
+            return cached[2]
+        result = self._info()
+        self._info_cache = (routes, infos, result)
+        return result
+
+    def _info(self) -> BackendInfo:
         models: dict[str, None] = dict.fromkeys(self.routes.public_names())
         for actor in self.actors.values():
             models.update(dict.fromkeys(actor.models))

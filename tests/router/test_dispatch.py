@@ -219,3 +219,18 @@ async def test_requests_with_one_affinity_key_stay_on_one_backend_while_its_load
     assert sum(got.values()) == 12 and got[home3] == max(got.values()) and 5 <= got[home3] < 12, got
     await collect(d, model="m", affinity="batch-3")
     assert d._affinity["batch-3"] == home3
+
+
+async def test_the_model_list_is_cached_until_a_backends_info_changes() -> None:
+    """info() is asked on every request (the model check): the same object
+    while nothing changed, a new one once a probe's refresh replaced a
+    backend's info."""
+    from backends.base import BackendInfo
+
+    d = Dispatcher(await actors_for(FakeBackend("a", models=("x",)), FakeBackend("b", models=("y",))), RoundRobin())
+    first = d.info()
+    assert first.models == ("x", "y") and d.info() is first
+    actor = d.actors["b"]
+    assert actor.info is not None
+    actor.info = BackendInfo(name="b", models=("y", "z"), token_ids=actor.info.token_ids)  # what _refresh_info does
+    assert d.info().models == ("x", "y", "z")
