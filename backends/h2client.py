@@ -524,13 +524,24 @@ class H2Connection:
 
     # ------------------------------------------------------------ closing
 
+    def unfinished(self, s: _Stream) -> bool:
+        """Would releasing ``s`` reset it (so write)?"""
+        return self.error is None and not (s.ended and s.sent_end) and s.error is None
+
     async def release(self, s: _Stream) -> None:
         """The consumer is done with ``s``: reset it if unfinished, free the slot."""
         self._streams.pop(s.sid, None)
-        unfinished = self.error is None and not (s.ended and s.sent_end) and s.error is None
-        if unfinished and self._h2.reset_stream(s.sid, _CANCEL):
+        if self.unfinished(s) and self._h2.reset_stream(s.sid, _CANCEL):
             self._pool._cancelled += 1
             await self._flush()
+        self._released()
+
+    def release_finished(self, s: _Stream) -> None:
+        """:meth:`release` for a stream that is not :meth:`unfinished`: nothing to send."""
+        self._streams.pop(s.sid, None)
+        self._released()
+
+    def _released(self) -> None:
         if not self._streams:
             self.idle_since = trio.current_time()
         self.close_if_idle()
@@ -646,6 +657,19 @@ class H2Response:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    def close_if_finished(self) -> bool:
+        """Free a finished stream's slot at once, without awaiting (it has
+        nothing to send); False, doing nothing, when :meth:`aclose` (which
+        may reset the stream, so write) is needed."""
+        conn, s = self._conn, self._s
+        if conn is None or s is None:
+            return True
+        if conn.unfinished(s):
+            return False
+        self._conn = None
+        conn.release_finished(s)
+        return True
 
     async def aclose(self) -> None:
         """End the stream (reset if unfinished) and free its slot; idempotent."""

@@ -175,8 +175,9 @@ class _H2:
         try:
             yield _Reply(response.status, response.headers, response)
         finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            if not response.close_if_finished():  # a finished stream's close needs no cancel scope
+                with trio.CancelScope(shield=True):
+                    await response.aclose()
 
     async def aclose(self) -> None:
         await self.pool.aclose()

@@ -701,8 +701,27 @@ async def test_leaving_early_sends_rst_stream_cancel(nursery: trio.Nursery) -> N
     assert server.conns[0].resets[1] == h2.errors.ErrorCodes.CANCEL
 
 
-# ---------------------------------------------------------------- the GOAWAY filter
+async def test_a_finished_stream_closes_without_a_write_and_an_unfinished_one_is_reset(nursery: trio.Nursery) -> None:
+    """close_if_finished frees a finished stream's slot synchronously (no
+    cancel scope, no await needed by its caller); it leaves an unfinished
+    one to aclose, which resets it."""
 
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        await conn.send(sid, b"all", end=headers[b":path"] == b"/done")
 
-def _frame(kind: int, payload: bytes, sid: int = 0) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, 0]) + struct.pack(">I", sid) + payload
+    server = await ScriptedServer(handler).start(nursery)
+    with trio.fail_after(5):
+        async with server.pool() as pool:
+            async with pool.stream("GET", "/done") as resp:
+                assert b"".join([c async for c in resp.aiter_bytes()]) == b"all"
+                with trio.testing.assert_no_checkpoints():
+                    assert resp.close_if_finished()
+                assert pool.statistics().connections[0].streams == 0
+            async with pool.stream("GET", "/open") as resp:
+                async for _chunk in resp.aiter_bytes():
+                    break
+                assert not resp.close_if_finished()
+                assert pool.statistics().connections[0].streams == 1
+            await eventually(lambda: 3 in server.conns[0].resets, 1)
+    assert 1 not in server.conns[0].resets
