@@ -211,6 +211,7 @@ class ClientConnection:
         self._header_block: list[bytes] = []  # a HEADERS frame's fragments until END_HEADERS
         self._header_stream = 0  # the stream whose block is incomplete (0: none)
         self._header_end = False  # that HEADERS frame carried END_STREAM
+        self._header_bytes = 0
         self.stream_window = stream_window  # ours: what each stream may receive
         self.connection_window = connection_window
         self.max_concurrent_streams = max_concurrent_streams
@@ -433,12 +434,15 @@ class ClientConnection:
         if flags & END_HEADERS:
             self._header_block_done(sid, block, events)
         else:
-            self._header_stream, self._header_block = sid, [block]
+            self._header_stream, self._header_block, self._header_bytes = sid, [block], len(block)
 
     def _continuation(self, sid: int, flags: int, payload: bytes, events: list[Event]) -> None:
         if not self._header_stream or sid != self._header_stream:
             raise ProtocolError("CONTINUATION without a header block to continue")
         self._header_block.append(payload)
+        self._header_bytes += len(payload)
+        if self._header_bytes > 2 * self.max_header_list_size:  # CONTINUATION without end: memory, not headers
+            raise ProtocolError(f"a header block of over {self._header_bytes} bytes", ErrorCode.COMPRESSION_ERROR)
         if flags & END_HEADERS:
             block = b"".join(self._header_block)
             self._header_stream, self._header_block = 0, []

@@ -254,3 +254,15 @@ def test_an_answer_that_ends_before_our_body_closes_the_stream_when_the_body_end
     events = client.receive(_raw(0, 0, other, b"more"))
     assert [(type(e), e.stream_id) for e in events] == [(h2wire.Reset, other), (h2wire.Data, 0)]
     assert events[0].error_code == ErrorCode.STREAM_CLOSED
+
+
+def test_a_header_block_that_never_ends_is_bounded() -> None:
+    """CONTINUATION frames without END_HEADERS (the CONTINUATION flood) are
+    a connection error once the block is past twice our header list limit."""
+    client = ClientConnection(max_header_list_size=1000)
+    client.send_headers(REQUEST, end_stream=True)
+    client.receive(_raw(1, 0, 1, b"\x88"))
+    with pytest.raises(ProtocolError) as info:
+        for _ in range(10):
+            client.receive(_raw(9, 0, 1, b"\0" * 500))
+    assert info.value.code == ErrorCode.COMPRESSION_ERROR
