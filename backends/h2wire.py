@@ -289,7 +289,10 @@ class ClientConnection:
 
     def window_update(self, increment: int, stream_id: int = 0) -> bool:
         """Give the server ``increment`` bytes of window on the connection (0)
-        or a stream; False when that stream is closed (nothing queued)."""
+        or a stream; False when that stream is closed or ``increment`` is
+        not positive (nothing queued: a WINDOW_UPDATE of 0 is an error)."""
+        if increment <= 0:
+            return False
         if stream_id:
             s = self._streams.get(stream_id)
             if s is None:

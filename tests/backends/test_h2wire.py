@@ -122,6 +122,7 @@ def test_our_windows_are_granted_and_enforced_and_credit_reopens_them() -> None:
     p.pump()
     assert p.server.local_flow_control_window(sid) == 0
     assert client.window_update(100, sid) and client.window_update(100)
+    assert not client.window_update(0) and not client.window_update(0, sid)  # never a WINDOW_UPDATE of 0
     p.pump()
     assert p.server.local_flow_control_window(sid) == 100
     # A server that overruns the stream's window: a connection error.
