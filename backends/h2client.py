@@ -403,8 +403,7 @@ class H2Connection:
     def _dispatch(self, events: list[h2wire.Event]) -> None:
         streams = self._streams
         for ev in events:
-            kind = type(ev)
-            if kind is h2wire.Data:
+            if isinstance(ev, h2wire.Data):
                 n = ev.flow
                 self._conn_credit += n
                 s = streams.get(ev.stream_id)
@@ -416,24 +415,24 @@ class H2Connection:
                     self._wake(s)
                 else:
                     s.credit += n  # padding only: credited with the next batch
-            elif kind is h2wire.Ended:
+            elif isinstance(ev, h2wire.Ended):
                 s = streams.get(ev.stream_id)
                 if s is not None:
                     s.ended = True
                     self._wake(s)
-            elif kind is h2wire.Response:
+            elif isinstance(ev, h2wire.Response):
                 self._on_response(ev)
-            elif kind is h2wire.Reset:
+            elif isinstance(ev, h2wire.Reset):
                 self._on_reset(ev)
-            elif kind is h2wire.WindowOpened:
+            elif isinstance(ev, h2wire.WindowOpened):
                 for s in self._senders:  # _wake leaves _senders alone
                     if not ev.stream_id or s.sid == ev.stream_id:
                         self._wake(s)
-            elif kind is h2wire.SettingsChanged:
+            elif isinstance(ev, h2wire.SettingsChanged):
                 self.max_streams = ev.max_streams
                 self._settled = True
                 self._pool._slots_changed()
-            elif kind is h2wire.GoAway:
+            elif isinstance(ev, h2wire.GoAway):
                 self._on_goaway(ev.last_stream_id, ev.error_code)
 
     def _on_response(self, ev: h2wire.Response) -> None:

@@ -453,7 +453,7 @@ class ClientConnection:
 
     def _header_block_done(self, sid: int, block: bytes, events: list[Event]) -> None:
         try:  # always decoded: the table must follow, whatever the stream's state
-            headers = self._decoder.decode(block, raw=True)
+            headers: list[tuple[bytes, bytes]] = list(self._decoder.decode(block, raw=True))  # raw: bytes pairs
         except HPACKError as exc:
             raise ProtocolError(f"a header block we cannot decode: {exc!r}", ErrorCode.COMPRESSION_ERROR) from None
         s = self._streams.get(sid)
@@ -470,7 +470,7 @@ class ClientConnection:
                     raise ProtocolError(f"an informational response ending stream {sid}")
                 return  # 1xx: the final response is still to come
             s.got_response = True
-            events.append(Response(sid, list(headers)))
+            events.append(Response(sid, headers))
         elif not ended:
             self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)  # trailers without END_STREAM
             return
