@@ -193,6 +193,8 @@ class ClientConnection:
     bytes (:meth:`data_to_send`); :meth:`receive` parses the server's bytes
     into events (and queues the acknowledgements it owes)."""
 
+    max_frame_size_in = DEFAULT_FRAME  # we never raise SETTINGS_MAX_FRAME_SIZE
+
     def __init__(
         self,
         *,
@@ -380,8 +382,6 @@ class ClientConnection:
             # any other type: ignored (RFC 9113 5.5)
         self._buf = buf[pos:] if pos < n else b""
         return events
-
-    max_frame_size_in = DEFAULT_FRAME  # we never raise SETTINGS_MAX_FRAME_SIZE
 
     def _check_opened(self, sid: int) -> None:
         """A frame for a stream the server cannot know of: a connection error."""

@@ -55,17 +55,17 @@ class _Children:
         self.family = family
         self.cache: dict[tuple[str, ...], Histogram] = {}
 
-    def observe(self, labels: tuple[str, ...], seconds: float) -> None:
+    def child(self, labels: tuple[str, ...]) -> Histogram:
         child = self.cache.get(labels)
         if child is None:
             child = self.cache[labels] = self.family.labels(*labels)
-        child.observe(seconds)
+        return child
+
+    def observe(self, labels: tuple[str, ...], seconds: float) -> None:
+        self.child(labels).observe(seconds)
 
     def observe_many(self, labels: tuple[str, ...], seconds: list[float]) -> None:
-        child = self.cache.get(labels)
-        if child is None:
-            child = self.cache[labels] = self.family.labels(*labels)
-        observe_many(child, seconds)
+        observe_many(self.child(labels), seconds)
 
 
 class CallTimer:
