@@ -45,7 +45,8 @@ consumer takes them (in batches of half a window), so the server stops sending
 to a stream nobody reads, and the client holds at most ``stream_window`` bytes
 per stream (h2wire raises on a peer that overruns it). Data for a stream we
 reset or forgot comes as data for stream 0 and is credited to the
-connection with the rest, so the uncredited total stays below the window. The stream window is most of what the router holds for a client
+connection with the rest, so the uncredited total stays below the window.
+The stream window is most of what the router holds for a client
 that stops reading, per stream, until its stall timeout: with 1 MiB, 100
 stalled streams grew the router by over 120 MiB (and still growing after 8 s);
 with 256 KiB, by about 48 MiB, flat (tests/hardening/test_slow_readers.py).
@@ -298,12 +299,10 @@ class H2Connection:
         """Put HEADERS for a new stream into h2wire's buffer (the caller sends
         the body and flushes). Called right after :meth:`H2Pool._acquire`
         returned this connection, with no checkpoint between: nobody else can
-        take the slot it found, so no reservation is needed."""
-        h2c = self._h2
-        if h2c.open_streams >= h2c.peer_max_streams:
-            raise RefusedStream(f"no stream available on this connection ({h2c.open_streams} open)")
+        take the slot it found (:meth:`available` counted the server's
+        limit), so no reservation is needed."""
         try:
-            sid = h2c.send_headers(headers, end_stream=not body)
+            sid = self._h2.send_headers(headers, end_stream=not body)
         except h2wire.ProtocolError as exc:
             raise RefusedStream(f"no stream available on this connection: {exc}") from None
         s = _Stream(sid)

@@ -31,7 +31,7 @@ What it keeps of the RFC:
   go on (h2 4.x closed the connection on it).
 - SETTINGS and PING are acknowledged as they arrive.
 
-Events (plain classes with ``__slots__``): :class:`Response`, :class:`Data`,
+Events (msgspec Structs, untracked by the GC): :class:`Response`, :class:`Data`,
 :class:`Ended`, :class:`Reset`, :class:`WindowOpened`, :class:`SettingsChanged`,
 :class:`GoAway`. Frames for a stream already closed (reset by us, or ended)
 are absorbed: their DATA comes back as a :class:`Data` on stream 0, so the
@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
@@ -101,69 +102,53 @@ class ProtocolError(Exception):
 # ---------------------------------------------------------------- events
 
 
-class Response:
+class Response(msgspec.Struct, gc=False):
     """A stream's final response headers (informational 1xx are skipped)."""
 
-    __slots__ = ("headers", "stream_id")
-
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.stream_id, self.headers = stream_id, headers
+    stream_id: int
+    headers: list[tuple[bytes, bytes]]
 
 
-class Data:
+class Data(msgspec.Struct, gc=False):
     """DATA for a stream (``stream_id`` 0: for a stream already closed, to
     be credited to the connection only); ``flow``: its flow-controlled
     length (padding included)."""
 
-    __slots__ = ("data", "flow", "stream_id")
+    stream_id: int
+    data: bytes
+    flow: int
 
-    def __init__(self, stream_id: int, data: bytes, flow: int) -> None:
-        self.stream_id, self.data, self.flow = stream_id, data, flow
 
-
-class Ended:
+class Ended(msgspec.Struct, gc=False):
     """The server ended the stream (END_STREAM)."""
 
-    __slots__ = ("stream_id",)
-
-    def __init__(self, stream_id: int) -> None:
-        self.stream_id = stream_id
+    stream_id: int
 
 
-class Reset:
+class Reset(msgspec.Struct, gc=False):
     """The server reset the stream (RST_STREAM)."""
 
-    __slots__ = ("error_code", "stream_id")
-
-    def __init__(self, stream_id: int, error_code: int) -> None:
-        self.stream_id, self.error_code = stream_id, error_code
+    stream_id: int
+    error_code: int
 
 
-class WindowOpened:
+class WindowOpened(msgspec.Struct, gc=False):
     """The server gave send window: to ``stream_id``, or (0) to the connection or every stream."""
 
-    __slots__ = ("stream_id",)
-
-    def __init__(self, stream_id: int) -> None:
-        self.stream_id = stream_id
+    stream_id: int
 
 
-class SettingsChanged:
+class SettingsChanged(msgspec.Struct, gc=False):
     """The server's SETTINGS arrived (``max_streams``: its concurrency limit)."""
 
-    __slots__ = ("max_streams",)
-
-    def __init__(self, max_streams: int) -> None:
-        self.max_streams = max_streams
+    max_streams: int
 
 
-class GoAway:
+class GoAway(msgspec.Struct, gc=False):
     """The server will process no stream above ``last_stream_id``."""
 
-    __slots__ = ("error_code", "last_stream_id")
-
-    def __init__(self, last_stream_id: int, error_code: int) -> None:
-        self.last_stream_id, self.error_code = last_stream_id, error_code
+    last_stream_id: int
+    error_code: int
 
 
 Event = Response | Data | Ended | Reset | WindowOpened | SettingsChanged | GoAway

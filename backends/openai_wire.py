@@ -138,7 +138,7 @@ _ANY = msgspec.json.Decoder()
 def _checked(data: str) -> _Chunk:
     """The slow path, for a chunk the typed decoder refused: the generic
     checks, each with its own message, and the chunk they let through."""
-    try:
+    try:  # the typed decoder may refuse a chunk before reading all of it: it can still be malformed
         obj = _ANY.decode(data)
     except msgspec.DecodeError:
         raise BackendProtocolError(f"malformed chunk: {data[:200]!r}") from None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -40,6 +41,28 @@ if TYPE_CHECKING:
 __all__ = ["ROUTE_OF_KIND", "CallTimer"]
 
 GAP_BATCH = 16  # inter-token gaps a stream holds before they are observed
+
+
+class GapBatch:
+    """A stream's inter-token gaps, handed to ``sink`` :data:`GAP_BATCH` at
+    a time and the rest by :meth:`flush` (when the stream ends), not per
+    token: the SLI timer's and the dispatcher's per-backend histograms."""
+
+    __slots__ = ("sink", "values")
+
+    def __init__(self, sink: Callable[[list[float]], None]) -> None:
+        self.sink = sink
+        self.values: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+        if len(self.values) >= GAP_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.values:
+            self.sink(self.values)
+            self.values = []
 
 ROUTE_OF_KIND = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/v1/generate"}
 
@@ -114,7 +137,7 @@ class _Timed:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         last: float | None = None
-        gaps: list[float] = []  # observed GAP_BATCH at a time, and the rest at the end
+        gaps = GapBatch(partial(self.timer.itl.observe_many, self.labels))
         events = self.inner.stream(request)
         try:
             async for event in events:
@@ -123,15 +146,11 @@ class _Timed:
                     self.timer.ttft.observe(self.labels, now - self.arrival)
                     last = now
                 elif event.token_ids or event.text:
-                    gaps.append(now - last)
+                    gaps.add(now - last)
                     last = now
-                    if len(gaps) >= GAP_BATCH:
-                        self.timer.itl.observe_many(self.labels, gaps)
-                        gaps = []
                 yield event
         finally:  # close the inner stream however this one ends, so the backend hears of it
-            if gaps:
-                self.timer.itl.observe_many(self.labels, gaps)
+            gaps.flush()
             await close_stream(events)
 
     def info(self) -> BackendInfo:

@@ -79,7 +79,7 @@ from backends.errors import (
     UpstreamRateLimited,
 )
 from frontend.context import new_span_id
-from frontend.sli import GAP_BATCH
+from frontend.sli import GapBatch
 from policies.base import BackendView, RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
@@ -155,29 +155,6 @@ class NullRecorder:
 
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
         pass
-
-
-class _Gaps:
-    """One attempt's inter-token gaps on one backend, handed to the recorder
-    and the stall watch :data:`~frontend.sli.GAP_BATCH` at a time (and the
-    rest by ``flush`` when the attempt ends), not per token."""
-
-    __slots__ = ("backend", "recorder", "stall", "values")
-
-    def __init__(self, recorder: Recorder, stall: StallWatch, backend: str) -> None:
-        self.recorder, self.stall, self.backend = recorder, stall, backend
-        self.values: list[float] = []
-
-    def add(self, seconds: float) -> None:
-        self.values.append(seconds)
-        if len(self.values) >= GAP_BATCH:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.values:
-            self.recorder.inter_token_latencies(self.backend, self.values)
-            self.stall.extend(self.backend, self.values)
-            self.values = []
 
 
 class DispatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -418,9 +395,7 @@ class Dispatcher:
         routes = self.routes
         infos = tuple(a.info for a in self.actors.values())
         cached = self._info_cache
-        if cached is not None and cached[0] is routes and len(cached[1]) == len(infos) and all(
-            x is y for x, y in zip(cached[1], infos, strict=True)
-        ):
+        if cached is not None and cached[0] is routes and cached[1] == infos:  # the same objects: no field compared
             return cached[2]
         result = self._info()
         self._info_cache = (routes, infos, result)
@@ -551,7 +526,7 @@ class Dispatcher:
                     if feedback.dispatch is not None:
                         feedback.dispatch(actor.name, route, self.clock())
                     recorder, name, last_at = self.recorder, actor.name, arrived
-                    gaps = _Gaps(recorder, self.stall, name)
+                    gaps = GapBatch(partial(self._gaps_seen, name))
                     cached: int | None = None
                     finished = False
                     verdict: bool | None = None  # the breaker's: None for no verdict on the backend
@@ -760,7 +735,7 @@ class Dispatcher:
             feedback.dispatch(name, route, self.clock())
         finished, verdict, first, cached = False, None, True, None
         last_at = self.clock()
-        gaps = _Gaps(self.recorder, self.stall, name)
+        gaps = GapBatch(partial(self._gaps_seen, name))
         gap_from: float | None = broke_at  # until the first new event reaches the client
         gap: float | None = None  # observed at the end, labelled by what the backend held (its usage)
         try:
@@ -811,6 +786,11 @@ class Dispatcher:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
             if attempt is not None and rec is not None:
                 rec.attempt_done(attempt, self.clock(), last_at, None if finished else failure_code(sys.exc_info()[1]))
+
+    def _gaps_seen(self, backend: str, seconds: list[float]) -> None:
+        """A batch of ``backend``'s inter-token gaps: its histogram and its stall watch."""
+        self.recorder.inter_token_latencies(backend, seconds)
+        self.stall.extend(backend, seconds)
 
     def _open(
         self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings,

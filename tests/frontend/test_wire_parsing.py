@@ -108,6 +108,7 @@ def test_parser_skips_role_only_chat_deltas_and_maps_unknown_finish_reasons_to_s
     [
         "{not json",
         "[1, 2]",
+        "[Infinity]",  # refused by the typed decoder before its bad JSON is seen: still a protocol error
         '{"id": "x"}',
         _chunk("a", ids=["x"]),  # type: ignore[list-item]
         json.dumps({"choices": [{"index": 1, "text": "a"}]}),
