@@ -75,6 +75,10 @@ class RoundRobinStreams:
             raise MissingStreamError(f"Stream {stream_id} not in tree")
         self._active.pop(stream_id, None)
 
+    def idle(self) -> bool:
+        """No stream waits for its turn: the send task has nothing to do."""
+        return not self._active
+
     def unblock(self, stream_id: int) -> None:
         """Data to send: the stream joins the turn at the back (or keeps its place)."""
         if stream_id == 0:

@@ -59,7 +59,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -82,7 +81,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
-from backends.h2lite import LeanH2Connection
+from backends.h2lite import LeanH2Connection, write_now
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
 from frontend.wire import error_body
 
@@ -174,6 +173,11 @@ class StreamBuffer:
     @property
     def complete(self) -> bool:
         return self._complete and not self.buffer
+
+    @property
+    def empty(self) -> bool:
+        """Open, with nothing waiting to be sent: a write may bypass it."""
+        return not self.buffer and not self._complete
 
     def set_complete(self) -> None:
         self._complete = True
@@ -599,17 +603,7 @@ class ImmediateRawData(RawData):
     the app's task). Otherwise, or for the rest, the usual locked send."""
 
 
-def _write_now(stream: Any, data: bytes) -> int:
-    """How much of ``data`` a plain TCP stream's socket takes without
-    blocking (0: none, or not a plain socket: TLS frames its own writes).
-    ``os.write`` on the socket's descriptor: trio's ``send_all`` would take
-    the same bytes, then checkpoint. Errors are left to that send_all."""
-    if type(stream) is not trio.SocketStream:
-        return 0
-    try:
-        return os.write(stream.socket.fileno(), data)
-    except OSError:
-        return 0
+_write_now = write_now  # looked up here at each write (tests count the calls)
 
 
 def _peer(stream: Any) -> tuple[str, int] | None:

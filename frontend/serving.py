@@ -42,13 +42,14 @@ import h2.exceptions
 import h11
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Updated
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hypercorn_h2
 from hypercorn.protocol import h11 as hypercorn_h11
 from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import build_and_validate_headers, suppress_body
 
@@ -128,6 +129,9 @@ def _patch_hypercorn() -> None:
     _send_whole_responses_in_one_write()
     _recycle_after_an_answer_given_at_content_length()
     _call_the_app_back_on_disconnect()
+    _hand_messages_to_the_app_without_a_turn()
+    _wake_the_sender_only_for_a_buffer()
+    _flush_what_was_left_first()
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,15 @@ class WholeResponse(StreamEvent):
 
     status_code: int
     headers: list[tuple[bytes, bytes]]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class LastBody(StreamEvent):
+    """A response's last body part, after its head: the part and the end of
+    the stream leave together (HTTP/2: one DATA frame with END_STREAM,
+    HTTP/1.1: the chunk and the terminator in one write)."""
+
     data: bytes
 
 
@@ -176,6 +189,10 @@ def _send_whole_responses_in_one_write() -> None:
     async def held_app_send(self: Any, message: Any) -> None:
         held = getattr(self, "_headrace_start", None)
         if held is None:
+            if _last_body(self, message):
+                await self.send(LastBody(self.stream_id, bytes(message["body"])))
+                await _closed_after_the_last_body(self)
+                return
             if (
                 message is not None
                 and message["type"] == "http.response.start"
@@ -204,12 +221,19 @@ def _send_whole_responses_in_one_write() -> None:
             await self.send(StartedResponse(self.stream_id, status, headers, body))
             return
         await self.send(WholeResponse(self.stream_id, status, headers, body))
-        # hypercorn's _send_closed, less its EndBody (the stream has ended)
-        self.state = ASGIHTTPState.CLOSED
-        await self.config.log.access(self.scope, self.response, time.time() - self.start_time)
-        await self.send(StreamClosed(stream_id=self.stream_id))
+        await _closed_after_the_last_body(self)
 
     async def whole_stream_send(self: Any, event: Any) -> None:
+        if isinstance(event, Body | EndBody | LastBody | WholeResponse):
+            # A cancelled app's send raises here, before anything is framed or
+            # written (hypercorn's send checkpointed on its send lock; these
+            # paths may not take it). Raised later, a frame h2 counted as sent
+            # would be lost, or cut, for every stream of the connection.
+            await trio.lowlevel.checkpoint_if_cancelled()
+        if isinstance(event, Body | EndBody | LastBody):
+            if not await _send_directly(self, event):
+                await _send_through_the_buffer(self, event)
+            return
         if not isinstance(event, WholeResponse):
             await stream_send(self, event)
             return
@@ -240,9 +264,32 @@ def _send_whole_responses_in_one_write() -> None:
             del self.stream_buffers[sid]
             self.priority.remove_stream(sid)
             await buffer.close()
-        await self.send(hardening.ImmediateRawData(data=self.connection.data_to_send()))
+        _write_out(self)
+
+    async def _send_through_the_buffer(self: Any, event: Any) -> None:
+        if isinstance(event, LastBody):
+            await stream_send(self, Body(stream_id=event.stream_id, data=event.data))
+            await stream_send(self, EndBody(stream_id=event.stream_id))
+        else:
+            await stream_send(self, event)
 
     async def whole_h11_send(self: Any, event: Any) -> None:
+        if isinstance(event, Body | EndBody | LastBody | WholeResponse):
+            await trio.lowlevel.checkpoint_if_cancelled()  # as whole_stream_send
+        if isinstance(event, Body | EndBody | LastBody):
+            # hypercorn's writes of these, each without a scheduler turn when
+            # the socket takes it (the app's task writes over HTTP/1.1 anyway)
+            parts: list[h11.Data | h11.EndOfMessage] = [] if isinstance(event, EndBody) else [h11.Data(data=event.data)]
+            if not isinstance(event, Body):
+                parts.append(h11.EndOfMessage())
+            try:
+                data = b"".join([self.connection.send(part) for part in parts])
+            except h11.LocalProtocolError:
+                if self.connection.their_state != h11.ERROR:
+                    raise
+                return
+            await self.send(hardening.ImmediateRawData(data=data))
+            return
         if not isinstance(event, WholeResponse):
             await h11_stream_send(self, event)
             return
@@ -267,6 +314,123 @@ def _send_whole_responses_in_one_write() -> None:
     h11_protocol.stream_send = whole_h11_send  # type: ignore[method-assign]
 
 
+def _last_body(stream: Any, message: Any) -> bool:
+    """Whether ``message`` is the last, non-empty body of a response whose
+    head has gone, and ends it (no trailers): :class:`LastBody`."""
+    return (
+        message is not None
+        and message["type"] == "http.response.body"
+        and stream.state == ASGIHTTPState.RESPONSE
+        and not message.get("more_body", False)
+        and bool(message.get("body"))
+        and not stream.response.get("trailers", False)
+        and stream.scope.get("http_version") in ("1.0", "1.1", "2")
+        and not suppress_body(stream.scope["method"], int(stream.response["status"]))
+    )
+
+
+async def _closed_after_the_last_body(stream: Any) -> None:
+    """hypercorn's ``HTTPStream._send_closed``, less its EndBody (the last
+    body ended the stream)."""
+    stream.state = ASGIHTTPState.CLOSED
+    await stream.config.log.access(stream.scope, stream.response, time.time() - stream.start_time)
+    await stream.send(StreamClosed(stream_id=stream.stream_id))
+
+
+async def _send_directly(protocol: Any, event: Any) -> bool:
+    """Write a body part (and the end of its stream, for EndBody and
+    :class:`LastBody`) from the app's own task, as HTTP/1.1 does, when the
+    connection is quiet: the stream's buffer is empty, no other stream
+    waits for the send task, nobody is writing, and the part fits the
+    flow-control window and one frame. hypercorn handed every part to the
+    connection's send task: two scheduler turns a token (its wake-up, then
+    its write's) where this takes none. Anything else (a busy connection,
+    no window, a closed stream) goes through the buffer, as before: whether
+    it was sent is the answer."""
+    sid = event.stream_id
+    buffer = protocol.stream_buffers.get(sid)
+    if not isinstance(buffer, hardening.StreamBuffer) or not buffer.empty or not protocol.priority.idle():
+        return False
+    if _free_socket(protocol) is None:
+        return False
+    data = b"" if isinstance(event, EndBody) else event.data
+    end = not isinstance(event, Body)
+    connection = protocol.connection
+    try:
+        if len(data) > min(connection.local_flow_control_window(sid), connection.max_outbound_frame_size):
+            return False
+        if data:
+            connection.send_data(sid, data, end_stream=end)
+        else:
+            connection.end_stream(sid)
+    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        return False
+    if end:
+        del protocol.stream_buffers[sid]
+        protocol.priority.remove_stream(sid)
+        await buffer.close()
+    _write_out(protocol)
+    if end:
+        await _goaway_if_drained(protocol)
+    return True
+
+
+def _free_socket(protocol: Any) -> trio.SocketStream | None:
+    """The connection's plain TCP socket when nobody is writing to it (its
+    server's send lock free), else None (busy, or TLS, which frames its own
+    writes)."""
+    server = getattr(protocol.send, "__self__", None)
+    lock, stream = getattr(server, "send_lock", None), getattr(server, "stream", None)
+    if type(stream) is not trio.SocketStream or not isinstance(lock, trio.Lock) or lock.locked():
+        return None
+    return stream
+
+
+def _output(protocol: Any) -> bytes:
+    """What an HTTP/2 connection has to write, in order: the rest of a
+    write the socket took only in part, then what h2 has framed since."""
+    data: bytes = protocol.connection.data_to_send()
+    unsent = getattr(protocol, "_headrace_unsent", b"")
+    if unsent:
+        protocol._headrace_unsent = b""
+        return unsent + data
+    return data
+
+
+def _write_out(protocol: Any) -> None:
+    """Write the connection's output now, as far as its socket takes it
+    without blocking and without a checkpoint (nothing else can write in
+    between). What it does not take is left first in line
+    (:func:`_output`) for a flush task of its own: the app's task never
+    waits on a client's socket here, where a full one would hold it (and
+    its cancellation) until the write-stall timeout."""
+    data = _output(protocol)
+    if not data:
+        return
+    stream = _free_socket(protocol)
+    sent = hardening._write_now(stream, data) if stream is not None else 0
+    if sent == len(data) or protocol.closed:
+        return
+    protocol._headrace_unsent = data[sent:]
+    try:
+        protocol.task_group.spawn(protocol._flush)
+    except RuntimeError:  # the connection's task group is closing: so is the connection
+        protocol._headrace_unsent = b""
+
+
+def _flush_what_was_left_first() -> None:
+    """H2Protocol._flush writes the rest of a partial direct write
+    (:func:`_write_out`) before what h2 framed since."""
+    protocol = hypercorn_h2.H2Protocol
+
+    async def _flush(self: Any) -> None:
+        data = _output(self)
+        if data:
+            await self.send(RawData(data=data))
+
+    protocol._flush = _flush  # type: ignore[method-assign]
+
+
 def _call_the_app_back_on_disconnect() -> None:
     """Each request's scope offers a :class:`~frontend.server.DisconnectHook`
     (under :data:`~frontend.server.ON_DISCONNECT`), called when its stream
@@ -287,6 +451,63 @@ def _call_the_app_back_on_disconnect() -> None:
             self.scope["extensions"][ON_DISCONNECT] = DisconnectHook()
 
     HTTPStream.handle = hooked_handle  # type: ignore[method-assign]
+
+
+def _hand_messages_to_the_app_without_a_turn() -> None:
+    """hypercorn 0.18 hands each ``http.request`` body, its end and
+    ``http.disconnect`` to the app through a memory channel's ``send``,
+    which checkpoints even when the channel has room: the connection's
+    reader yielded its turn twice for every request it read (body and end),
+    and the app's own task once more as its response closed the stream
+    (``http.disconnect``). On an HTTP/2 stream, a message the channel has
+    room for (``max_app_queue_size``, 10) is now put without a checkpoint;
+    a full channel waits as before, so an app that stops reading still
+    holds the reader back.
+
+    HTTP/1.1 keeps the checkpoint. A response given before the request's
+    body was all read (a refusal by its headers) is recycled only if the
+    reader takes the body's rest during the checkpoint that hands the app
+    its ``http.disconnect``; without that turn, a client that sent its
+    body in a second packet got the connection closed under its next
+    request (tests/router/test_batches.py's mangled uploads)."""
+    spawn_app = TaskGroup.spawn_app
+
+    async def _spawn_app(self: Any, app: Any, config: Any, scope: Any, send: Any) -> Callable[[Any], Any]:
+        put = await spawn_app(self, app, config, scope, send)
+        channel = getattr(put, "__self__", None)
+        if scope.get("http_version") != "2" or not isinstance(channel, trio.MemorySendChannel):
+            return put  # HTTP/1.1 (see above), or not hypercorn 0.18's channel: its send
+        put_now = channel.send_nowait
+
+        async def app_put(message: Any) -> None:
+            try:
+                put_now(message)
+            except trio.WouldBlock:
+                await put(message)
+
+        return app_put
+
+    TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]
+
+
+def _wake_the_sender_only_for_a_buffer() -> None:
+    """hypercorn 0.18 wakes an HTTP/2 connection's send task whenever a
+    stream closes, so that it clears the stream's buffer. A response sent
+    whole, or ended with its last DATA frame, has no buffer left by then:
+    the send task woke, found nothing to send and slept again, a scheduler
+    turn for every request. Wake it only when the closed stream still has
+    a buffer (a reset, a stream closed with data unsent)."""
+    protocol = hypercorn_h2.H2Protocol
+
+    async def _close_stream(self: Any, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            return
+        await stream.handle(StreamClosed(stream_id=stream_id))
+        if stream_id in self.stream_buffers:
+            await self.has_data.set()
+
+    protocol._close_stream = _close_stream  # type: ignore[method-assign]
 
 
 def _recycle_after_an_answer_given_at_content_length() -> None:

@@ -306,6 +306,23 @@ def test_the_h2_protocol_internals_the_patches_use_are_unchanged() -> None:
     assert "self.streams[event.stream_id].handle(" in _source(hypercorn_h2)
     # the connection-level limit we lift is still compared this way (h2: >, h11: >=)
     assert "self.keep_alive_requests > self.config.keep_alive_max_requests" in _source(hypercorn_h2)
+    # _wake_the_sender_only_for_a_buffer replaces _close_stream: pop, StreamClosed, wake the sender
+    close = ast.get_source_segment(_source(hypercorn_h2), next(
+        n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "_close_stream")) or ""
+    assert [line.strip() for line in close.splitlines()[1:]] == [
+        "if stream_id in self.streams:", "stream = self.streams.pop(stream_id)",
+        "await stream.handle(StreamClosed(stream_id=stream_id))", "await self.has_data.set()"]
+
+
+def test_the_task_group_hands_the_app_a_memory_channel() -> None:
+    """_hand_messages_to_the_app_without_a_turn wraps what spawn_app returns:
+    still the send of a memory channel of max_app_queue_size messages."""
+    from hypercorn.trio import task_group
+
+    source = _source(task_group)
+    assert "trio.open_memory_channel[ASGIReceiveEvent](\n            config.max_app_queue_size\n        )" in source
+    assert "return app_send_channel.send" in source
+    assert HypercornConfig.max_app_queue_size == 10
 
 
 def test_the_h11_keep_alive_limit_is_unchanged() -> None:
@@ -899,3 +916,166 @@ async def test_body_sent_right_before_an_app_fails_still_reaches_the_h2_client_b
     data = b"".join(e.data for e in seen if isinstance(e, h2.events.DataReceived))
     assert data == b"firstsecond"
     assert isinstance(seen[-1], h2.events.StreamReset) and seen[-1].error_code == h2.errors.ErrorCodes.INTERNAL_ERROR
+
+
+async def test_messages_for_the_app_are_put_without_a_checkpoint_until_its_queue_is_full() -> None:
+    """The connection's reader hands an HTTP/2 request's body, its end and
+    http.disconnect to the app without a scheduler turn while the app's
+    queue has room (hypercorn's channel send checkpointed for each); a full
+    queue still holds the reader until the app reads. HTTP/1.1 keeps the
+    checkpoint (serving's docstring says why)."""
+    from hypercorn.trio.task_group import TaskGroup
+
+    config = HypercornConfig()
+    config.max_app_queue_size = 3
+    release, received = trio.Event(), []
+
+    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        await release.wait()
+        while len(received) < 5:
+            received.append((await receive())["i"])
+
+    async def sent(message: Any) -> None:
+        pass
+
+    with trio.fail_after(5):
+        async with TaskGroup() as group:
+            put = await group.spawn_app(app, config, {"http_version": "2"}, sent)
+            with trio.testing.assert_no_checkpoints():
+                for i in range(3):
+                    await put({"i": i})
+            with trio.move_on_after(0.2) as waited:
+                await put({"i": 3})  # the queue is full and the app does not read
+            assert waited.cancelled_caught
+            release.set()
+            await put({"i": 3})
+            await put({"i": 4})
+    assert received == [0, 1, 2, 3, 4]
+    async with TaskGroup() as group:  # HTTP/1.1 keeps hypercorn's put, checkpoint and all
+        put = await group.spawn_app(app, config, {"http_version": "1.1"}, sent)
+        with trio.testing.assert_checkpoints():
+            await put({"i": 0})
+        group._nursery.cancel_scope.cancel()
+
+
+class _Steps(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.by_name: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        name = task.name.rsplit(".", 1)[-1]
+        self.by_name[name] = self.by_name.get(name, 0) + 1
+
+
+async def _h2_read(sock: trio.SocketStream, conn: h2.connection.H2Connection, sid: int, path: str) -> bytes:
+    headers = [(":method", "GET"), (":path", path), (":scheme", "http"), (":authority", "x")]
+    conn.send_headers(sid, headers, end_stream=True)
+    await sock.send_all(conn.data_to_send())
+    body, ended = b"", False
+    while not ended:
+        for event in conn.receive_data(await sock.receive_some(65536)):
+            if isinstance(event, h2.events.DataReceived):
+                body += event.data
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            ended = ended or isinstance(event, h2.events.StreamEnded)
+        await sock.send_all(conn.data_to_send())
+    return body
+
+
+async def test_the_h2_send_task_sleeps_while_the_connection_is_quiet(nursery: trio.Nursery) -> None:
+    """On a quiet connection every answer leaves from its app's own task:
+    a whole one with its head, a streamed one part by part (the last part
+    with END_STREAM), and closing the stream no longer wakes the send task
+    (hypercorn woke it once a request, and handed it every part: two
+    scheduler turns a part). A part that does not fit one frame still goes
+    through the send task, whole and in order."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        path = scope["path"]
+        whole = path == "/whole"  # a declared length: sent whole (with its head) from this task
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"3")] if whole else []})
+        if path == "/stream":
+            for part in (b"one", b"two"):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                await trio.sleep(0.01)
+        elif path == "/big":
+            await send({"type": "http.response.body", "body": b"x" * 40_000, "more_body": True})
+        await send({"type": "http.response.body", "body": b"end"})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    await sock.send_all(conn.data_to_send())
+    steps = _Steps()
+    with trio.fail_after(10):
+        assert await _h2_read(sock, conn, 1, "/whole") == b"end"  # the connection's tasks are up
+        trio.lowlevel.add_instrument(steps)
+        try:
+            for sid in range(3, 23, 4):
+                assert await _h2_read(sock, conn, sid, "/whole") == b"end"
+                assert await _h2_read(sock, conn, sid + 2, "/stream") == b"onetwoend"
+            quiet = steps.by_name.get("send_task", 0)
+            assert await _h2_read(sock, conn, 23, "/big") == b"x" * 40_000 + b"end"
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    await sock.aclose()
+    assert quiet == 0, steps.by_name
+    assert steps.by_name.get("send_task", 0) > 0
+
+
+async def test_a_direct_write_the_socket_takes_in_part_is_finished_in_order_by_a_task_of_its_own(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body part written from the app's task goes out as far as the socket
+    takes it at once; the rest is left first in line for a flush task (the
+    app does not wait on the client's socket: tests/hardening/
+    test_slow_readers.py), and every byte arrives, in order, on every
+    stream of the connection, whichever path each part took."""
+    write_now = hardening._write_now
+    partial = [0]
+
+    def half(stream: Any, data: bytes) -> int:
+        n = write_now(stream, data[: max(1, len(data) // 2)])
+        partial[0] += n < len(data)
+        return n
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(20):
+            await send({"type": "http.response.body", "body": b"%s-%02d;" % (scope["path"][1:].encode(), i), "more_body": True})
+            await trio.sleep(0.002)
+        await send({"type": "http.response.body", "body": b"end"})
+
+    monkeypatch.setattr(hardening, "_write_now", half)
+    url = await nursery.start(serve, app, ServeOptions())
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    await sock.send_all(conn.data_to_send())
+    bodies: dict[int, bytes] = {}
+    with trio.fail_after(10):
+        for sid, name in ((1, "a"), (3, "b"), (5, "c")):
+            conn.send_headers(sid, [(":method", "GET"), (":path", f"/{name}"), (":scheme", "http"), (":authority", "x")], end_stream=True)
+        await sock.send_all(conn.data_to_send())
+        ended: set[int] = set()
+        while ended != {1, 3, 5}:
+            for event in conn.receive_data(await sock.receive_some(65536)):
+                if isinstance(event, h2.events.DataReceived):
+                    bodies[event.stream_id] = bodies.get(event.stream_id, b"") + event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended.add(event.stream_id)
+                elif isinstance(event, h2.events.ConnectionTerminated | h2.events.StreamReset):
+                    raise AssertionError(event)
+            await sock.send_all(conn.data_to_send())
+    await sock.aclose()
+    for sid, name in ((1, b"a"), (3, b"b"), (5, b"c")):
+        assert bodies[sid] == b"".join(b"%s-%02d;" % (name, i) for i in range(20)) + b"end"
+    assert partial[0] > 10
