@@ -95,7 +95,6 @@ import msgspec
 import trio
 
 from backends import h2wire
-from backends.h2lite import write_now
 from backends.h2wire import ClientConnection, ErrorCode
 
 __all__ = [
@@ -488,20 +487,20 @@ class H2Connection:
 
     async def _flush(self) -> None:
         """Write everything h2 has buffered (the active writer, if any,
-        drains our bytes too). What the socket takes at once is written
-        without a checkpoint (:func:`~backends.h2lite.write_now`: a request's
-        HEADERS and body, a WINDOW_UPDATE, cost no scheduler turn); the rest
-        goes through ``send_all``, shielded (a cut frame would break the
-        connection) and bounded by ``write_timeout`` (a wedged peer fails it)."""
+        drains our bytes too). Shielded: a cut frame would break the
+        connection; bounded by ``write_timeout``: a wedged peer fails it.
+
+        ``send_all`` checkpoints after its write, and that turn is kept: the
+        requests other tasks put into h2wire's buffer meanwhile leave with
+        the writer's next write. Written at once without it
+        (:func:`~backends.h2lite.write_now`), each request was its own
+        write: no cheaper for the router, and +0.07 ms of CPU a request for
+        a mock reading them (h2load -c 32, three alternated runs)."""
         if self._writing or self.error is not None:
             return
         data = self._h2.data_to_send()
         if not data:
             return
-        sent = write_now(self._transport, data)
-        if sent == len(data):
-            return
-        data = data[sent:]
         self._writing = True
         try:
             deadline = trio.current_time() + self._pool.write_timeout

@@ -25,8 +25,8 @@ encoder serves the upstream client too (backends/h2wire.py).
 - **A write the socket takes at once costs no scheduler turn**
   (:func:`write_now`): trio's ``send_all`` checkpoints after every write,
   even one the kernel took whole, so each write was a trip to the back of
-  the run queue. The ingress (frontend/hardening.py's ``ImmediateRawData``)
-  and the upstream client (backends/h2client.py) write so first, and hand
+  the run queue. The ingress writes so (frontend/hardening.py's
+  ``ImmediateRawData``, frontend/serving.py's direct writes) and hands
   ``send_all`` only what is left.
 """
 

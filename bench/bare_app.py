@@ -8,7 +8,14 @@ that forwards chunk by chunk sends them), a usage chunk and ``[DONE]``. What
 it costs per request is what hypercorn and trio cost for a 20-chunk stream;
 a router cannot relay the same stream for less without sending less often.
 
-    python -m bench.bare_app --port 0        # prints "bare listening on URL"
+    python bench/bare_app.py --port 0        # prints "bare listening on URL"
+
+Run it as a file, not with ``python -m bench.bare_app``: the ``bench``
+package's ``__init__`` imports the load generator, which imports
+frontend/serving.py, whose patches of hypercorn would then serve the
+"bare" app (until stop 35 they did: its cost moved with every ingress
+change, 1.12 -> 0.64 ms over HTTP/1.1 and 0.46 -> 0.85 ms over h2c in one
+stop). :func:`main` refuses to serve with the patches loaded.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ CHUNKS: tuple[bytes, ...] = (
     b'"choices":[],"usage":{"prompt_tokens":32,"completion_tokens":20,"total_tokens":52}}\n\n',
     b"data: [DONE]\n\n",
 )
+PATCHES = "frontend.serving"  # the module whose import patches hypercorn
 _MODELS = msgspec.json.encode({"object": "list", "data": [{"id": "mock", "object": "model"}]})
 _HEALTH = b'{"status":"ok"}'
 
@@ -90,11 +98,15 @@ async def _serve(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bare_app", description=__doc__,
+    p = argparse.ArgumentParser(prog="python bench/bare_app.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
+    if PATCHES in sys.modules:
+        print(f"bench/bare_app.py: {PATCHES} is loaded and has patched hypercorn; run this file "
+              "as a script (python bench/bare_app.py), not as bench.bare_app", file=sys.stderr)
+        return 2
     try:
         trio.run(partial(_serve, args.host, args.port))
     except KeyboardInterrupt:

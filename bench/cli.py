@@ -5,6 +5,7 @@ concurrency), ``headrace bench router`` (the router's CPU per request and
 rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-bandwidth decode floor),
 ``headrace bench kernels`` (the engine's linear kernels by row count),
 ``headrace bench chaos`` (stream migration while backends are killed at random),
+``headrace bench ab`` (two router builds under the same load at the same time),
 ``headrace bench overload`` (admission, priority and tenant fairness at twice the fleet's capacity),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos --help'.")
+                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos|ab --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -302,6 +303,9 @@ def _sub(name: str) -> Any:
     if name == "chaos":
         from bench import chaos_bench
         return chaos_bench.main
+    if name == "ab":
+        from bench import ab
+        return ab.main
     if name == "overload":
         from bench import overload_bench
         return overload_bench.main
@@ -312,7 +316,7 @@ def _sub(name: str) -> Any:
 def main(argv: list[str]) -> int:
     try:
         if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies",
-                                "cache", "chaos", "overload"}:
+                                "cache", "chaos", "overload", "ab"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)

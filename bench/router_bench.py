@@ -5,7 +5,7 @@ It starts its own bed on 127.0.0.1 (issue 12's), then measures::
 
     2 x headrace mock --tpot-ms 0 --max-tokens 20     (20 SSE chunks per answer)
     headrace serve --workers 1 --backend M1 --backend M2
-    python -m bench.bare_app                           (hypercorn + trio, the same 20 chunks)
+    python bench/bare_app.py                           (stock hypercorn + trio, the same 20 chunks)
     vllm-router --worker-urls M1 M2                    (when installed)
 
     (a) closed loop, --concurrency connections for --duration s, HTTP/1.1 and h2c,
@@ -56,6 +56,9 @@ from bench.schedule import make_prompt
 __all__ = ["format_report", "main", "search_max_rate"]
 
 HTTPS = {"1.1": "1.1", "2": "h2c"}
+# Started as a file: ``python -m bench.bare_app`` would import the bench
+# package, and through it frontend/serving.py's patches of hypercorn.
+BARE_APP = Path(__file__).with_name("bare_app.py")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,7 +161,7 @@ async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStac
     if serve_has_workers(args.router_src):
         serve += ["--workers", str(args.workers)]
     serve += serve_args
-    wanted = [("router", serve)] + ([("bare", _python("bench.bare_app", "--port", "0"))] if bare else [])
+    wanted = [("router", serve)] + ([("bare", [sys.executable, str(BARE_APP), "--port", "0"])] if bare else [])
     started = await _start_all(stack, logdir, wanted, cwd={"router": args.router_src})
     bed.router, bed.bare = started[0], (started[1] if bare else None)
     await _ready(bed.router.url, "/ready")

@@ -726,36 +726,3 @@ async def test_a_finished_stream_closes_without_a_write_and_an_unfinished_one_is
             await eventually(lambda: 3 in server.conns[0].resets, 1)
     assert server.conns[0].resets.get(1) is None  # the finished stream was never reset
 
-
-async def test_a_write_the_socket_takes_whole_costs_no_checkpoint_and_the_rest_follows_in_order(
-    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A flush is one os.write when the socket takes it all: no scheduler
-    turn for a request's HEADERS and body (trio's send_all checkpoints after
-    every write). When the socket takes only part, send_all writes the rest,
-    in order: every request body arrives intact."""
-    from backends import h2client
-
-    host, port = await serve_app(nursery, App())
-    with trio.fail_after(10):
-        async with H2Pool(host, port) as pool:
-            assert (await pool.request("GET", "/hello")).body == b"hello"
-            conn = pool._conns[0]
-            conn._h2.ping(b"whole!!!")
-            with trio.testing.assert_no_checkpoints():
-                await conn._flush()
-            # Half of each write now: the other half must go through send_all.
-            left: list[int] = []
-            write_now = h2client.write_now
-
-            def half(stream: object, data: bytes) -> int:
-                n = write_now(stream, data[: max(1, len(data) // 2)])
-                left.append(len(data) - n)
-                return n
-
-            monkeypatch.setattr(h2client, "write_now", half)
-            for i in range(5):
-                body = os.urandom(3000 * (i + 1))
-                assert (await pool.request("POST", "/echo", body=body)).body == body
-            assert left and all(n > 0 for n in left)
-            assert pool.statistics().connections_opened == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import router_bench
 from bench.cli import main as bench_main
 from bench.drivers import parse_h2load, parse_wrk
 from bench.router_bench import next_rate, passes
@@ -83,3 +84,21 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
     assert "router CPU per request / bare hypercorn app's" in table and "open loop" in table
+
+
+def test_the_bare_app_runs_on_stock_hypercorn_and_refuses_our_patches() -> None:
+    """The yardstick must not be served by frontend/serving.py's patches:
+    started as bench's module (the package imports them) it refuses; the
+    bench starts it as a file, which imports none of headrace."""
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "bench.bare_app", "--port", "0"], capture_output=True,
+                             text=True, timeout=60, cwd=router_bench.BARE_APP.parents[1])
+    assert refused.returncode == 2 and "patched hypercorn" in refused.stderr
+    probe = ("import runpy, sys; sys.argv = ['bare_app.py', '--help']\n"
+             "try:\n    runpy.run_path(sys.argv_path, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('frontend', 'backends', 'router', 'bench')))")
+    probe = probe.replace("sys.argv_path", repr(str(router_bench.BARE_APP)))
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/")
+    assert loaded.returncode == 0 and loaded.stdout.strip().endswith("[]"), loaded.stdout + loaded.stderr

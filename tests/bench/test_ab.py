@@ -1,0 +1,52 @@
+"""bench/ab.py: two router builds on their own beds, loaded at the same time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.errors import ClientError
+from bench import ab
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_short_run_loads_both_sides_at_once_and_writes_the_table_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ab.json"
+    argv = ["--b", str(REPO), "--rounds", "1", "--duration", "1", "--rps", "10", "--max-tokens", "3",
+            "--json", str(out), "--plot", str(tmp_path / "ab.png")]
+    assert ab.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "ab" and len(doc["rounds"]) == 1 and "interrupted" not in doc
+    assert doc["sides"]["B"]["path"] == str(REPO) and doc["sides"]["A"]["commit"].startswith(doc["sides"]["B"]["commit"])
+    for side in ("A", "B"):
+        row = doc["rounds"][0][side]
+        assert row["errors"] == 0 and row["ok"] == row["run"]["counts"]["scheduled"] > 0
+        assert row["cpu_ms_per_request"] > 0 and row["ttft_p50"] > 0
+        assert doc["summary"]["cpu_ms_per_request"][side] == row["cpu_ms_per_request"]  # one round: its median
+    s = doc["summary"]["cpu_ms_per_request"]
+    assert s["b_over_a"] == pytest.approx(s["B"] / s["A"])
+    printed = capsys.readouterr().out
+    assert "router CPU ms / request" in printed and f"wrote {out}" in printed
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
+def test_the_summary_takes_medians_over_rounds_and_the_ratio_of_medians() -> None:
+    def side(cpu: float | None, errors: int = 0) -> dict[str, object]:
+        return {"cpu_ms_per_request": cpu, "errors": errors, **{k: 1.0 for _, k in ab.METRICS[1:]}}
+
+    rounds = [{"A": side(1.0), "B": side(2.0, 1)}, {"A": side(3.0), "B": side(1.0)}, {"A": side(2.0), "B": side(None)}]
+    s = ab.summarize(rounds)
+    assert s["cpu_ms_per_request"] == {"A": 2.0, "B": 1.5, "b_over_a": 0.75}
+    assert s["errors"] == {"A": 0, "B": 1}
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ClientError):
+        ab.main(["--b", str(REPO), "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        ab.main([])  # --b is required
