@@ -49,7 +49,6 @@ from hypercorn.protocol.events import Body, EndBody, Request, Response, StreamCl
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import build_and_validate_headers, suppress_body
 
@@ -129,7 +128,6 @@ def _patch_hypercorn() -> None:
     _send_whole_responses_in_one_write()
     _recycle_after_an_answer_given_at_content_length()
     _call_the_app_back_on_disconnect()
-    _hand_messages_to_the_app_without_a_turn()
     _wake_the_sender_only_for_a_buffer()
     _flush_what_was_left_first()
 
@@ -451,43 +449,6 @@ def _call_the_app_back_on_disconnect() -> None:
             self.scope["extensions"][ON_DISCONNECT] = DisconnectHook()
 
     HTTPStream.handle = hooked_handle  # type: ignore[method-assign]
-
-
-def _hand_messages_to_the_app_without_a_turn() -> None:
-    """hypercorn 0.18 hands each ``http.request`` body, its end and
-    ``http.disconnect`` to the app through a memory channel's ``send``,
-    which checkpoints even when the channel has room: the connection's
-    reader yielded its turn twice for every request it read (body and end),
-    and the app's own task once more as its response closed the stream
-    (``http.disconnect``). On an HTTP/2 stream, a message the channel has
-    room for (``max_app_queue_size``, 10) is now put without a checkpoint;
-    a full channel waits as before, so an app that stops reading still
-    holds the reader back.
-
-    HTTP/1.1 keeps the checkpoint. A response given before the request's
-    body was all read (a refusal by its headers) is recycled only if the
-    reader takes the body's rest during the checkpoint that hands the app
-    its ``http.disconnect``; without that turn, a client that sent its
-    body in a second packet got the connection closed under its next
-    request (tests/router/test_batches.py's mangled uploads)."""
-    spawn_app = TaskGroup.spawn_app
-
-    async def _spawn_app(self: Any, app: Any, config: Any, scope: Any, send: Any) -> Callable[[Any], Any]:
-        put = await spawn_app(self, app, config, scope, send)
-        channel = getattr(put, "__self__", None)
-        if scope.get("http_version") != "2" or not isinstance(channel, trio.MemorySendChannel):
-            return put  # HTTP/1.1 (see above), or not hypercorn 0.18's channel: its send
-        put_now = channel.send_nowait
-
-        async def app_put(message: Any) -> None:
-            try:
-                put_now(message)
-            except trio.WouldBlock:
-                await put(message)
-
-        return app_put
-
-    TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]
 
 
 def _wake_the_sender_only_for_a_buffer() -> None:

@@ -314,17 +314,6 @@ def test_the_h2_protocol_internals_the_patches_use_are_unchanged() -> None:
         "await stream.handle(StreamClosed(stream_id=stream_id))", "await self.has_data.set()"]
 
 
-def test_the_task_group_hands_the_app_a_memory_channel() -> None:
-    """_hand_messages_to_the_app_without_a_turn wraps what spawn_app returns:
-    still the send of a memory channel of max_app_queue_size messages."""
-    from hypercorn.trio import task_group
-
-    source = _source(task_group)
-    assert "trio.open_memory_channel[ASGIReceiveEvent](\n            config.max_app_queue_size\n        )" in source
-    assert "return app_send_channel.send" in source
-    assert HypercornConfig.max_app_queue_size == 10
-
-
 def test_the_h11_keep_alive_limit_is_unchanged() -> None:
     from hypercorn.protocol import h11 as hypercorn_h11
 
@@ -916,46 +905,6 @@ async def test_body_sent_right_before_an_app_fails_still_reaches_the_h2_client_b
     data = b"".join(e.data for e in seen if isinstance(e, h2.events.DataReceived))
     assert data == b"firstsecond"
     assert isinstance(seen[-1], h2.events.StreamReset) and seen[-1].error_code == h2.errors.ErrorCodes.INTERNAL_ERROR
-
-
-async def test_messages_for_the_app_are_put_without_a_checkpoint_until_its_queue_is_full() -> None:
-    """The connection's reader hands an HTTP/2 request's body, its end and
-    http.disconnect to the app without a scheduler turn while the app's
-    queue has room (hypercorn's channel send checkpointed for each); a full
-    queue still holds the reader until the app reads. HTTP/1.1 keeps the
-    checkpoint (serving's docstring says why)."""
-    from hypercorn.trio.task_group import TaskGroup
-
-    config = HypercornConfig()
-    config.max_app_queue_size = 3
-    release, received = trio.Event(), []
-
-    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
-        await release.wait()
-        while len(received) < 5:
-            received.append((await receive())["i"])
-
-    async def sent(message: Any) -> None:
-        pass
-
-    with trio.fail_after(5):
-        async with TaskGroup() as group:
-            put = await group.spawn_app(app, config, {"http_version": "2"}, sent)
-            with trio.testing.assert_no_checkpoints():
-                for i in range(3):
-                    await put({"i": i})
-            with trio.move_on_after(0.2) as waited:
-                await put({"i": 3})  # the queue is full and the app does not read
-            assert waited.cancelled_caught
-            release.set()
-            await put({"i": 3})
-            await put({"i": 4})
-    assert received == [0, 1, 2, 3, 4]
-    async with TaskGroup() as group:  # HTTP/1.1 keeps hypercorn's put, checkpoint and all
-        put = await group.spawn_app(app, config, {"http_version": "1.1"}, sent)
-        with trio.testing.assert_checkpoints():
-            await put({"i": 0})
-        group._nursery.cancel_scope.cancel()
 
 
 class _Steps(trio.abc.Instrument):
