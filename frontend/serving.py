@@ -239,9 +239,7 @@ def _send_whole_responses_in_one_write() -> None:
         end = not isinstance(event, StartedResponse)
         buffer = self.stream_buffers.get(sid)
         try:
-            fits = buffer is not None and not buffer.buffer and len(data) <= min(
-                self.connection.local_flow_control_window(sid), self.connection.max_outbound_frame_size
-            )
+            fits = buffer is not None and not buffer.buffer and len(data) <= _room(self.connection, sid)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             return  # the client reset it meanwhile: nothing to send
         if not fits:
@@ -259,9 +257,7 @@ def _send_whole_responses_in_one_write() -> None:
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             return
         if end:
-            del self.stream_buffers[sid]
-            self.priority.remove_stream(sid)
-            await buffer.close()
+            await _ended(self, sid, buffer)
         _write_out(self)
 
     async def _send_through_the_buffer(self: Any, event: Any) -> None:
@@ -355,7 +351,7 @@ async def _send_directly(protocol: Any, event: Any) -> bool:
     end = not isinstance(event, Body)
     connection = protocol.connection
     try:
-        if len(data) > min(connection.local_flow_control_window(sid), connection.max_outbound_frame_size):
+        if len(data) > _room(connection, sid):
             return False
         if data:
             connection.send_data(sid, data, end_stream=end)
@@ -364,13 +360,24 @@ async def _send_directly(protocol: Any, event: Any) -> bool:
     except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
         return False
     if end:
-        del protocol.stream_buffers[sid]
-        protocol.priority.remove_stream(sid)
-        await buffer.close()
+        await _ended(protocol, sid, buffer)
     _write_out(protocol)
-    if end:
-        await _goaway_if_drained(protocol)
     return True
+
+
+def _room(connection: Any, sid: int) -> int:
+    """How much of a stream's data one DATA frame may carry now: its
+    flow-control window, at most a frame (below 0: none)."""
+    return min(connection.local_flow_control_window(sid), connection.max_outbound_frame_size)  # type: ignore[no-any-return]
+
+
+async def _ended(protocol: Any, sid: int, buffer: Any) -> None:
+    """A stream whose END_STREAM has been framed: its buffer and its place
+    in the send order go (the send task's own cleanup, done where the end
+    was sent)."""
+    del protocol.stream_buffers[sid]
+    protocol.priority.remove_stream(sid)
+    await buffer.close()
 
 
 def _free_socket(protocol: Any) -> trio.SocketStream | None:
@@ -655,13 +662,7 @@ def _end_stream_with_the_last_data() -> None:
     async def _send_data(self: Any, stream_id: int) -> None:
         try:
             buffer = self.stream_buffers[stream_id]
-            chunk_size = max(
-                0,
-                min(
-                    self.connection.local_flow_control_window(stream_id),
-                    self.connection.max_outbound_frame_size,
-                ),
-            )
+            chunk_size = max(0, _room(self.connection, stream_id))
             if chunk_size == 0 and not buffer.complete:
                 # No window: leave the data buffered. hypercorn popped 0 bytes
                 # here, which released the writer's high-water wait, so a
