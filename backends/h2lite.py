@@ -22,22 +22,14 @@ encoder serves the upstream client too (backends/h2wire.py).
   request at least). :meth:`LeanH2Connection._receive_frame` is h2 4.x's
   without that line; tests/backends/test_h2lite.py checks h2's still reads
   as this one was copied from.
-- **A write the socket takes at once costs no scheduler turn**
-  (:func:`write_now`): trio's ``send_all`` checkpoints after every write,
-  even one the kernel took whole, so each write was a trip to the back of
-  the run queue. The ingress writes so (frontend/hardening.py's
-  ``ImmediateRawData``, frontend/serving.py's direct writes) and hands
-  ``send_all`` only what is left.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import h2.connection
-import trio
 from h2.errors import ErrorCodes
 from h2.events import Event
 from h2.exceptions import StreamClosedError, StreamIDTooLowError
@@ -45,22 +37,7 @@ from hpack.struct import HeaderTuple
 from hpack.table import HeaderTable
 from hyperframe.frame import Frame, RstStreamFrame
 
-__all__ = ["LeanH2Connection", "StatelessEncoder", "write_now"]
-
-
-def write_now(stream: object, data: bytes) -> int:
-    """How much of ``data`` a plain TCP stream's socket takes without
-    blocking (0: none, or not a plain socket: TLS frames its own writes).
-    ``os.write`` on the socket's descriptor: trio's ``send_all`` would take
-    the same bytes, then checkpoint. Errors are left to the ``send_all``
-    the caller hands the rest to. The caller must hold the stream's writer
-    role (no ``send_all`` in progress), or bytes would interleave."""
-    if type(stream) is not trio.SocketStream:
-        return 0
-    try:
-        return os.write(stream.socket.fileno(), data)
-    except OSError:
-        return 0
+__all__ = ["LeanH2Connection", "StatelessEncoder"]
 
 _STATIC_PAIRS: dict[tuple[bytes, bytes], int] = {}
 _STATIC_NAMES: dict[bytes, int] = {}

@@ -38,7 +38,7 @@ from bench.cli import RESULTS_DIR, run_reported
 from bench.client import RequestSpec
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import cpu_info
-from bench.report import default_path, summarize_run, write_json
+from bench.report import dash, default_path, summarize_run, write_json
 from bench.router_bench import _python, _ready, _source, _start_all
 
 __all__ = ["format_report", "main", "summarize"]
@@ -174,10 +174,6 @@ def _name(side: dict[str, str] | None) -> str:
     return "?" if not side else side.get("commit") or side.get("path") or "?"
 
 
-def _f(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_report(doc: dict[str, Any]) -> str:
     cfg, sides = doc["config"], doc["sides"]
     lines = [f"CPU: {doc['cpu'].get('model')} ({doc['cpu'].get('cores')} cores)",
@@ -188,9 +184,9 @@ def format_report(doc: dict[str, Any]) -> str:
     lines += [head + f"{'median A':>11}{'median B':>10}{'B/A':>7}", "-" * (len(head) + 28)]
     summary = doc.get("summary") or summarize(doc["rounds"])
     for label, key in METRICS:
-        cells = "".join(f"{_f(r['A'][key], '.2f'):>10}{_f(r['B'][key], '.2f'):>9}" for r in doc["rounds"])
+        cells = "".join(f"{dash(r['A'][key], '.2f'):>10}{dash(r['B'][key], '.2f'):>9}" for r in doc["rounds"])
         s = summary[key]
-        lines.append(f"{label:<26}{cells}{_f(s['A'], '.2f'):>11}{_f(s['B'], '.2f'):>10}{_f(s['b_over_a'], '.2f'):>7}")
+        lines.append(f"{label:<26}{cells}{dash(s['A'], '.2f'):>11}{dash(s['B'], '.2f'):>10}{dash(s['b_over_a'], '.2f'):>7}")
     lines.append(f"errors: A {summary['errors']['A']}, B {summary['errors']['B']}")
     if doc.get("interrupted"):
         lines.append(f"(stopped early: {doc['interrupted']})")

@@ -59,6 +59,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -81,7 +82,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
-from backends.h2lite import LeanH2Connection, write_now
+from backends.h2lite import LeanH2Connection
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
 from frontend.wire import error_body
 
@@ -603,7 +604,20 @@ class ImmediateRawData(RawData):
     the app's task). Otherwise, or for the rest, the usual locked send."""
 
 
-_write_now = write_now  # looked up here at each write (tests count the calls)
+def _write_now(stream: Any, data: bytes) -> int:
+    """How much of ``data`` a plain TCP stream's socket takes without
+    blocking (0: none, or not a plain socket: TLS frames its own writes).
+    ``os.write`` on the socket's descriptor: trio's ``send_all`` would take
+    the same bytes, then checkpoint. Errors are left to the ``send_all`` the
+    caller hands the rest to. The caller must be the connection's only
+    writer at that moment (its send lock free, no checkpoint since), or
+    bytes would interleave."""
+    if type(stream) is not trio.SocketStream:
+        return 0
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except OSError:
+        return 0
 
 
 def _peer(stream: Any) -> tuple[str, int] | None:

@@ -268,35 +268,26 @@ def _send_whole_responses_in_one_write() -> None:
             await stream_send(self, event)
 
     async def whole_h11_send(self: Any, event: Any) -> None:
-        if isinstance(event, Body | EndBody | LastBody | WholeResponse):
-            await trio.lowlevel.checkpoint_if_cancelled()  # as whole_stream_send
-        if isinstance(event, Body | EndBody | LastBody):
-            # hypercorn's writes of these, each without a scheduler turn when
-            # the socket takes it (the app's task writes over HTTP/1.1 anyway)
-            parts: list[h11.Data | h11.EndOfMessage] = [] if isinstance(event, EndBody) else [h11.Data(data=event.data)]
-            if not isinstance(event, Body):
-                parts.append(h11.EndOfMessage())
-            try:
-                data = b"".join([self.connection.send(part) for part in parts])
-            except h11.LocalProtocolError:
-                if self.connection.their_state != h11.ERROR:
-                    raise
-                return
-            await self.send(hardening.ImmediateRawData(data=data))
-            return
-        if not isinstance(event, WholeResponse):
+        # Body, EndBody and LastBody as hypercorn writes them, and a
+        # WholeResponse as its Response, Body and EndBody; each in one write,
+        # without a scheduler turn when the socket takes it (the app's task
+        # writes over HTTP/1.1 anyway).
+        if not isinstance(event, Body | EndBody | LastBody | WholeResponse):
             await h11_stream_send(self, event)
             return
-        # hypercorn's Response, Body and EndBody (each its own write), in one write.
-        headers = [*event.headers, *self.config.response_headers("h11")]
-        if self.keep_alive_requests >= self.config.keep_alive_max_requests:
-            headers.append((b"connection", b"close"))
+        await trio.lowlevel.checkpoint_if_cancelled()  # as whole_stream_send
+        parts: list[h11.Response | h11.Data | h11.EndOfMessage] = []
+        if isinstance(event, WholeResponse):
+            headers = [*event.headers, *self.config.response_headers("h11")]
+            if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+                headers.append((b"connection", b"close"))
+            parts.append(h11.Response(headers=headers, status_code=event.status_code))
+        if not isinstance(event, EndBody) and event.data:
+            parts.append(h11.Data(data=event.data))
+        if not isinstance(event, Body | StartedResponse):
+            parts.append(h11.EndOfMessage())
         try:
-            data = self.connection.send(h11.Response(headers=headers, status_code=event.status_code))
-            if event.data:
-                data += self.connection.send(h11.Data(data=event.data))
-            if not isinstance(event, StartedResponse):
-                data += self.connection.send(h11.EndOfMessage())
+            data = b"".join([self.connection.send(part) for part in parts])
         except h11.LocalProtocolError:
             if self.connection.their_state != h11.ERROR:
                 raise
