@@ -694,6 +694,14 @@ class H2Response:
     def __aiter__(self) -> H2Response:
         return self
 
+    def ready(self) -> bool:
+        """Would :meth:`__anext__` return (or raise) without waiting for the
+        peer? (It may still flush a WINDOW_UPDATE, bounded by the pool's
+        ``write_timeout``.) A caller timing the peer's silences enters no
+        cancel scope for a read that cannot be silent."""
+        s = self._s
+        return s is None or self._conn is None or bool(s.chunks) or s.ended or s.error is not None
+
     async def __anext__(self) -> bytes:
         s, conn = self._s, self._conn
         if s is None:

@@ -7,9 +7,8 @@ stream, frame objects, logging calls), half the mock's CPU budget of 0.3 ms.
 This reads every frame type (DATA and HEADERS with padding and priority,
 CONTINUATION, SETTINGS, PING, RST_STREAM, WINDOW_UPDATE, GOAWAY), keeps flow
 control both ways (the peer's windows for what we send, credit back for what
-the app consumed), decodes header blocks with its own RFC 7541 decoder
-(hpack's static table and Huffman code, a cache of decoded strings: clients
-repeat them), and encodes responses as literals without indexing, so it
+the app consumed), decodes header blocks with our own RFC 7541 decoder
+(backends/h2lite.py's, which the router's ingress uses too), and encodes responses as literals without indexing, so it
 keeps no encoder state. Protocol errors end the connection with GOAWAY::
 
     receive(bytes) -> [(REQUEST, sid, headers, ended), (DATA, sid, data, length, ended),
@@ -20,12 +19,12 @@ keeps no encoder state. Protocol errors end the connection with GOAWAY::
 from __future__ import annotations
 
 import struct
-from collections import deque
 from typing import Any
 
 import hpack
-from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
+
+from backends.h2lite import HPACKDecoder
 
 __all__ = [
     "CLOSED", "DATA", "END", "INTERNAL_ERROR", "PREFACE", "REQUEST", "RESET", "WINDOW",
@@ -49,106 +48,6 @@ _STATUS_INDEX = {b"200": 8, b"204": 9, b"206": 10, b"304": 11, b"400": 12, b"404
 
 # events of H2Core.receive: (kind, stream id, ...)
 REQUEST, DATA, END, RESET, WINDOW, CLOSED = range(6)
-
-
-class HPACKDecoder:
-    """RFC 7541 decoding with its dynamic table (hpack's Decoder, at ~40 us a
-    block, was the largest single cost of an HTTP/2 request here). Huffman
-    strings are decoded by hpack's table and remembered: clients repeat them."""
-
-    def __init__(self, max_size: int = 4096) -> None:
-        self.limit = self.max_size = max_size  # our SETTINGS_HEADER_TABLE_SIZE
-        self.table: deque[tuple[bytes, bytes]] = deque()
-        self.size = 0
-        self._huffman: dict[bytes, bytes] = {}
-
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        try:
-            return self._decode(block)
-        except IndexError:
-            raise hpack.HPACKDecodingError("truncated header block") from None
-
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
-        pos, end = 0, len(block)
-        while pos < end:
-            first = block[pos]
-            if first & 0x80:  # indexed field
-                index, pos = _int(block, pos, 7)
-                out.append(self._entry(index))
-                continue
-            if not first & 0x40 and first & 0x20:  # dynamic table size update
-                size, pos = _int(block, pos, 5)
-                if size > self.limit:
-                    raise hpack.HPACKDecodingError("table size over the limit")
-                self.max_size = size
-                self._evict(0)
-                continue
-            indexing = bool(first & 0x40)  # else without indexing / never indexed
-            index, pos = _int(block, pos, 6 if indexing else 4)
-            if index:
-                name = self._entry(index)[0]
-            else:
-                name, pos = self._string(block, pos)
-            value, pos = self._string(block, pos)
-            out.append((name, value))
-            if indexing:
-                self._add(name, value)
-        return out
-
-    def _entry(self, index: int) -> tuple[bytes, bytes]:
-        if 0 < index <= len(_STATIC):
-            return _STATIC[index - 1]
-        if len(_STATIC) < index <= len(_STATIC) + len(self.table):
-            return self.table[index - len(_STATIC) - 1]
-        raise hpack.HPACKDecodingError(f"no header table entry {index}")
-
-    def _string(self, block: bytes, pos: int) -> tuple[bytes, int]:
-        huffman = block[pos] & 0x80
-        length, pos = _int(block, pos, 7)
-        raw = block[pos : pos + length]
-        if len(raw) != length:
-            raise hpack.HPACKDecodingError("truncated string")
-        if not huffman:
-            return raw, pos + length
-        text = self._huffman.get(raw)
-        if text is None:
-            text = decode_huffman(raw)
-            if len(self._huffman) >= 1024:
-                self._huffman.clear()
-            self._huffman[raw] = text
-        return text, pos + length
-
-    def _add(self, name: bytes, value: bytes) -> None:
-        size = 32 + len(name) + len(value)
-        self._evict(size)
-        if size <= self.max_size:
-            self.table.appendleft((name, value))
-            self.size += size
-
-    def _evict(self, room: int) -> None:
-        while self.table and self.size + room > self.max_size:
-            name, value = self.table.pop()
-            self.size -= 32 + len(name) + len(value)
-
-
-def _int(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
-    """An HPACK integer with a ``prefix``-bit prefix at ``pos``; (value, next pos)."""
-    mask = (1 << prefix) - 1
-    value = block[pos] & mask
-    pos += 1
-    if value < mask:
-        return value, pos
-    shift = 0
-    while True:
-        byte = block[pos]
-        pos += 1
-        value += (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
-        if shift > 28:
-            raise hpack.HPACKDecodingError("integer too large")
 
 
 class _GoAway(Exception):

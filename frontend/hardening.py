@@ -78,7 +78,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import h2 as hypercorn_h2
 from hypercorn.protocol import h11 as hypercorn_h11
 from hypercorn.protocol.h2 import BufferCompleteError
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
@@ -466,7 +466,10 @@ def _patch_tcp_server() -> None:
     protocol_send, run, read_data = TCPServer.protocol_send, TCPServer.run, TCPServer._read_data
 
     async def _read_data(self: Any) -> None:
-        await read_data(self)
+        if self.config.read_timeout:
+            await read_data(self)
+        else:
+            await _read_without_deadline(self)
         self._headrace_read_done = True
         self.idle_task.end()  # an IdleDeadline: the __init__ below installs it
 
@@ -488,6 +491,21 @@ def _patch_tcp_server() -> None:
             return
         async with lock:
             await _send_locked(self, event.data)
+
+    async def _read_without_deadline(self: Any) -> None:
+        # hypercorn's loop less its ``fail_after(read_timeout or inf)``: a
+        # cancel scope a read (~5 us on a slow core, 1% of a request) for a
+        # deadline that never comes. The keep-alive timeout is IdleDeadline's.
+        stream = self.stream
+        while True:
+            try:
+                data = await stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await self.protocol.handle(RawData(data))
+            if not data:
+                break
+        await self.protocol.handle(Closed())
 
     async def _send_locked(self: Any, data: bytes) -> None:
         stall = _limits_of(self.config).write_stall_timeout

@@ -726,3 +726,28 @@ async def test_a_finished_stream_closes_without_a_write_and_an_unfinished_one_is
             await eventually(lambda: 3 in server.conns[0].resets, 1)
     assert server.conns[0].resets.get(1) is None  # the finished stream was never reset
 
+
+
+async def test_ready_says_when_the_next_chunk_needs_no_wait(nursery: trio.Nursery) -> None:
+    """``ready()`` is False while the stream has nothing buffered and has not
+    ended (a read would wait for the peer), True once a chunk is buffered or
+    the stream ended, and then ``__anext__`` returns without a checkpoint:
+    the HTTP adapter times no silence around such a read."""
+    go = trio.Event()
+
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        await go.wait()
+        conn.h2.send_data(sid, b"one")
+        conn.h2.send_data(sid, b"two", end_stream=True)
+        await conn.flush()  # both frames and the end in one write
+
+    server = await ScriptedServer(handler).start(nursery)
+    with trio.fail_after(5):
+        async with server.pool() as pool, pool.stream("GET", "/") as resp:
+            assert not resp.ready()
+            go.set()
+            assert await resp.__anext__() == b"onetwo"  # read together, taken together
+            assert resp.ready()  # ended: the next call raises at once
+            with trio.testing.assert_no_checkpoints(), pytest.raises(StopAsyncIteration):
+                await resp.__anext__()

@@ -1,6 +1,7 @@
 """The lean h2 connection: header blocks any HPACK decoder reads back
-exactly (with a fresh or a shrunk dynamic table), and h2's frame handling
-unchanged but for its trace line."""
+exactly (with a fresh or a shrunk dynamic table), our decoder reading
+exactly what hpack's reads and refusing what it refuses, and h2's frame
+handling unchanged but for its trace line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import textwrap
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
+import hpack
 import pytest
 from hpack import Decoder, Encoder
 from hpack.struct import HeaderTuple, NeverIndexedHeaderTuple
@@ -19,7 +22,7 @@ from hpack.table import HeaderTable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.h2lite import CACHE_FIELDS, LeanH2Connection, StatelessEncoder, _integer
+from backends.h2lite import CACHE_FIELDS, LeanDecoder, LeanH2Connection, StatelessEncoder, _integer
 
 _static_names = sorted({n for n, _ in HeaderTable.STATIC_TABLE})
 _names = st.one_of(st.sampled_from(_static_names), st.binary(min_size=1, max_size=40).map(lambda b: b.hex().encode()))
@@ -104,3 +107,95 @@ def test_h2s_receive_frame_is_still_the_one_lean_copies() -> None:
         return [line for line in lines if line.strip() and "logger.trace" not in line and not line.lstrip().startswith("def ")]
 
     assert body(h2.connection.H2Connection._receive_frame) == body(LeanH2Connection._receive_frame)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _outcome(decoder: object, block: bytes) -> object:
+    """The fields, or "error" for any refusal h2 turns into a connection error."""
+    try:
+        return [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]  # type: ignore[attr-defined]
+    except (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError):
+        return "error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.lists(st.lists(_field, max_size=12), min_size=1, max_size=6), huffman=st.booleans(),
+       table=st.sampled_from([4096, 256, 0]))
+def test_the_lean_decoder_reads_what_hpacks_encoder_writes_as_hpacks_decoder_does(
+    blocks: list[list[tuple[bytes, bytes, bool]]], huffman: bool, table: int,
+) -> None:
+    """hpack's encoder indexes (so the dynamic table fills, evicts and,
+    with ``table``, shrinks), Huffman-codes or not: block after block, both
+    decoders give the same fields and keep the same table."""
+    encoder, ours, theirs = Encoder(), LeanDecoder(), Decoder()
+    encoder.header_table_size = table
+    for block in blocks:
+        data = encoder.encode(_as_headers(block), huffman=huffman)
+        assert _outcome(ours, data) == _outcome(theirs, data) == [(n, v) for n, v, _ in block]
+        assert list(ours.table) == [tuple(e) for e in theirs.header_table.dynamic_entries]
+
+
+@settings(max_examples=500, deadline=None)
+@given(prefix=st.lists(st.lists(_field, max_size=4), max_size=2), noise=st.binary(max_size=60))
+def test_the_lean_decoder_refuses_what_hpack_refuses_and_reads_the_rest_alike(
+    prefix: list[list[tuple[bytes, bytes, bool]]], noise: bytes,
+) -> None:
+    """Arbitrary bytes after a few real blocks (so there is a dynamic table
+    to index into): the same fields, or an error from both."""
+    encoder, ours, theirs = Encoder(), LeanDecoder(), Decoder()
+    for block in prefix:
+        data = encoder.encode(_as_headers(block))
+        assert _outcome(ours, data) == _outcome(theirs, data)
+    assert _outcome(ours, noise) == _outcome(theirs, noise)
+
+
+def test_the_header_list_limit_counts_as_the_list_grows() -> None:
+    """One 4 KiB field indexed, then referenced from a 40-byte block: the
+    list is refused at the field that crosses the limit (RFC 9113 6.5.2
+    sizes), not after building it whole."""
+    encoder, decoder = Encoder(), LeanDecoder()
+    decoder.max_header_list_size = 16 * 1024
+    big = (b"x-big", b"v" * 4000)
+    assert decoder.decode(encoder.encode([big]), raw=True) == [big]
+    assert len(decoder.decode(encoder.encode([big] * 4), raw=True)) == 4  # 4 x 4037 bytes: within
+    with pytest.raises(hpack.OversizedHeaderListError):
+        decoder.decode(encoder.encode([big] * 5), raw=True)
+
+
+def test_table_size_updates_must_open_the_block_and_stay_within_our_setting() -> None:
+    decoder = LeanDecoder()
+    decoder.max_allowed_table_size = 256
+    with pytest.raises(hpack.InvalidTableSizeError):
+        decoder.decode(b"\x3f\xe1\x1f", raw=True)  # an update to 4096
+    assert decoder.decode(b"\x3f\xe1\x01\x82", raw=True) == [(b":method", b"GET")]  # to 256, then a field
+    assert decoder.max_size == 256
+    with pytest.raises(hpack.HPACKDecodingError):
+        decoder.decode(b"\x82\x20", raw=True)  # a field, then an update
+    shrunk = LeanDecoder()
+    shrunk.max_allowed_table_size = 0  # our SETTINGS lowered it; the peer never says it followed
+    with pytest.raises(hpack.InvalidTableSizeError):
+        shrunk.decode(b"\x82", raw=True)
+
+
+def test_a_guarded_connection_decodes_with_the_lean_decoder_and_keeps_h2s_list_limit() -> None:
+    """Through h2's state machines: requests decode, and an oversized list
+    is h2's DenialOfServiceError, as with hpack's decoder."""
+    server = LeanH2Connection(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+    client = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
+    assert isinstance(server.decoder, LeanDecoder)
+    assert server.decoder.max_header_list_size == Decoder().max_header_list_size
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    request = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/v1/completions"),
+               (b":authority", b"127.0.0.1"), (b"content-type", b"application/json")]  # fmt: skip
+    client.send_headers(1, request, end_stream=True)
+    got = next(e for e in server.receive_data(client.data_to_send()) if isinstance(e, h2.events.RequestReceived))
+    assert list(got.headers) == request
+    server.decoder.max_header_list_size = 1024
+    client.send_headers(3, [*request, (b"x-big", b"v" * 2000)], end_stream=True)
+    with pytest.raises(h2.exceptions.DenialOfServiceError):
+        server.receive_data(client.data_to_send())
