@@ -368,7 +368,14 @@ def _guarded_connection(old: h2.connection.H2Connection, limits: Limits, peer: o
     conn.DEFAULT_MAX_INBOUND_FRAME_SIZE = old.DEFAULT_MAX_INBOUND_FRAME_SIZE
     conn.local_settings = old.local_settings
     conn.guard(limits, peer)
+    _uncycled(old)  # hypercorn's, replaced: freed now, not by a collection
     return conn
+
+
+def _uncycled(connection: h2.connection.H2Connection) -> None:
+    """Break an h2 connection's reference cycle: its frame dispatch table
+    holds its own bound methods. For a connection that is done with."""
+    connection._frame_dispatch_table = {}
 
 
 # ---------------------------------------------------------------- per-connection state
@@ -521,6 +528,12 @@ def _patch_tcp_server() -> None:
             await self.protocol.handle(Closed())
 
     async def _run(self: Any) -> None:
+        try:
+            await _admitted_run(self)
+        finally:
+            _dismantle(self)
+
+    async def _admitted_run(self: Any) -> None:
         ledger: ConnectionLedger | None = getattr(self.config, "headrace_connections", None)
         client = _peer(self.stream) if ledger is not None else None
         if ledger is None or client is None:
@@ -551,6 +564,22 @@ def _patch_tcp_server() -> None:
     TCPServer.run = _run  # type: ignore[method-assign]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
     TCPServer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _dismantle(server: Any) -> None:
+    """Break the reference cycles of a finished connection's objects, so
+    that they are freed when its task ends instead of by a collection: the
+    server's protocol holds the server's bound ``protocol_send``, its
+    :class:`IdleDeadline` the server, and h2's connection its own bound
+    frame handlers. A connection lives long enough to be promoted to the
+    collector's oldest generation, where its garbage waited for a full
+    collection: ~70 objects, with their buffers and header caches, a
+    connection (``headrace bench chaos`` opens one a stream)."""
+    wrapper = server.__dict__.pop("protocol", None)
+    server.idle_task = None
+    connection = getattr(getattr(wrapper, "protocol", None), "connection", None)
+    if isinstance(connection, h2.connection.H2Connection):
+        _uncycled(connection)
 
 
 class IdleDeadline:

@@ -64,6 +64,7 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
     UpstreamRateLimited,
+    handled,
 )
 from policies.base import BackendView, KVEventSink
 from policies.concurrency import AIMDLimit, ConcurrencyStatistics
@@ -553,6 +554,7 @@ class BackendActor:
                 end: Exception = StreamBroken("the KV event stream ended")
             except Exception as exc:
                 end = exc
+                handled(exc)
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await send.send(end)
 

@@ -77,6 +77,7 @@ from backends.errors import (
     MigrationFailed,
     UpstreamError,
     UpstreamRateLimited,
+    handled,
 )
 from frontend.context import new_span_id
 from frontend.sli import GapBatch
@@ -567,6 +568,7 @@ class Dispatcher:
                         log.info("model %s: %s; trying the next model", target.name, exc.message)
                         outcome.error = exc
                         self._counts["retries"] += 1
+                        handled(exc)
                         break
                     except UpstreamError as exc:
                         failure = exc
@@ -578,6 +580,7 @@ class Dispatcher:
                         else:
                             # The actor's stream already told its health (and woke its prober).
                             self._failed_early(actor, exc, outcome)
+                        handled(exc)  # kept (broken, outcome), raised again only afresh
                     finally:
                         gaps.flush()
                         self._judge(name, verdict)
@@ -689,8 +692,10 @@ class Dispatcher:
                 continue  # it answered, differently: it (or another) may continue the text
             except UpstreamError as exc:
                 error = exc
+                handled(exc)
             except ClientError as exc:  # the new backend refused the continuation: try another
                 error = UpstreamError(f"backend refused the resumed request: {exc.message}")
+                handled(exc)
             if span is not None:
                 span.finish(self.clock(), reason_of(error))
             if actor is not None:

@@ -8,6 +8,8 @@ test_migration_http.py."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -19,7 +21,7 @@ import trio.testing
 from hypothesis import given, settings
 
 from backends.base import BackendInfo, Event, GenerateRequest, Usage
-from backends.errors import BackendProtocolError, MigrationFailed
+from backends.errors import BackendProtocolError, BackendUnavailable, HeadraceError, MigrationFailed, StreamBroken
 from backends.fakes import FlakyBackend, StallingBackend, WrappedBackend
 from backends.mock import MockBackend, MockConfig
 from policies.routing import RoundRobin
@@ -503,3 +505,32 @@ async def test_a_waiter_cancelled_once_handed_the_lane_passes_it_on(autojump_clo
     async with trio.open_nursery() as nursery:  # and the lane is free again
         nursery.start_soon(waiter, "later")
     assert got == ["next", "later"]
+
+
+@pytest.mark.parametrize(("after_events", "fail_every"), [(0, 0), (3, 0), (3, 1)], ids=["retried", "migrated", "migrated-again"])
+async def test_a_failed_attempts_error_is_freed_without_the_cyclic_collector(after_events: int, fail_every: int) -> None:
+    """The error of a failed attempt (before the first token: retried;
+    after: migrated, once or on every continuation) is kept while the
+    request goes on, and its traceback holds the frames that kept it: a
+    reference cycle, with the attempt's whole state in it, that waited for
+    the oldest generation's collection (chaos: 64 of them a kill). Freed
+    here by reference counting alone, with the collector off."""
+    made: list[weakref.ref[BaseException]] = []
+
+    def error(message: str) -> HeadraceError:
+        exc = StreamBroken(message) if after_events else BackendUnavailable(message)
+        made.append(weakref.ref(exc))
+        return exc
+
+    flaky = [FlakyBackend(mock(), fail_first=1, fail_every=fail_every, after_events=after_events, error=error)
+             for _ in range(3 if fail_every else 1)]  # fmt: skip
+    d = Dispatcher(await actors(*flaky, mock()), Prefer(*"abcd"), migration=Settings(max_migrations=5))
+    gc.collect()
+    gc.disable()
+    try:
+        got = await run(d, REQUEST)
+        assert text(got) == text(await reference(REQUEST))
+        assert len(made) == (3 if fail_every else 1)
+        assert all(ref() is None for ref in made)
+    finally:
+        gc.enable()
