@@ -21,7 +21,13 @@ import trio.testing
 from hypothesis import given, settings
 
 from backends.base import BackendInfo, Event, GenerateRequest, Usage
-from backends.errors import BackendProtocolError, BackendUnavailable, HeadraceError, MigrationFailed, StreamBroken
+from backends.errors import (
+    BackendProtocolError,
+    BackendUnavailable,
+    HeadraceError,
+    MigrationFailed,
+    StreamBroken,
+)
 from backends.fakes import FlakyBackend, StallingBackend, WrappedBackend
 from backends.mock import MockBackend, MockConfig
 from policies.routing import RoundRobin
