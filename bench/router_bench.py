@@ -14,7 +14,8 @@ It starts its own bed on 127.0.0.1 (issue 12's), then measures::
         and the client's beside it
     (b) open loop (Poisson, bench/loadgen.py, the lean HTTP/2 client), h2c: the highest rate with e2e
         p99 < --p99-ms and no errors, through the router and straight to one
-        mock; then both at half the router's rate: the TTFT the router adds
+        mock; then both at half the router's rate, --half-rounds times (which
+        goes first alternating): the TTFT the router adds, median over the rounds
     (c) vllm-router through the same closed loop, quoted as ratios
 
 Prints a table, writes JSON (and a PNG of p99 against offered rate) under
@@ -31,6 +32,7 @@ import argparse
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--open-start", type=float, default=100.0, help="first open-loop rate, req/s")
     p.add_argument("--open-steps", type=int, default=9, help="rates tried per target, at most (9 take a search from 100 req/s to within 15%% of a limit near 1,000)")
     p.add_argument("--p99-ms", type=float, default=500.0, help="open-loop e2e p99 limit")
+    p.add_argument("--half-rounds", type=int, default=3,
+                   help="router/direct pairs at half the router's highest rate (alternating which goes "
+                        "first); the added TTFT is the median over them")
     p.add_argument("--no-open-loop", action="store_true")
     p.add_argument("--max-outstanding", type=int, default=512)
     p.add_argument("--workers", type=int, default=1, help="router processes (headrace serve --workers)")
@@ -95,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> None:
     bad = [args.concurrency < 1, args.duration <= 0, args.open_duration <= 0,
-           args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1]
+           args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1,
+           args.half_rounds < 1]
     if any(bad):
         raise ClientError("--concurrency, --duration, --open-*, --max-tokens and --workers "
                           "must be positive")
@@ -302,16 +308,37 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
                                                         **common)
     tried = [r["rate"] for r in out["runs"] if r["label"] == "router"]
     half = 0.5 * (out["router_max_rate"] or min(tried))
-    config = LoadConfig(rate=half, duration=args.open_duration, seed=args.seed + 1,
-                        prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
-    pair = []
-    for name, url in (("router", bed.router.url), ("direct", bed.mocks[0].url)):
-        run = await run_rate(url, "2", spec, config, label=f"{name} {half:g} rps (half)",
-                             lean=True)
-        pair.append(summarize_run(run, label=name))
-    out["at_half"] = {"rate": half, "router": pair[0], "direct": pair[1],
-                      "added": compare(pair[0], pair[1])}
+    targets = [("router", bed.router.url), ("direct", bed.mocks[0].url)]
+    rounds = []
+    for i in range(args.half_rounds):
+        # One schedule a round, both targets; which goes first alternates, so
+        # that the box's drift between two runs favours neither side.
+        config = LoadConfig(rate=half, duration=args.open_duration, seed=args.seed + 1 + i,
+                            prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
+        pair = {}
+        for name, url in (targets if i % 2 == 0 else targets[::-1]):
+            run = await run_rate(url, "2", spec, config, lean=True,
+                                 label=f"{name} {half:g} rps (half, round {i + 1}/{args.half_rounds})")
+            pair[name] = summarize_run(run, label=name)
+        rounds.append({"rate": half, "router": pair["router"], "direct": pair["direct"],
+                       "first": "router" if i % 2 == 0 else "direct",
+                       "added": compare(pair["router"], pair["direct"])})
+    out["at_half"] = rounds[0]  # the first round, as runs before --half-rounds reported it
+    out["at_half_rounds"] = rounds
+    out["added_ttft_median_ms"] = added_medians(rounds)
     out["client_bound"] = client_bound(out)
+
+
+def added_medians(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The router's added TTFT, p50 and p99, each the median over ``rounds``
+    (one run of the router at a high rate differs from the next by more than
+    the target: a p99 is judged over several)."""
+    out: dict[str, float | None] = {}
+    for q in ("p50", "p99"):
+        deltas = [r["added"]["ttft_ms"][q]["delta"] for r in rounds]
+        known = [d for d in deltas if d is not None]
+        out[q] = statistics.median(known) if known else None
+    return out
 
 
 def client_bound(loop: dict[str, Any]) -> str | None:
@@ -431,12 +458,14 @@ def _format_open(loop: dict[str, Any] | None) -> list[str]:
         best = loop.get(f"{name}_max_rate")
         lines.append(f"  {name:<7} {_fmt(best, 'g') if best else 'none':>8} req/s   "
                      f"(tried rps: e2e p99  {tried})")
-    half = loop.get("at_half")
-    if half:
-        ttft = half["added"]["ttft_ms"]
-        lines.append(f"  router added TTFT at {half['rate']:g} req/s: "
-                     f"p50 {_fmt(ttft['p50']['delta'], '+.2f')} ms, "
-                     f"p99 {_fmt(ttft['p99']['delta'], '+.2f')} ms")
+    rounds = loop.get("at_half_rounds") or ([loop["at_half"]] if loop.get("at_half") else [])
+    if rounds:
+        median = loop.get("added_ttft_median_ms") or added_medians(rounds)
+        each = ", ".join(f"{_fmt(r['added']['ttft_ms']['p50']['delta'], '+.2f')} / "
+                         f"{_fmt(r['added']['ttft_ms']['p99']['delta'], '+.2f')}" for r in rounds)
+        lines.append(f"  router added TTFT at {rounds[0]['rate']:g} req/s, median of {len(rounds)} "
+                     f"round(s): p50 {_fmt(median['p50'], '+.2f')} ms, p99 {_fmt(median['p99'], '+.2f')} ms "
+                     f"(each round p50 / p99: {each})")
     if loop.get("client_bound"):
         lines.append(f"  warning: {loop['client_bound']}")
     return [*lines, ""]

@@ -64,7 +64,7 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     out = tmp_path / "router.json"
     rc = bench_main(["router", "--client", "python", "--concurrency", "2", "--duration", "1",
                      "--open-duration", "0.5", "--open-steps", "2", "--open-start", "20",
-                     "--vllm-router", "none", "--json", str(out), "--plot",
+                     "--half-rounds", "2", "--vllm-router", "none", "--json", str(out), "--plot",
                      str(tmp_path / "router.png")])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -80,6 +80,9 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     assert {r["label"] for r in loop["runs"]} == {"router", "direct"}
     assert loop["router_max_rate"] and loop["direct_max_rate"]  # 20-40 req/s pass on any box
     assert loop["at_half"]["added"]["ttft_ms"]["p50"]["delta"] is not None
+    rounds = loop["at_half_rounds"]
+    assert [r["first"] for r in rounds] == ["router", "direct"] and loop["at_half"] == rounds[0]
+    assert loop["added_ttft_median_ms"] == router_bench.added_medians(rounds)
     assert "skipped" in doc["vllm_router"]
     assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
@@ -102,3 +105,11 @@ def test_the_bare_app_runs_on_stock_hypercorn_and_refuses_our_patches() -> None:
     probe = probe.replace("sys.argv_path", repr(str(router_bench.BARE_APP)))
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/")
     assert loaded.returncode == 0 and loaded.stdout.strip().endswith("[]"), loaded.stdout + loaded.stderr
+
+
+def test_the_added_ttft_is_the_median_over_the_rounds() -> None:
+    def round_(p50: float | None, p99: float) -> dict[str, object]:
+        return {"added": {"ttft_ms": {"p50": {"delta": p50}, "p99": {"delta": p99}}}}
+
+    rounds = [round_(2.0, 7.0), round_(1.5, 18.0), round_(None, 4.0)]
+    assert router_bench.added_medians(rounds) == {"p50": 1.75, "p99": 7.0}  # an unknown p50 is left out
