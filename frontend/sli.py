@@ -140,8 +140,10 @@ class _Timed:
         gaps = GapBatch(partial(self.timer.itl.observe_many, self.labels))
         events = self.inner.stream(request)
         try:
+            read_at: float | None = None  # the events of one upstream read: one clock read
             async for event in events:
-                now = trio.current_time()
+                now = trio.current_time() if read_at is None else read_at
+                read_at = now if event.more_ready else None
                 if last is None:
                     self.timer.ttft.observe(self.labels, now - self.arrival)
                     last = now

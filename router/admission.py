@@ -145,16 +145,22 @@ class _Metered:
         self.inner, self.on_tokens = inner, on_tokens
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        counted = 0
-        async with closing_stream(self.inner.stream(request)) as events:
-            async for event in events:
-                n = len(event.token_ids) or (1 if event.text else 0)
-                if event.usage is not None:  # the backend's own count is the truth
-                    n = max(0, event.usage.completion_tokens - counted)
-                if n:
+        counted = pending = 0
+        try:
+            async with closing_stream(self.inner.stream(request)) as events:
+                async for event in events:
+                    n = len(event.token_ids) or (1 if event.text else 0)
+                    if event.usage is not None:  # the backend's own count is the truth
+                        n = max(0, event.usage.completion_tokens - counted)
                     counted += n
-                    self.on_tokens(n)
-                yield event
+                    pending += n
+                    if pending and not event.more_ready:  # once a read's events: one charge
+                        self.on_tokens(pending)
+                        pending = 0
+                    yield event
+        finally:
+            if pending:  # the consumer left inside a read's events
+                self.on_tokens(pending)
 
     def info(self) -> BackendInfo:
         return self.inner.info()

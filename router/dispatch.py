@@ -536,11 +536,15 @@ class Dispatcher:
                     try:
                         upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
                         async with closing_stream(upstream) as events:
+                            read_at: float | None = None  # when the read the events came in was taken
                             while True:
                                 event = await _next(events, after_first if progress.events else first_wait, name, progress)
                                 if event is None:
                                     break
-                                now = self.clock()
+                                # The events of one upstream read came together:
+                                # one clock read for them (their gaps are 0).
+                                now = self.clock() if read_at is None else read_at
+                                read_at = now if event.more_ready else None
                                 if progress.events == 0:
                                     recorder.time_to_first_token(name, now - arrived)
                                     if attempt is not None and rec is not None:

@@ -62,3 +62,25 @@ async def test_a_stream_the_client_leaves_still_observes_its_gaps(autojump_clock
             break
     await stream.aclose()  # type: ignore[attr-defined]
     assert _count(itl)[0] == 4
+
+
+class _Reads:
+    """Reads of 3 token events 0.1 s apart, each read's events but its last ``more_ready``."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        for i in range(6):
+            if i % 3 == 0:
+                await trio.sleep(0.1)
+            yield Event(text=f" t{i}", token_ids=[i], more_ready=i % 3 != 2)
+
+
+async def test_the_events_of_one_read_have_no_gap_between_them(autojump_clock: trio.testing.MockClock) -> None:
+    """They leave for the client in one write: one clock reading for them
+    (at the first), however long the consumer takes over each (here 10 ms,
+    which the gap to the next read then includes: 0.1 + 3 x 0.01 s)."""
+    timer, itl = _timer()
+    timed = _Timed(_Reads(), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
+    async for _ in timed.stream(GenerateRequest()):
+        await trio.sleep(0.01)
+    count, total = _count(itl)
+    assert count == 5 and abs(total - 0.13) < 1e-9  # a clock reading per event: 4 x 0.01 more

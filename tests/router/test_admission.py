@@ -5,18 +5,21 @@ queue_timeout; full queues, shedding, class caps and the engine priority."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import pytest
 import trio
 import trio.lowlevel
 import trio.testing
 
+from backends.base import Event
 from backends.errors import HeadraceError
 from frontend.call import Call, prepare_call
 from frontend.context import RequestContext
 from policies.admission import ErlangShedding
 from policies.fairness import FairQueue
-from router.admission import Overloaded, Queue, Tenants
+from router.admission import Overloaded, Queue, Tenants, _Metered
 from router.config import AdmissionConfig, ClassTable, TenantConfig
 from tests.router.fakes import FakeBackend
 
@@ -269,3 +272,31 @@ async def test_capacity_that_appears_without_a_release_is_given_within_a_poll(au
         assert trio.current_time() - start <= 0.26
         release.set()
         nursery.cancel_scope.cancel()
+
+
+class _Batches:
+    """A backend whose events come in reads: ``reads`` events each, all but
+    a read's last marked ``more_ready``, one token each."""
+
+    def __init__(self, reads: list[int]) -> None:
+        self.reads = reads
+
+    async def stream(self, request: object) -> AsyncIterator[Event]:
+        for size in self.reads:
+            for k in range(size):
+                yield Event(token_ids=[k], text=" w", more_ready=k < size - 1)
+
+
+async def test_tokens_are_charged_once_a_read_and_what_a_consumer_left_with() -> None:
+    """Metering charges the tokens of one upstream read in one call (a
+    charge took a clock read and a policy update per token); every token
+    is charged, also when the consumer leaves inside a read."""
+    charges: list[int] = []
+    metered = _Metered(_Batches([3, 1, 4]), charges.append)  # type: ignore[arg-type]
+    assert len([e async for e in metered.stream(None)]) == 8  # type: ignore[arg-type]
+    assert charges == [3, 1, 4]
+    charges.clear()
+    async with aclosing(metered.stream(None)) as events:  # type: ignore[arg-type]
+        for _ in range(5):  # the first read, the second, and 1 of the third's 4
+            await events.__anext__()
+    assert charges == [3, 1, 1]

@@ -3,14 +3,14 @@ refuses with 503 when nothing is eligible, and records timings."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
 import pytest
 import trio
 import trio.testing
 
-from backends.base import Event, GenerateRequest
+from backends.base import Event, GenerateRequest, Usage
 from backends.errors import BackendProtocolError, BackendUnavailable, BadRequest, StreamBroken
 from policies.routing import LeastLoaded, RoundRobin
 from router.actors import BackendActor, closing_stream
@@ -234,3 +234,36 @@ async def test_the_model_list_is_cached_until_a_backends_info_changes() -> None:
     assert actor.info is not None
     actor.info = BackendInfo(name="b", models=("y", "z"), token_ids=actor.info.token_ids)  # what _refresh_info does
     assert d.info().models == ("x", "y", "z")
+
+
+class _Reads(FakeBackend):
+    """Tokens in upstream reads 10 ms apart, 3 a read: each read's events but
+    its last marked ``more_ready``, as the HTTP adapter marks them."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        n = request.max_tokens or 6
+        for i in range(n):
+            if i % 3 == 0:
+                await trio.sleep(0.010)
+            last = i == n - 1
+            yield Event(token_ids=[i], text=f" t{i}", more_ready=i % 3 != 2 and not last,
+                        finish_reason="length" if last else None, usage=Usage(3, n) if last else None)
+
+
+async def test_the_events_of_one_read_are_timed_by_one_clock_read(autojump_clock: trio.testing.MockClock) -> None:
+    """The gaps inside one upstream read are 0 (one clock read for the
+    read's events); between reads, the backend's own 10 ms."""
+    reads = 0
+
+    def clock() -> float:  # 1 us later at each read, as a real clock moves
+        nonlocal reads
+        reads += 1
+        return trio.current_time() + reads * 1e-6
+
+    recorder = ListRecorder()
+    d = Dispatcher(await actors_for(_Reads("a")), RoundRobin(), recorder=recorder, clock=clock)
+    events = await collect(d, prompt="x", max_tokens=6)
+    assert len(events) == 6
+    gaps = [round(s, 4) for kind, _, s in recorder.calls if kind == "itl"]
+    assert gaps == [0.0, 0.0, 0.010, 0.0, 0.0]
+    assert [s for kind, _, s in recorder.calls if kind == "itl"][:2] == [0.0, 0.0]  # not 1 us: one reading
