@@ -55,8 +55,14 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     if not values:
         return
     histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]
-    histogram._sum.inc(sum(values))
+    total = sum(values)
+    histogram._sum.inc(total)
     bounds, buckets = histogram._upper_bounds, histogram._buckets
+    if total == total and max(values) <= bounds[0]:
+        # No NaN (it would make the sum NaN) and all in the first bucket: a
+        # read's inter-token gaps (0) usually are.
+        buckets[0].inc(len(values))
+        return
     # a NaN falls in no bucket, as with observe
     for i, n in Counter(bisect_left(bounds, v) for v in values if v == v).items():
         buckets[i].inc(n)

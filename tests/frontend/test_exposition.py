@@ -3,9 +3,11 @@ between slices, and is the same text as ``generate_latest``."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -116,6 +118,10 @@ def test_the_prometheus_client_internals_the_sliced_collection_uses_are_unchange
 
 
 @settings(max_examples=60, deadline=None)
+@example(values=[0.0] * 19)  # a read's gaps: all in the first bucket at once
+@example(values=[0.0, 0.01, -1.0, -math.inf])
+@example(values=[0.0, math.nan, 0.0])  # NaN in no bucket
+@example(values=[0.0, math.inf, -math.inf])  # a NaN sum with no NaN in it
 @given(values=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.01, 0.1, 1.0])), max_size=40))
 def test_observing_many_values_at_once_gives_the_samples_of_observing_them_one_at_a_time(values: list[float]) -> None:
     """Bucket edges included (a value equal to a bound is in that bound's
