@@ -18,6 +18,14 @@ time over the run), TTFT, inter-token gap and e2e percentiles, errors. The
 summary gives each metric's median over the rounds and the B/A ratio of the
 medians. Prints a table, writes JSON and a PNG (CPU per request and ITL p99
 by round) under ``bench/results/``.
+
+``--closed N`` loads each side with N connections back to back instead (the
+closed loop of ``headrace bench router``: h2load or wrk when installed, over
+``--http``), both sides at once: the router's CPU per request where many
+requests are in flight, which an open loop at a modest rate does not reach.
+Latencies are then not measured (the native clients report none).
+
+    headrace bench ab --b /tmp/before --closed 16 --duration 10 --rounds 3
 """
 
 from __future__ import annotations
@@ -31,15 +39,18 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from backends.errors import ClientError
 from bench.cli import RESULTS_DIR, run_reported
-from bench.client import RequestSpec
+from bench.client import RequestSpec, build_body
+from bench.drivers import native_available, run_driver
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import cpu_info
 from bench.report import dash, default_path, summarize_run, write_json
 from bench.router_bench import _python, _ready, _source, _start_all
+from bench.schedule import make_prompt
 
 __all__ = ["format_report", "main", "summarize"]
 
@@ -68,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=20, help="tokens (SSE chunks) per answer")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--closed", type=int, default=0, metavar="N",
+                   help="closed loop: N connections a side back to back, instead of --rps")
+    p.add_argument("--http", choices=("1.1", "2"), default="2", help="the closed loop's HTTP version")
+    p.add_argument("--client", choices=("auto", "native", "python"), default="auto",
+                   help="the closed loop's client: native (wrk, h2load), python, or native when installed")
     p.add_argument("--json", dest="json_path", help="JSON report path")
     p.add_argument("--plot", dest="plot_path", help="PNG plot path")
     p.add_argument("--no-plot", action="store_true")
@@ -77,13 +93,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.rps <= 0 or args.duration <= 0 or args.rounds < 1 or args.max_tokens < 1 or args.tpot_ms < 0:
-        raise ClientError("--rps and --duration > 0, --rounds and --max-tokens >= 1, --tpot-ms >= 0")
+    if (args.rps <= 0 or args.duration <= 0 or args.rounds < 1 or args.max_tokens < 1 or args.tpot_ms < 0
+            or args.closed < 0):
+        raise ClientError("--rps and --duration > 0, --rounds and --max-tokens >= 1, --tpot-ms and --closed >= 0")
+    if args.closed and args.client == "native" and not native_available():
+        raise ClientError("--client native needs wrk and h2load (apt-get install wrk nghttp2-client)")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     doc: dict[str, Any] = {
         "kind": "ab", "cpu": cpu_info(),
         "config": {"rps": args.rps, "duration": args.duration, "rounds": args.rounds, "tpot_ms": args.tpot_ms,
-                   "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "seed": args.seed},
+                   "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "seed": args.seed,
+                   "closed": args.closed, "http": args.http if args.closed else "2"},
         "sides": {"A": _side(args.a or REPO), "B": _side(args.b)},
         "rounds": [],
     }
@@ -127,10 +147,20 @@ async def one_round(args: argparse.Namespace, i: int, logdir: Path) -> dict[str,
             config = LoadConfig(rate=args.rps, duration=args.duration, seed=seed, prompt_tokens=args.prompt_tokens)
             runs[side] = await run_rate(routers[side].url, "2", spec, config, label=f"round {i + 1} {side}", lean=True)
 
+        async def closed(side: str, seed: int) -> None:
+            prompt = make_prompt(seed, 0, args.prompt_tokens)
+            body = logdir / f"body-{side}{i}.json"
+            body.write_bytes(msgspec.json.encode(build_body(spec, prompt)))
+            kind = "native" if args.client == "native" or (args.client == "auto" and native_available()) else "python"
+            runs[side] = await run_driver(kind, routers[side].url, args.http, spec=spec, prompt=prompt, body_file=body,
+                                          concurrency=args.closed, duration=args.duration, label=f"round {i + 1} {side}")
+
         async with trio.open_nursery() as nursery:
             for k, side in enumerate(SIDES):
-                nursery.start_soon(load, side, args.seed + (i + k) % 2)  # the sides trade schedules each round
+                nursery.start_soon(closed if args.closed else load, side, args.seed + (i + k) % 2)  # the sides trade schedules each round
         cpu = {side: r.cpu_seconds() - cpu[side] for side, r in routers.items()}
+    if args.closed:
+        return {side: _closed_row(runs[side], cpu[side]) for side in SIDES}
     return {side: _row(summarize_run(runs[side], label=side), cpu[side]) for side in SIDES}
 
 
@@ -152,6 +182,17 @@ def _row(run: dict[str, Any], cpu_s: float) -> dict[str, Any]:
         "ttft_p50": run["ttft_ms"].get("p50"), "ttft_p99": run["ttft_ms"].get("p99"),
         "itl_p50": run["itl_ms"].get("p50"), "itl_p99": run["itl_ms"].get("p99"),
         "e2e_p99": run["e2e_ms"].get("p99"),
+        "run": run,
+    }
+
+
+def _closed_row(run: dict[str, Any], cpu_s: float) -> dict[str, Any]:
+    """A closed-loop side: CPU per request and errors (the clients time nothing)."""
+    ok = run["ok"]
+    return {
+        "ok": ok, "errors": sum(run["errors"].values()),
+        "cpu_ms_per_request": cpu_s * 1000 / ok if ok else None,
+        **{key: None for _, key in METRICS[1:]},
         "run": run,
     }
 
@@ -179,7 +220,9 @@ def format_report(doc: dict[str, Any]) -> str:
     lines = [f"CPU: {doc['cpu'].get('model')} ({doc['cpu'].get('cores')} cores)",
              f"A: {_name(sides['A'])}  B: {_name(sides['B'])}",
              f"each side: 2 mocks (--tpot-ms {cfg['tpot_ms']:g}, {cfg['max_tokens']} tokens), 1 router worker, "
-             f"{cfg['rps']:g} req/s for {cfg['duration']:g} s, both at once; {len(doc['rounds'])} round(s)", ""]
+             + (f"{cfg['closed']} connections back to back (HTTP/{cfg.get('http', '2')})" if cfg.get("closed")
+                else f"{cfg['rps']:g} req/s")
+             + f" for {cfg['duration']:g} s, both at once; {len(doc['rounds'])} round(s)", ""]
     head = f"{'metric':<26}" + "".join(f"{'r' + str(i + 1) + ' A':>10}{'B':>9}" for i in range(len(doc["rounds"])))
     lines += [head + f"{'median A':>11}{'median B':>10}{'B/A':>7}", "-" * (len(head) + 28)]
     summary = doc.get("summary") or summarize(doc["rounds"])

@@ -573,8 +573,8 @@ def _dismantle(server: Any) -> None:
     :class:`IdleDeadline` the server, and h2's connection its own bound
     frame handlers. A connection lives long enough to be promoted to the
     collector's oldest generation, where its garbage waited for a full
-    collection: ~70 objects, with their buffers and header caches, a
-    connection (``headrace bench chaos`` opens one a stream)."""
+    collection: ~70 objects a connection, with their buffers and header
+    caches."""
     wrapper = server.__dict__.pop("protocol", None)
     server.idle_task = None
     connection = getattr(getattr(wrapper, "protocol", None), "connection", None)

@@ -50,3 +50,19 @@ def test_bad_arguments_are_refused() -> None:
         ab.main(["--b", str(REPO), "--rounds", "0"])
     with pytest.raises(SystemExit):
         ab.main([])  # --b is required
+
+
+def test_a_closed_loop_round_loads_both_sides_at_once_and_reports_cpu_per_request(tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    argv = ["--b", str(REPO), "--rounds", "1", "--duration", "1", "--closed", "2", "--client", "python",
+            "--max-tokens", "3", "--json", str(out), "--no-plot"]
+    assert ab.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["closed"] == 2 and doc["config"]["http"] == "2"
+    for side in ("A", "B"):
+        row = doc["rounds"][0][side]
+        assert row["ok"] > 0 and row["errors"] == 0 and row["cpu_ms_per_request"] > 0
+        assert row["ttft_p50"] is None  # a closed loop times nothing
+    assert doc["summary"]["ttft_p50"] == {"A": None, "B": None, "b_over_a": None}
+    with pytest.raises(ClientError):
+        ab.main(["--b", str(REPO), "--closed", "-1"])
