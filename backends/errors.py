@@ -54,7 +54,7 @@ __all__ = [
     "Unauthorized",
     "UpstreamError",
     "UpstreamRateLimited",
-    "handled",
+    "drop_tracebacks",
 ]
 
 
@@ -195,7 +195,7 @@ class MethodNotAllowed(ClientError):
     code = "method_not_allowed"
 
 
-def handled(exc: BaseException) -> None:
+def drop_tracebacks(exc: BaseException) -> None:
     """Drop the tracebacks of ``exc`` and of every exception it chains
     (``__cause__``, ``__context__``): call it once ``exc`` is handled and
     will not be raised again as it is, where it is kept (a broken stream's

@@ -77,7 +77,7 @@ from backends.errors import (
     BadRequest,
     HeadraceError,
     StreamBroken,
-    handled,
+    drop_tracebacks,
 )
 from backends.h2client import H2Error, H2Pool, H2Response, H2Unsupported, RefusedStream
 from backends.openai_wire import (
@@ -463,7 +463,7 @@ class OpenAIHTTPBackend:
         except trio.TooSlowError:
             return Health(ok=False, detail=f"no answer within {self.health_timeout}s")
         except Exception as exc:  # a probe reports, it never raises
-            handled(exc)
+            drop_tracebacks(exc)
             return Health(ok=False, detail=f"unreachable: {exc!r}")
         ok = status == 200
         return Health(ok=ok, detail="" if ok else f"HTTP {status}")

@@ -64,7 +64,7 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
     UpstreamRateLimited,
-    handled,
+    drop_tracebacks,
 )
 from policies.base import BackendView, KVEventSink
 from policies.concurrency import AIMDLimit, ConcurrencyStatistics
@@ -554,7 +554,7 @@ class BackendActor:
                 end: Exception = StreamBroken("the KV event stream ended")
             except Exception as exc:
                 end = exc
-                handled(exc)
+                drop_tracebacks(exc)
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await send.send(end)
 

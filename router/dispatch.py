@@ -77,7 +77,7 @@ from backends.errors import (
     MigrationFailed,
     UpstreamError,
     UpstreamRateLimited,
-    handled,
+    drop_tracebacks,
 )
 from frontend.context import new_span_id
 from frontend.sli import GapBatch
@@ -572,7 +572,7 @@ class Dispatcher:
                         log.info("model %s: %s; trying the next model", target.name, exc.message)
                         outcome.error = exc
                         self._counts["retries"] += 1
-                        handled(exc)
+                        drop_tracebacks(exc)
                         break
                     except UpstreamError as exc:
                         failure = exc
@@ -584,7 +584,7 @@ class Dispatcher:
                         else:
                             # The actor's stream already told its health (and woke its prober).
                             self._failed_early(actor, exc, outcome)
-                        handled(exc)  # kept (broken, outcome), raised again only afresh
+                        drop_tracebacks(exc)  # kept (broken, outcome), raised again only afresh
                     finally:
                         gaps.flush()
                         self._judge(name, verdict)
@@ -696,10 +696,10 @@ class Dispatcher:
                 continue  # it answered, differently: it (or another) may continue the text
             except UpstreamError as exc:
                 error = exc
-                handled(exc)
+                drop_tracebacks(exc)
             except ClientError as exc:  # the new backend refused the continuation: try another
                 error = UpstreamError(f"backend refused the resumed request: {exc.message}")
-                handled(exc)
+                drop_tracebacks(exc)
             if span is not None:
                 span.finish(self.clock(), reason_of(error))
             if actor is not None:
@@ -750,11 +750,13 @@ class Dispatcher:
         try:
             upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
             async with closing_stream(upstream) as events:
+                read_at: float | None = None  # as in _stream: one clock reading for a read's events
                 while True:
                     event = await _next(events, first_wait if first else after_first, name, progress)
                     if event is None:
                         break
-                    now = self.clock()
+                    now = self.clock() if read_at is None else read_at
+                    read_at = now if event.more_ready else None
                     if first:
                         first = False
                         if feedback.first_token is not None:

@@ -304,7 +304,7 @@ def freeze_startup_heap() -> None:
     the threshold (tests/router/test_config.py compares the dead cycles
     waiting with CPython's). That needs the hot paths to make none: before
     broken streams and closed connections stopped leaving cycles
-    (backends.errors.handled, frontend/hardening.py's _dismantle), this
+    (backends.errors.drop_tracebacks, frontend/hardening.py's _dismantle), this
     threshold took ``headrace bench chaos``'s idle RSS growth from +16% to
     +34%; with them, +3.4% at 10,000 and +3.8% at 700.
 

@@ -1,4 +1,4 @@
-"""``handled``: an exception kept after it was handled leaves no reference
+"""``drop_tracebacks``: an exception kept after it was handled leaves no reference
 cycle through its traceback, nor through those of what it chains."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from backends.errors import StreamBroken, handled
+from backends.errors import StreamBroken, drop_tracebacks
 
 
 class State:
@@ -32,7 +32,7 @@ def test_a_kept_exception_and_the_state_its_frames_held_are_freed_once_handled()
         _failing(state, keep)
         del state
         if forget:
-            handled(keep[0])
+            drop_tracebacks(keep[0])
         return ref, keep
 
     gc.collect()
@@ -52,5 +52,5 @@ def test_a_kept_exception_and_the_state_its_frames_held_are_freed_once_handled()
 def test_a_chain_with_a_loop_in_it_ends() -> None:
     a, b = ValueError("a"), KeyError("b")
     a.__context__, b.__context__ = b, a
-    handled(a)  # returns: each exception visited once
+    drop_tracebacks(a)  # returns: each exception visited once
     assert a.__context__ is b
