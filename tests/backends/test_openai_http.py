@@ -61,6 +61,13 @@ async def _backend(
     return served, client
 
 
+# The wait for a response's head in the tests of mid-stream silences: the
+# stall timeout (0.3 s) was also the opening's, and a connection on a loaded
+# 2-core CI box once took longer than that to answer (BackendTimeout, not
+# the stall under test).
+OPENING = 10.0
+
+
 @pytest.fixture
 async def closing() -> AsyncIterator[list[OpenAIHTTPBackend]]:
     backends: list[OpenAIHTTPBackend] = []
@@ -218,7 +225,7 @@ async def test_cut_mid_stream_is_stream_broken_after_exactly_n_tokens(
 async def test_stall_is_backend_timeout_after_stall_timeout(
     nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend]
 ) -> None:
-    served, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3)
+    served, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3, first_token_timeout=OPENING)
     closing.append(client)
     start = trio.current_time()
     events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=500))
@@ -234,7 +241,7 @@ async def test_a_stall_verdict_waits_once_more_for_the_routers_own_loop_lag(
     """A router whose loop ran 0.4 s late may have read the backend late:
     the 0.3 s stall verdict waits once more, min(lag, 0.3) s, before it is
     given (frontend/loop_lag.py); a loop on time gives it at 0.3 s."""
-    _, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3)
+    _, client = await _backend(nursery, "h2", tls_files, "stall-after=2", stall_timeout=0.3, first_token_timeout=OPENING)
     closing.append(client)
     lag = loop_lag.LoopLag()
     lag.note(trio.current_time(), 0.4)
@@ -321,7 +328,7 @@ async def test_a_stream_without_done_is_complete_only_once_finish_and_usage_both
             await trio.sleep_forever()
 
     server = await ScriptedServer(handler).start(nursery)
-    client = OpenAIHTTPBackend(f"http://127.0.0.1:{server.port}", http="2", stall_timeout=0.3)
+    client = OpenAIHTTPBackend(f"http://127.0.0.1:{server.port}", http="2", stall_timeout=0.3, first_token_timeout=OPENING)
     try:
         if usage:
             events = await collect(client, GenerateRequest(prompt="x", max_tokens=2))
@@ -385,7 +392,7 @@ async def test_every_mid_stream_failure_is_an_upstream_error_the_router_can_name
     nursery: trio.Nursery, tls_files: TLSFiles, closing: list[OpenAIHTTPBackend],
     config: MockConfig | None, faults: tuple[str, ...], want: type[Exception],
 ) -> None:
-    _, client = await _backend(nursery, "h2", tls_files, *faults, config=config, stall_timeout=0.3)
+    _, client = await _backend(nursery, "h2", tls_files, *faults, config=config, stall_timeout=0.3, first_token_timeout=OPENING)
     closing.append(client)
     events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=6))
     assert type(exc) is want and isinstance(exc, UpstreamError) and len(ids_of(events)) >= 2
