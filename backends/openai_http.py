@@ -608,22 +608,18 @@ class OpenAIHTTPBackend:
                 chunks, ready = reply.chunks, reply.ready
                 grace = 0.0  # more time for this silence: the router's own loop ran late
                 while not parser.done:  # after [DONE], the server may be slow to end
+                    limit = stall if parser.events else self.first_token_timeout
                     chunk: bytes | None = None
-                    if ready is not None and ready():
-                        # Already here: no silence to time, so no cancel scope
-                        # (~6 us each on a slow core, one a read).
-                        try:
+                    try:
+                        if ready is not None and ready():
+                            # Already here: no silence to time, so no cancel
+                            # scope (~6 us each on a slow core, one a read).
                             chunk = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    else:
-                        limit = stall if parser.events else self.first_token_timeout
-                        timeout = grace or limit
-                        with trio.move_on_after(timeout):
-                            try:
+                        else:
+                            with trio.move_on_after(grace or limit):
                                 chunk = await chunks.__anext__()
-                            except StopAsyncIteration:
-                                break
+                    except StopAsyncIteration:
+                        break
                     if chunk is None:
                         if parser.complete:
                             break  # everything came but [DONE]

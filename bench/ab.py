@@ -39,13 +39,12 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 
 from backends.errors import ClientError
 from bench.cli import RESULTS_DIR, run_reported
-from bench.client import RequestSpec, build_body
-from bench.drivers import native_available, run_driver
+from bench.client import RequestSpec
+from bench.drivers import check_client, run_closed
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import cpu_info
 from bench.report import dash, default_path, summarize_run, write_json
@@ -96,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.rps <= 0 or args.duration <= 0 or args.rounds < 1 or args.max_tokens < 1 or args.tpot_ms < 0
             or args.closed < 0):
         raise ClientError("--rps and --duration > 0, --rounds and --max-tokens >= 1, --tpot-ms and --closed >= 0")
-    if args.closed and args.client == "native" and not native_available():
-        raise ClientError("--client native needs wrk and h2load (apt-get install wrk nghttp2-client)")
+    if args.closed:
+        check_client(args.client)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     doc: dict[str, Any] = {
         "kind": "ab", "cpu": cpu_info(),
@@ -148,12 +147,10 @@ async def one_round(args: argparse.Namespace, i: int, logdir: Path) -> dict[str,
             runs[side] = await run_rate(routers[side].url, "2", spec, config, label=f"round {i + 1} {side}", lean=True)
 
         async def closed(side: str, seed: int) -> None:
-            prompt = make_prompt(seed, 0, args.prompt_tokens)
-            body = logdir / f"body-{side}{i}.json"
-            body.write_bytes(msgspec.json.encode(build_body(spec, prompt)))
-            kind = "native" if args.client == "native" or (args.client == "auto" and native_available()) else "python"
-            runs[side] = await run_driver(kind, routers[side].url, args.http, spec=spec, prompt=prompt, body_file=body,
-                                          concurrency=args.closed, duration=args.duration, label=f"round {i + 1} {side}")
+            runs[side] = await run_closed(routers[side].url, args.http, client=args.client, spec=spec,
+                                          prompt=make_prompt(seed, 0, args.prompt_tokens),
+                                          body_file=logdir / f"body-{side}{i}.json", concurrency=args.closed,
+                                          duration=args.duration, label=f"round {i + 1} {side}")
 
         async with trio.open_nursery() as nursery:
             for k, side in enumerate(SIDES):

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import trio
 
+from backends.errors import ClientError
 from backends.h2client import H2Pool
-from bench.client import RequestResult, RequestSpec, send_request
+from bench.client import RequestResult, RequestSpec, build_body, send_request
 from bench.connect import make_client, make_pool
 from bench.engine_bench import run_closed_loop
 from bench.progress import ProgressBar, run_progress
@@ -136,6 +138,28 @@ async def _python(url: str, http: str, spec: RequestSpec, prompt: str, concurren
     errors = Counter(r.error for r in results if r.error)
     return {"client": "python", "requests": len(results),
             "ok": sum(r.ok for r in results), "errors": dict(errors)}
+
+
+def check_client(choice: str) -> None:
+    """Refuse ``--client native`` where wrk or h2load is missing."""
+    if choice == "native" and not native_available():
+        raise ClientError("--client native needs wrk and h2load (apt-get install wrk nghttp2-client)")
+
+
+def write_body(path: Path, spec: RequestSpec, prompt: str) -> None:
+    """The request body the native tools send, a few hundred bytes (written before a run)."""
+    path.write_bytes(msgspec.json.encode(build_body(spec, prompt)))
+
+
+async def run_closed(url: str, http: str, *, client: str, spec: RequestSpec, prompt: str, body_file: Path,
+                     concurrency: int, duration: float, label: str) -> dict[str, Any]:
+    """:func:`run_driver` with ``prompt``'s request body written to
+    ``body_file`` (what the native tools send) and the client ``client``
+    names: native, python, or auto (native when installed)."""
+    write_body(body_file, spec, prompt)
+    kind = "native" if client == "native" or (client == "auto" and native_available()) else "python"
+    return await run_driver(kind, url, http, spec=spec, prompt=prompt, body_file=body_file,
+                            concurrency=concurrency, duration=duration, label=label)
 
 
 async def run_driver(kind: str, url: str, http: str, *, spec: RequestSpec, prompt: str,

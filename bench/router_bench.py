@@ -48,8 +48,8 @@ import trio
 
 from backends.errors import BackendUnavailable, ClientError
 from bench.cli import LAG_WARN_MS, RESULTS_DIR, run_reported
-from bench.client import RequestSpec, build_body
-from bench.drivers import native_available, run_driver
+from bench.client import RequestSpec
+from bench.drivers import check_client, run_closed
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info, start_server
 from bench.report import compare, default_path, summarize_run, write_json
@@ -103,11 +103,9 @@ def _check(args: argparse.Namespace) -> None:
            args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1,
            args.half_rounds < 1]
     if any(bad):
-        raise ClientError("--concurrency, --duration, --open-*, --max-tokens and --workers "
-                          "must be positive")
-    if args.client == "native" and not native_available():
-        raise ClientError("--client native needs wrk and h2load "
-                          "(apt-get install wrk nghttp2-client)")
+        raise ClientError("--concurrency, --duration, --open-*, --max-tokens, --workers and "
+                          "--half-rounds must be positive")
+    check_client(args.client)
 
 
 # ---------------------------------------------------------------- the bed
@@ -216,14 +214,10 @@ async def closed_loop(args: argparse.Namespace, name: str, target: Server, http:
     """One closed-loop run at ``target``; CPU of every process around it."""
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
     prompt = make_prompt(args.seed, 0, args.prompt_tokens)
-    body = files / "body.json"
-    body.write_bytes(msgspec.json.encode(build_body(spec, prompt)))
-    kind = "native" if args.client == "native" or (
-        args.client == "auto" and native_available()) else "python"
     before = [target.cpu_seconds(), *(m.cpu_seconds() for m in mocks)]
-    run = await run_driver(kind, target.url, http, spec=spec, prompt=prompt, body_file=body,
-                           concurrency=args.concurrency, duration=args.duration,
-                           label=f"{name} {HTTPS[http]}")
+    run = await run_closed(target.url, http, client=args.client, spec=spec, prompt=prompt,
+                           body_file=files / "body.json", concurrency=args.concurrency,
+                           duration=args.duration, label=f"{name} {HTTPS[http]}")
     after = [target.cpu_seconds(), *(m.cpu_seconds() for m in mocks)]
     ok = run["ok"]
     return {

@@ -64,6 +64,28 @@ class GapBatch:
             self.sink(self.values)
             self.values = []
 
+class ReadClock:
+    """The time of each event of a stream, one clock reading for the events
+    of one upstream read: they came together (each but the last marked
+    ``more_ready``) and leave for the client in one write, so their gaps are
+    0 and the next read's gap is counted from the first one's reading. A
+    clock reading an event cost ~2% of the router's CPU a streamed request
+    where a whole answer comes in one read."""
+
+    __slots__ = ("at", "clock")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.at: float | None = None  # the current read's reading, while its events last
+
+    def of(self, event: Event) -> float:
+        at = self.at
+        if at is None:
+            at = self.clock()
+        self.at = at if event.more_ready else None
+        return at
+
+
 ROUTE_OF_KIND = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "native": "/v1/generate"}
 
 Labels = Callable[[RequestContext, "Call"], tuple[str, ...]]
@@ -140,10 +162,9 @@ class _Timed:
         gaps = GapBatch(partial(self.timer.itl.observe_many, self.labels))
         events = self.inner.stream(request)
         try:
-            read_at: float | None = None  # the events of one upstream read: one clock read
+            clock = ReadClock(trio.current_time)
             async for event in events:
-                now = trio.current_time() if read_at is None else read_at
-                read_at = now if event.more_ready else None
+                now = clock.of(event)
                 if last is None:
                     self.timer.ttft.observe(self.labels, now - self.arrival)
                     last = now

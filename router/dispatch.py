@@ -80,7 +80,7 @@ from backends.errors import (
     drop_tracebacks,
 )
 from frontend.context import new_span_id
-from frontend.sli import GapBatch
+from frontend.sli import GapBatch, ReadClock
 from policies.base import BackendView, RouteRequest, RoutingPolicy
 from policies.breaker import (
     BreakerPolicy,
@@ -536,15 +536,12 @@ class Dispatcher:
                     try:
                         upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
                         async with closing_stream(upstream) as events:
-                            read_at: float | None = None  # when the read the events came in was taken
+                            clock = ReadClock(self.clock)
                             while True:
                                 event = await _next(events, after_first if progress.events else first_wait, name, progress)
                                 if event is None:
                                     break
-                                # The events of one upstream read came together:
-                                # one clock read for them (their gaps are 0).
-                                now = self.clock() if read_at is None else read_at
-                                read_at = now if event.more_ready else None
+                                now = clock.of(event)
                                 if progress.events == 0:
                                     recorder.time_to_first_token(name, now - arrived)
                                     if attempt is not None and rec is not None:
@@ -750,13 +747,12 @@ class Dispatcher:
         try:
             upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
             async with closing_stream(upstream) as events:
-                read_at: float | None = None  # as in _stream: one clock reading for a read's events
+                clock = ReadClock(self.clock)
                 while True:
                     event = await _next(events, first_wait if first else after_first, name, progress)
                     if event is None:
                         break
-                    now = self.clock() if read_at is None else read_at
-                    read_at = now if event.more_ready else None
+                    now = clock.of(event)
                     if first:
                         first = False
                         if feedback.first_token is not None:
