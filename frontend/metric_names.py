@@ -194,6 +194,8 @@ MIGRATIONS = declare("headrace_migrations", "counter", "Streams that broke after
 MIGRATION_DIVERGENCES = declare("headrace_migration_replay_divergences", "counter", "Replays whose text differed from what the client had")
 BACKEND_RETRIES = declare("headrace_backend_retries", "counter", "Attempts that failed on the backend before the first token and moved on (a retry elsewhere)", _B)
 BACKEND_MIGRATIONS = declare("headrace_backend_migrations", "counter", "Streams that broke on the backend after their first token (then migrated, or failed)", _B)
+MIGRATION_STANDBY = declare("headrace_migration_standby_syncs", "counter", "Warm standby syncs ([migration] standby_tokens) by outcome: synced, failed, skipped (no other backend held the prompt)", ("outcome",))
+MIGRATION_STANDBY_TOKENS = declare("headrace_migration_standby_tokens", "counter", "Tokens the warm standby syncs sent, less what their backends reported serving from cache (at most the original prompt's: an upper bound of what they prefilled)")
 MIGRATION_INEXACT = declare("headrace_migration_inexact", "counter", "Resumes on a backend that does not promise exact resume")
 
 # ------------------------------------------------------------ router: pipeline and admission queue

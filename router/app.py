@@ -226,6 +226,7 @@ class Router:
             migration=migration,
             journal=self.journal,
             placement=placement_of(config),
+            spawn=self.spawn,
         )
         self.api_keys = known_keys(config)
         self.tenants = Tenants(config.tenants, {k.key_id: k.limits for k in self.api_keys if k.limits != Limits()})

@@ -401,6 +401,7 @@ class ModelRoute(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
     first_token_timeout: Positive | None = None
     max_migrations: Annotated[int, Meta(ge=0)] | None = None
     text_continuation: bool | None = None
+    standby_tokens: Annotated[int, Meta(ge=0)] | None = None
 
 
 class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -422,6 +423,10 @@ class MigrationConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Completions only, opt-in: where no backend has token ids and replay is off
     # or diverged, continue from prompt + the text sent (inexact, counted so).
     text_continuation: bool = False
+    # Warm standby, opt-in: every this many output tokens, a stream's prompt and
+    # output so far are prefilled on one other backend that holds its prompt,
+    # so that a resume there recomputes at most about this many. 0: off.
+    standby_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class TracingConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True):

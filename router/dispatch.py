@@ -96,11 +96,13 @@ from router.config import ConfigError
 from router.health import HealthEvent, HealthState
 from router.logs import Attempt, Journal, RequestRecord, failure_code
 from router.migration import (
+    HELD_FRACTION,
     MigrationStatistics,
     Progress,
     Replay,
     StallTimeout,
     StallWatch,
+    Standby,
     continuation,
     no_final,
     prefix_label,
@@ -108,6 +110,7 @@ from router.migration import (
     resume_placement,
     resume_request,
     short_prefill_first,
+    standby_request,
     text_continuation,
     text_request,
 )
@@ -281,15 +284,22 @@ _RELAY: dict[tuple[BreakerState, BreakerState], tuple[HealthEvent, ...]] = {
 _SHOWN = {HealthState.EJECTED: BreakerState.OPEN, HealthState.HALF_OPEN: BreakerState.HALF_OPEN}
 
 
+# How long a warm standby's sync may take before it is given up (it is
+# background work, a step below the streams' own in the backend's queue).
+STANDBY_PATIENCE = 10.0
+
+
 class _Broken:
     """A stream that failed after its first event: why, where, and when."""
 
-    __slots__ = ("at", "backend", "error", "settings", "sub", "target")
+    __slots__ = ("at", "backend", "error", "settings", "standby", "sub", "target")
 
     def __init__(
-        self, error: UpstreamError, backend: str, target: Target, sub: GenerateRequest, settings: MigrationSettings, at: float
+        self, error: UpstreamError, backend: str, target: Target, sub: GenerateRequest, settings: MigrationSettings, at: float,
+        standby: Standby | None = None,
     ) -> None:
         self.error, self.backend, self.target, self.sub, self.settings, self.at = error, backend, target, sub, settings, at
+        self.standby = standby
 
 
 async def _next(events: AsyncIterator[Event], wait: float, backend: str, progress: Progress) -> Event | None:
@@ -339,11 +349,14 @@ class Dispatcher:
         migration: MigrationSettings | None = None,
         journal: Journal | None = None,
         placement: Placement | None = None,
+        spawn: Callable[..., None] | None = None,
     ) -> None:
         """``breakers`` (default: none) filter the candidates and hear every
         attempt's outcome; ``retry_budget`` (default: unlimited) bounds the
         retries in flight; before each retry a full-jitter backoff of up to
-        ``backoff_base x 2^(k-1)``, at most ``backoff_cap`` (``draw`` in [0, 1))."""
+        ``backoff_base x 2^(k-1)``, at most ``backoff_cap`` (``draw`` in [0, 1)).
+        ``spawn(fn, *args)`` runs background work (warm standby syncs) beside
+        the streams; without it there is none."""
         self.actors = {a.name: a for a in actors}
         self._info_cache: tuple[RouteTable, tuple[BackendInfo | None, ...], BackendInfo] | None = None
         self.breakers = breakers
@@ -360,6 +373,9 @@ class Dispatcher:
         self._broken_on: dict[str, int] = {}  # backend -> streams that broke there mid-answer
         self._divergences = 0
         self._inexact = 0
+        self.spawn = spawn
+        self._standby: dict[str, int] = {}  # warm standby syncs by outcome
+        self._standby_tokens = 0  # what the synced ones sent, less what their backends had cached
         self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
         self._active = 0  # streams in flight (the retry budget's base)
         self.keys = keys
@@ -507,6 +523,7 @@ class Dispatcher:
             route = route_request(sub, self.keys)
             feedback = _Feedback(target.policy)
             settings = target.migration or self.migration
+            standby = Standby(sub, settings.standby_tokens) if settings.standby_tokens and self.spawn is not None else None
             tried: set[str] = set()
             for _ in range(self.max_attempts):
                 retry = attempts > 0
@@ -557,6 +574,8 @@ class Dispatcher:
                                         rec.usage(event.usage)
                                 last_at = now
                                 progress.add(event)
+                                if standby is not None and standby.due(progress):
+                                    self._sync_standby(standby, target, progress, name)
                                 yield event
                         if progress.events and not progress.finished:
                             raise no_final(progress.events)
@@ -577,7 +596,7 @@ class Dispatcher:
                         if progress.events:
                             if isinstance(exc, StallTimeout):
                                 actor.stalled()  # the actor saw a cancel, not a failure
-                            broken = _Broken(exc, actor.name, target, sub, settings, self.clock())
+                            broken = _Broken(exc, actor.name, target, sub, settings, self.clock(), standby)
                         else:
                             # The actor's stream already told its health (and woke its prober).
                             self._failed_early(actor, exc, outcome)
@@ -676,7 +695,8 @@ class Dispatcher:
                 # something, whatever becomes of the continuation later.
                 resumed = partial(self._migrated, reason, mode)
                 attempt = rec.attempt(actor.name, self.clock(), span.span_id if span is not None else None) if rec is not None else None
-                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed, attempt, rec):
+                keep = b.standby if mode == "resumed" else None  # kept in sync from the continuation on
+                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed, attempt, rec, keep):
                     yield event
                 if span is not None:
                     span.finish(self.clock(), None, **{"headrace.to": actor.name})
@@ -701,7 +721,7 @@ class Dispatcher:
                 span.finish(self.clock(), reason_of(error))
             if actor is not None:
                 failed[actor.name] = trio.current_time()
-            b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock())
+            b = _Broken(error, actor.name if actor is not None else b.backend, target, b.sub, settings, self.clock(), b.standby)
 
     def _resume_views(self, target: Target, candidates: list[BackendActor], route: RouteRequest,
                       ) -> tuple[list[BackendView], dict[str, int] | None]:  # fmt: skip
@@ -731,9 +751,11 @@ class Dispatcher:
         resumed: Callable[[], None],
         attempt: Attempt | None = None,
         rec: RequestRecord | None = None,
+        standby: Standby | None = None,
     ) -> AsyncIterator[Event]:
         """One continuation attempt, its events as the client gets them;
-        ``resumed()`` when the first of them leaves."""
+        ``resumed()`` when the first of them leaves; the stream's warm
+        standby kept in sync (token mode)."""
         name, feedback = actor.name, _Feedback(target.policy)
         if self.breakers is not None:
             self.breakers.dispatched(name, self.clock())
@@ -771,6 +793,8 @@ class Dispatcher:
                         gap, gap_from = now - gap_from, None
                         resumed()
                     progress.add(out)
+                    if standby is not None and standby.due(progress):
+                        self._sync_standby(standby, target, progress, name)
                     yield out
             if not progress.finished:
                 raise no_final(progress.events)
@@ -793,6 +817,83 @@ class Dispatcher:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
             if attempt is not None and rec is not None:
                 rec.attempt_done(attempt, self.clock(), last_at, None if finished else failure_code(sys.exc_info()[1]))
+
+    # ------------------------------------------------------------ warm standby
+
+    def _sync_standby(self, standby: Standby, target: Target, progress: Progress, current: str) -> None:
+        """Start a sync of ``standby`` (due) beside the stream, which goes on at once."""
+        assert self.spawn is not None and progress.prompt_token_ids is not None
+        standby.started(progress)
+        request = standby_request(standby.request, progress)
+        try:
+            self.spawn(self._standby_sync, standby, target, request, current, len(progress.prompt_token_ids))
+        except RuntimeError:  # the router is not running (it is stopping): no sync
+            standby.busy = False
+
+    async def _standby_sync(self, standby: Standby, target: Target, request: GenerateRequest, current: str,
+                            prompt_tokens: int) -> None:  # fmt: skip
+        """Prefill ``request`` (prompt + output so far, one token to
+        generate) on the stream's standby: best effort, nothing of it reaches
+        the client, a failure only counts. The routing policy hears it as a
+        dispatch (what that backend now holds: where a resume goes)."""
+        outcome, tokens = "failed", 0
+        try:
+            with trio.move_on_after(STANDBY_PATIENCE):
+                route = route_request(request, self.keys)
+                actor = self._standby_actor(standby, target, route, current, prompt_tokens)
+                if actor is None:
+                    outcome = "skipped"
+                    return
+                feedback = _Feedback(target.policy)
+                if feedback.dispatch is not None:
+                    feedback.dispatch(actor.name, route, self.clock())
+                cached: int | None = None
+                ok = False
+                try:
+                    async with closing_stream(actor.stream(request, prompt_tokens=route.prompt_tokens)) as events:
+                        async for event in events:
+                            if event.usage is not None:
+                                cached = event.usage.cached_tokens
+                    ok = True
+                finally:
+                    if feedback.complete is not None:
+                        feedback.complete(actor.name, route, self.clock(), ok=ok, cached_tokens=cached)
+                outcome, tokens = "synced", route.prompt_tokens - (cached or 0)
+        except Exception as exc:  # best effort: the stream it serves goes on regardless
+            log.debug("warm standby sync failed: %s", exc)
+            drop_tracebacks(exc)
+        finally:
+            standby.busy = False
+            self._standby[outcome] = self._standby.get(outcome, 0) + 1
+            self._standby_tokens += tokens
+
+    def _standby_actor(self, standby: Standby, target: Target, route: RouteRequest, current: str,
+                       prompt_tokens: int) -> BackendActor | None:  # fmt: skip
+        """The stream's standby: the one chosen before while it can serve (and
+        is not the stream's backend now), else one of the route's other
+        backends with token ids that holds the stream's prompt by the routing
+        policy's estimate, as the policy picks among them; None where none
+        does (a standby that must prefill the whole prompt would double its
+        cost) or the policy makes no estimate."""
+        candidates = [a for a in self._candidates(target, {current}, _Outcome()) if a.info is not None and a.info.token_ids]
+        if standby.backend is not None:
+            for kept in candidates:
+                if kept.name == standby.backend:
+                    return kept
+            standby.backend = None
+        estimate = getattr(target.policy, "cached_tokens", None)
+        if not candidates or estimate is None:
+            return None
+        now = self.clock()
+        views = [a.view() for a in candidates]
+        held = estimate(views, route, now)
+        holding = [v for v in views if held.get(v.name, 0) >= HELD_FRACTION * prompt_tokens]
+        name = target.policy.pick(holding, route, now) if holding else None
+        actor = self.actors.get(name) if name is not None else None
+        if actor is None or actor not in candidates:
+            return None
+        standby.backend = actor.name
+        return actor
 
     def _gaps_seen(self, backend: str, seconds: list[float]) -> None:
         """A batch of ``backend``'s inter-token gaps: its histogram and its stall watch."""
@@ -996,7 +1097,10 @@ class Dispatcher:
             versions=tuple(self.routes.statistics()),
             breakers=self._breaker_statistics(),
             retry_budget=self.retry_budget.statistics() if self.retry_budget is not None else None,
-            migration=MigrationStatistics(migrations=dict(self._migrations), divergences=self._divergences, inexact=self._inexact),
+            migration=MigrationStatistics(
+                migrations=dict(self._migrations), divergences=self._divergences, inexact=self._inexact,
+                standby_syncs=dict(self._standby), standby_tokens=self._standby_tokens,
+            ),
             retries_from=dict(self._retries_from),
             broken_on=dict(self._broken_on),
         )

@@ -55,6 +55,7 @@ from router.actors import ActorStatistics, BackendActor
 from router.admission import QueueStatistics
 from router.config import CapacityConfig
 from router.dispatch import DispatchStatistics
+from router.migration import STANDBY_OUTCOMES
 from router.pipeline import PipelineStatistics
 
 __all__ = ["CONTENT_TYPE", "MIRROR_INTERVAL", "Arrivals", "CapacityCollector", "LabelBounds", "Mirror", "RouterMetrics", "StatisticsCollector", "TaskCollector", "count_tasks", "fleet_of", "replica_estimator"]
@@ -161,6 +162,11 @@ def _migrations(d: DispatchStatistics) -> Iterable[Metric]:
     yield family
     yield N.MIGRATION_DIVERGENCES.collected(m.divergences)
     yield N.MIGRATION_INEXACT.collected(m.inexact)
+    syncs = N.MIGRATION_STANDBY.collected()
+    for outcome in STANDBY_OUTCOMES:
+        syncs.add_metric([outcome], m.standby_syncs.get(outcome, 0))
+    yield syncs
+    yield N.MIGRATION_STANDBY_TOKENS.collected(m.standby_tokens)
 
 
 def _breakers(d: DispatchStatistics) -> Iterable[Metric]:

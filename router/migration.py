@@ -17,6 +17,10 @@ response. This module holds the parts that do no I/O::
                      has, which is dropped; anything else is a divergence
     StallWatch       each backend's inter-token latency, for the stall watchdog:
                      max(2 x p99, floor) once measured, the initial timeout before
+    Standby          a stream's warm standby (opt-in, ``standby_tokens``): every N
+                     tokens relayed, prompt + output so far prefilled on one other
+                     backend that holds the prompt, so that a resume there
+                     recomputes at most ~N tokens, not the whole output
     Settings         the knobs ([migration] and per [[models]] overrides)
 
 The client never sees a byte twice or a gap: a continuation's events are
@@ -54,20 +58,26 @@ __all__ = [
     "RESUME_PREFILL_S_PER_TOKEN",
     "RESUME_PRIORITY_BOOST",
     "RESUME_SHORT_PREFILL_TOKENS",
+    "STANDBY_OUTCOMES",
     "MigrationStatistics",
     "Progress",
     "Replay",
     "Settings",
     "StallTimeout",
     "StallWatch",
+    "Standby",
     "prefix_label",
     "reason_of",
     "resume_placement",
     "resume_request",
     "short_prefill_first",
+    "standby_request",
     "text_continuation",
     "text_request",
 ]
+
+# How a warm standby's sync ended, as the metrics label it.
+STANDBY_OUTCOMES = ("synced", "failed", "skipped")
 
 # Why a stream broke, as the metrics label it.
 REASONS = ("broken", "stall", "timeout", "protocol", "error", "no_final")
@@ -133,6 +143,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Completions only, opt-in: where no backend has token ids and replay is off
     # or diverged, continue from prompt + the text sent (inexact, counted so).
     text_continuation: bool = False
+    # Warm standby, opt-in: every this many tokens a stream relays, its prompt
+    # and output so far are prefilled (max_tokens 1) on one other backend of
+    # its route that holds its prompt; a resume there recomputes at most about
+    # this many tokens instead of the whole output. Costs that backend a short
+    # prefill per N tokens per stream and the stream's KV blocks. 0: off.
+    standby_tokens: int = 0
 
 
 class MigrationStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +158,12 @@ class MigrationStatistics(msgspec.Struct, frozen=True, kw_only=True):
     migrations: dict[str, int] = {}
     divergences: int = 0  # replays whose text differed from what the client had
     inexact: int = 0  # resumed on a backend that does not promise exact resume
+    # Warm standby syncs by outcome: synced, failed, skipped (no other
+    # backend held the prompt); and the tokens the synced ones sent less
+    # those their backends reported cached (a resumed request's usage counts
+    # the original prompt's only: an upper bound of what they prefilled).
+    standby_syncs: dict[str, int] = {}
+    standby_tokens: int = 0
 
 
 class Progress:
@@ -271,6 +293,42 @@ def resume_placement(
     waits = [wait(c) for c in candidates]
     least = min(waits)
     return [c for c, w in zip(candidates, waits, strict=True) if w <= least + 1e-9]
+
+
+class Standby:
+    """One stream's warm standby (:attr:`Settings.standby_tokens`): the
+    backend that holds its prompt and output up to the last sync, and when
+    the next sync is due. One sync at a time: a stream whose last sync is
+    still running skips to the next due point."""
+
+    __slots__ = ("backend", "busy", "every", "next_at", "request")
+
+    def __init__(self, request: GenerateRequest, every: int) -> None:
+        self.request = request  # the original (for its target), which every sync continues
+        self.every = every
+        self.next_at = every  # output tokens relayed when the next sync is due
+        self.backend: str | None = None  # chosen at the first sync, kept while it can serve
+        self.busy = False
+
+    def due(self, progress: Progress) -> bool:
+        return (not self.busy and len(progress.token_ids) >= self.next_at
+                and not progress.finished and progress.resumable_by_ids)  # fmt: skip
+
+    def started(self, progress: Progress) -> None:
+        self.busy = True
+        self.next_at = len(progress.token_ids) + self.every
+
+
+def standby_request(request: GenerateRequest, progress: Progress) -> GenerateRequest:
+    """A warm standby's sync: the continuation's prompt (prompt + output so
+    far, the resume contract), one token to generate (what prefills it), one
+    priority step below the stream's own (background work), no stop
+    strings, logprobs or trace of its own."""
+    resumed = resume_request(request, progress)
+    return msgspec.structs.replace(
+        resumed, max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[], logprobs=None,
+        priority=request.priority - 1, traceparent=None, request_id=f"{request.request_id}-standby",
+    )  # fmt: skip
 
 
 def continuation(event: Event, progress: Progress) -> Event:

@@ -264,7 +264,7 @@ def _migration(route: ModelRoute, base: MigrationSettings | None) -> MigrationSe
     """The route's migration settings: the router's, with what the route sets."""
     own = {
         name: getattr(route, name)
-        for name in ("stall_timeout", "first_token_timeout", "max_migrations", "text_continuation")
+        for name in ("stall_timeout", "first_token_timeout", "max_migrations", "text_continuation", "standby_tokens")
         if getattr(route, name) is not None
     }
     if not own:
