@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="[[backends]] options.priority: the mocks order their prefill lane by it, as the "
                         "engine's scheduler does, so a resumed stream (priority raised by one) waits "
                         "behind no fresh prompt's prefill; off: every request in arrival order")
+    p.add_argument("--standby-tokens", type=int, default=0,
+                   help="[migration] standby_tokens: every N tokens a stream's prompt and output so far are "
+                        "prefilled on a standby that holds its prompt, where a resume then goes (0: off)")
     p.add_argument("--backend-concurrency", type=int, default=256,
                    help="admission slots per backend ([[backends]] max_concurrency)")
     p.add_argument("--workers", type=int, default=1, help="router processes")
@@ -493,6 +496,8 @@ def router_config(args: argparse.Namespace, slots: list[Slot]) -> str:
              "[health]", f"interval = {args.health_interval}"]
     if args.policy:
         lines += ["[routing]", f'policy = "{args.policy}"']
+    if args.standby_tokens:
+        lines += ["[migration]", f"standby_tokens = {args.standby_tokens}"]
     for slot in slots:
         for name in (slot.name, f"{slot.name}-{COLD}"):
             lines += ["[[backends]]", 'kind = "openai"', f'url = "{slot.url}"', f'name = "{name}"',
@@ -681,7 +686,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
     counters and in-flight gauges summed over backends, and histograms as
     {family: {group: [(le, cumulative)]}}, the backends summed per group."""
     hist: dict[str, dict[str, dict[float, float]]] = {}
-    out: dict[str, Any] = {"migrations": {}, "gauges": {}, "counters": {}}
+    out: dict[str, Any] = {"migrations": {}, "gauges": {}, "counters": {}, "standby": {}}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if family.type == "histogram" and s.name.endswith("_bucket"):
@@ -692,6 +697,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
             elif family.name == "headrace_migrations" and s.name.endswith("_total"):
                 key = f"{s.labels['reason']}:{s.labels['outcome']}"
                 out["migrations"][key] = out["migrations"].get(key, 0) + int(s.value)
+            elif family.name == "headrace_migration_standby_syncs" and s.name.endswith("_total"):
+                out["standby"][s.labels["outcome"]] = out["standby"].get(s.labels["outcome"], 0) + int(s.value)
             elif family.type == "gauge" and family.name.endswith(("in_flight", "_busy", "budget_active")):
                 out["gauges"][family.name] = out["gauges"].get(family.name, 0.0) + s.value
             elif family.type == "counter" and s.name.endswith("_total"):
@@ -712,7 +719,8 @@ def metrics_delta(end: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
             before = dict(base["histograms"].get(name, {}).get(group, []))
             hist.setdefault(name, {})[group] = [(le, c - before.get(le, 0.0)) for le, c in buckets]
     return {"migrations": minus(end["migrations"], base["migrations"]), "gauges": end["gauges"],
-            "counters": minus(end["counters"], base["counters"]), "histograms": hist}
+            "counters": minus(end["counters"], base["counters"]), "histograms": hist,
+            "standby": minus(end.get("standby", {}), base.get("standby", {}))}
 
 
 def _merged(groups: dict[str, list[tuple[float, float]]]) -> list[tuple[float, float]]:
@@ -989,6 +997,8 @@ def _migrations(doc: dict[str, Any]) -> None:
         "divergences": counters.get("headrace_migration_replay_divergences", 0),
         "inexact": counters.get("headrace_migration_inexact", 0),
         "retries_refused": counters.get("headrace_dispatch_retries_refused", 0),
+        "standby_syncs": metrics.get("standby", {}),
+        "standby_tokens": counters.get("headrace_migration_standby_tokens", 0),
     }
     series = _series(metrics)
     doc["router_ms"] = {name: hist_ms(b) for name, b in series.items()}
@@ -1056,6 +1066,9 @@ def format_report(doc: dict[str, Any]) -> str:
         f"{'  truncated / different':<36} {s.get('truncated', 0):>8} / {s.get('different', 0)}",
         f"{'  errored':<36} {s.get('errored', 0):>8}  {s.get('errors') or ''}",
         f"{'migrations (router)':<36} {mig.get('total', '-'):>8}  {mig.get('by_reason_outcome', '')}",
+        *([f"{'warm standby syncs (every ' + str(c['standby_tokens']) + ')':<36} "
+           f"{sum(mig.get('standby_syncs', {}).values()):>8}  {mig.get('standby_syncs', {})}, "
+           f"{mig.get('standby_tokens', 0):.0f} tokens sent less cached"] if c.get("standby_tokens") else []),
         "",
         f"{'':<36} {'p50 ms':>9} {'p99 ms':>9} {'n':>6}",
     ]

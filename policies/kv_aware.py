@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
 from operator import is_not
 from typing import Any
@@ -243,6 +243,14 @@ class KVAware:
         self._ends_order: deque[int] = deque()
 
     # ------------------------------------------------------------ decision
+
+    def queued_prefill(self) -> Mapping[str, int] | None:
+        """Uncached prompt tokens awaiting a first token per backend, by what
+        this router sent (its dispatch and first-token feedback; absent:
+        none), or None before any feedback. Where a backend holds most of a
+        prompt this is what it must compute, not the prompt's length (what
+        a view's ``pending_prefill_tokens`` counts)."""
+        return self._queued if self._feedback else None
 
     def cached_tokens(self, candidates: Sequence[BackendView], request: RouteRequest, now: float) -> dict[str, int]:
         """Prompt tokens each candidate is estimated to hold (absent: none):

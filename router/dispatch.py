@@ -61,7 +61,7 @@ import math
 import random
 import sys
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Protocol
 
@@ -736,7 +736,9 @@ class Dispatcher:
         estimate: Callable[[list[BackendView], RouteRequest, float], dict[str, int]] | None
         estimate = getattr(target.policy, "cached_tokens", None)
         cached = estimate(views, route, self.clock()) if estimate is not None else None
-        return resume_placement(views, route.prompt_tokens, cached), cached
+        queued_prefill: Callable[[], Mapping[str, int] | None] | None = getattr(target.policy, "queued_prefill", None)
+        queued = queued_prefill() if queued_prefill is not None else None
+        return resume_placement(views, route.prompt_tokens, cached, queued), cached
 
     async def _continue(
         self,

@@ -267,18 +267,24 @@ RESUME_DECODE_S_PER_SEQ = KVAware.Options().decode_s_per_seq
 
 
 def resume_placement(
-    candidates: Sequence[BackendView], prompt_tokens: int, cached: Mapping[str, int] | None = None
+    candidates: Sequence[BackendView], prompt_tokens: int, cached: Mapping[str, int] | None = None,
+    queued: Mapping[str, int] | None = None,
 ) -> list[BackendView]:
     """The candidates where a continuation of ``prompt_tokens`` tokens
     (prompt + emitted) would wait least for its first token, by kv_aware's
     cost without its home term::
 
-        wait(b) = RESUME_PREFILL_S_PER_TOKEN x (pending_prefill_tokens(b) + uncached(b))
+        wait(b) = RESUME_PREFILL_S_PER_TOKEN x (queued(b) + uncached(b))
                 + RESUME_DECODE_S_PER_SEQ x in_flight(b)
 
     ``uncached(b)`` is ``prompt_tokens`` less what ``cached`` says b holds
     (the policy's estimate where it has one; none: the same for all, so the
-    queues decide). The routing policy picks among the ones returned (all
+    queues decide). ``queued(b)``: the uncached tokens awaiting a first token
+    there by the policy's count (``queued``, kv_aware's), else the view's
+    ``pending_prefill_tokens`` (whole prompts: where most of each is held,
+    a dead backend's continuations, a few dozen tokens each, would count as
+    a thousand and spread by count alone, not to where they are held).
+    The routing policy picks among the ones returned (all
     tied): a dead backend's streams, which break at once, go where the
     queued prefill is least, each one's own prompt counted there before the
     next is placed, not in turn onto a backend whose lane is full."""
@@ -288,7 +294,8 @@ def resume_placement(
 
     def wait(c: BackendView) -> float:
         uncached = max(prompt_tokens - held.get(c.name, 0), 0)
-        return RESUME_PREFILL_S_PER_TOKEN * (c.pending_prefill_tokens + uncached) + RESUME_DECODE_S_PER_SEQ * c.in_flight
+        pending = queued.get(c.name, 0) if queued is not None else c.pending_prefill_tokens
+        return RESUME_PREFILL_S_PER_TOKEN * (pending + uncached) + RESUME_DECODE_S_PER_SEQ * c.in_flight
 
     waits = [wait(c) for c in candidates]
     least = min(waits)

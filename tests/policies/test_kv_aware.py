@@ -383,3 +383,21 @@ def test_keys_seen_move_in_their_order_later_but_expire_as_if_at_once(picks: lis
         assert lazy._homed == eager._homed
     lazy._settle_keys()
     assert list(lazy._keys.items()) == list(eager._keys.items())
+
+
+def test_queued_prefill_counts_what_each_backend_must_compute_not_the_prompts() -> None:
+    """What a resume's placement weighs (router/migration.py): a 1040-token
+    prompt of which ``a`` holds 1024 queues 16 there, not 1040; none before
+    any feedback; gone at the first token."""
+    policy = KVAware()
+    assert policy.queued_prefill() is None
+    policy.on_kv_events("a", [stored(1, *range(64))], 0.0)  # 64 blocks of 16: 1024 tokens
+    cands = [BackendView(name="a", kv_events=True), BackendView(name="b", kv_events=True)]
+    resume = RouteRequest(request_id="r", block_hashes=tuple(range(65)), block_size=16, prompt_tokens=1040)
+    assert policy.pick(cands, resume, 0.0) == "a"
+    policy.on_dispatch("a", resume, 0.0)
+    cold = RouteRequest(request_id="c", block_hashes=tuple(range(1000, 1065)), block_size=16, prompt_tokens=1040)
+    policy.on_dispatch("b", cold, 0.0)
+    assert policy.queued_prefill() == {"a": 16, "b": 1040}
+    policy.on_first_token("a", resume, 0.1)
+    assert policy.queued_prefill() == {"b": 1040}

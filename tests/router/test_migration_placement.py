@@ -40,6 +40,17 @@ def test_a_continuation_may_go_only_where_the_queued_prefill_and_load_are_least(
     assert resume_placement([], 1100) == []
 
 
+def test_the_policys_queued_prefill_stands_for_the_views_whole_prompts() -> None:
+    """Streams whose prompts ``a`` held (16 tokens each to compute, by the
+    policy's count) make it less busy than their whole prompts say (the
+    views' ``pending_prefill_tokens``): a continuation it holds goes there."""
+    a = BackendView(name="a", pending_prefill_tokens=10 * 1040)
+    b = BackendView(name="b", pending_prefill_tokens=1040)
+    assert names(resume_placement([a, b], 1100, {"a": 1088, "b": 1024})) == ["b"]  # by whole prompts
+    assert names(resume_placement([a, b], 1100, {"a": 1088, "b": 1024}, {"a": 160, "b": 1040})) == ["a"]
+    assert names(resume_placement([a, b], 1100, {"a": 1088, "b": 1024}, {})) == ["a"]  # nothing queued anywhere
+
+
 def test_a_backend_that_holds_the_prefix_is_cheaper_by_the_tokens_it_holds() -> None:
     holds = BackendView(name="holds", pending_prefill_tokens=600)
     cold = BackendView(name="cold")
