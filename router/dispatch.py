@@ -97,6 +97,9 @@ from router.health import HealthEvent, HealthState
 from router.logs import Attempt, Journal, RequestRecord, failure_code
 from router.migration import (
     HELD_FRACTION,
+    RESUME_BURST_S,
+    RESUME_LONG_WAIT_S,
+    RESUME_SHORT_PREFILL_TOKENS,
     MigrationStatistics,
     Progress,
     Replay,
@@ -110,6 +113,7 @@ from router.migration import (
     resume_placement,
     resume_request,
     short_prefill_first,
+    short_somewhere,
     standby_request,
     text_continuation,
     text_request,
@@ -374,6 +378,8 @@ class Dispatcher:
         self._divergences = 0
         self._inexact = 0
         self.spawn = spawn
+        self._short_resumes = 0  # continuations with a short prefill, placed and not yet at their first event
+        self._shorts_done: trio.Event | None = None  # set when that count falls to 0
         self._standby: dict[str, int] = {}  # warm standby syncs by outcome
         self._standby_tokens = 0  # what the synced ones sent, less what their backends had cached
         self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
@@ -681,12 +687,21 @@ class Dispatcher:
             try:
                 route = route_request(sub, self.keys)
                 views, held = self._resume_views(target, candidates, route)
+                if mode == "resumed" and held is not None and not short_somewhere(held, route.prompt_tokens):
+                    await self._after_short_resumes()
+                    candidates = self._candidates(target, excluded, _Outcome())
+                    candidates = [a for a in candidates if a.info is not None and a.info.token_ids]
+                    views, held = self._resume_views(target, candidates, route)
                 name = target.policy.pick(views, route, self.clock())
                 actor = self.actors.get(name) if name is not None else None
                 if actor is None or actor not in candidates:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
+                short: Callable[[], None] | None = None
                 if mode == "resumed" and held is not None:
-                    sub = short_prefill_first(sub, route.prompt_tokens - held.get(actor.name, 0))
+                    uncached = route.prompt_tokens - held.get(actor.name, 0)
+                    sub = short_prefill_first(sub, uncached)
+                    if uncached <= RESUME_SHORT_PREFILL_TOKENS:
+                        short = self._short_resume()
                 info = actor.info
                 if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
@@ -696,7 +711,8 @@ class Dispatcher:
                 resumed = partial(self._migrated, reason, mode)
                 attempt = rec.attempt(actor.name, self.clock(), span.span_id if span is not None else None) if rec is not None else None
                 keep = b.standby if mode == "resumed" else None  # kept in sync from the continuation on
-                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed, attempt, rec, keep):
+                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed,
+                                                  attempt, rec, keep, short):
                     yield event
                 if span is not None:
                     span.finish(self.clock(), None, **{"headrace.to": actor.name})
@@ -754,10 +770,12 @@ class Dispatcher:
         attempt: Attempt | None = None,
         rec: RequestRecord | None = None,
         standby: Standby | None = None,
+        prefilled: Callable[[], None] | None = None,
     ) -> AsyncIterator[Event]:
         """One continuation attempt, its events as the client gets them;
         ``resumed()`` when the first of them leaves; the stream's warm
-        standby kept in sync (token mode)."""
+        standby kept in sync (token mode); ``prefilled()`` at its first
+        event from the backend (or its end, whichever comes first)."""
         name, feedback = actor.name, _Feedback(target.policy)
         if self.breakers is not None:
             self.breakers.dispatched(name, self.clock())
@@ -779,6 +797,8 @@ class Dispatcher:
                     now = clock.of(event)
                     if first:
                         first = False
+                        if prefilled is not None:
+                            prefilled()
                         if feedback.first_token is not None:
                             feedback.first_token(name, route, now)
                     elif event.token_ids:
@@ -810,6 +830,8 @@ class Dispatcher:
                 actor.stalled()
             raise
         finally:
+            if first and prefilled is not None:
+                prefilled()
             gaps.flush()
             if gap is not None:
                 original = len(progress.prompt_token_ids) if progress.prompt_token_ids is not None else route.prompt_tokens
@@ -819,6 +841,35 @@ class Dispatcher:
                 feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
             if attempt is not None and rec is not None:
                 rec.attempt_done(attempt, self.clock(), last_at, None if finished else failure_code(sys.exc_info()[1]))
+
+    def _short_resume(self) -> Callable[[], None]:
+        """Count a short continuation until the returned callable (idempotent) says it has its first event."""
+        self._short_resumes += 1
+        done = False
+
+        def prefilled() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self._short_resumes -= 1
+            if not self._short_resumes and self._shorts_done is not None:
+                self._shorts_done.set()
+                self._shorts_done = None
+
+        return prefilled
+
+    async def _after_short_resumes(self) -> None:
+        """A long continuation's wait (:data:`~router.migration.RESUME_LONG_WAIT_S`):
+        the rest of its break's burst, then the short continuations placed
+        to their first event, so that its prefill holds no backend's chunk
+        before theirs."""
+        with trio.move_on_after(RESUME_LONG_WAIT_S):
+            await trio.sleep(RESUME_BURST_S)
+            while self._short_resumes:
+                if self._shorts_done is None:
+                    self._shorts_done = trio.Event()
+                await self._shorts_done.wait()
 
     # ------------------------------------------------------------ warm standby
 

@@ -54,7 +54,9 @@ from policies.kv_aware import KVAware
 __all__ = [
     "HELD_FRACTION",
     "REASONS",
+    "RESUME_BURST_S",
     "RESUME_DECODE_S_PER_SEQ",
+    "RESUME_LONG_WAIT_S",
     "RESUME_PREFILL_S_PER_TOKEN",
     "RESUME_PRIORITY_BOOST",
     "RESUME_SHORT_PREFILL_TOKENS",
@@ -71,6 +73,7 @@ __all__ = [
     "resume_placement",
     "resume_request",
     "short_prefill_first",
+    "short_somewhere",
     "standby_request",
     "text_continuation",
     "text_request",
@@ -249,6 +252,24 @@ def resume_request(request: GenerateRequest, progress: Progress) -> GenerateRequ
 # tokens; in arrival order, the few that must prefill the whole prompt (1000
 # tokens on the chaos bed) held the lane for the rest behind them.
 RESUME_SHORT_PREFILL_TOKENS = 512
+
+
+# A continuation that must prefill more than RESUME_SHORT_PREFILL_TOKENS
+# wherever it goes (no backend holds its prompt) waits for the short ones of
+# its break to reach their first token before it is placed: an engine
+# cannot preempt a prefill chunk it has started, so short continuations sent
+# after a long one wait a whole chunk each (on the chaos bed one 1000-token
+# continuation held 17 short ones 70-100 ms). It first waits
+# RESUME_BURST_S (a dead backend's streams break within a few ms of each
+# other, and are placed as they do), then at most RESUME_LONG_WAIT_S in all.
+RESUME_BURST_S = 0.01
+RESUME_LONG_WAIT_S = 0.5
+
+
+def short_somewhere(cached: Mapping[str, int], prompt_tokens: int) -> bool:
+    """Whether some backend holds all but :data:`RESUME_SHORT_PREFILL_TOKENS`
+    of a continuation of ``prompt_tokens`` tokens (by the policy's estimate)."""
+    return max(cached.values(), default=0) >= prompt_tokens - RESUME_SHORT_PREFILL_TOKENS
 
 
 def short_prefill_first(request: GenerateRequest, uncached_tokens: int) -> GenerateRequest:

@@ -152,3 +152,60 @@ async def test_a_resumed_stream_whose_backend_holds_its_prompt_goes_ahead_of_one
         policy = Prefer("a", "b") if uncached is None else HoldsOn("a", "b", holds="b", uncached=uncached)
         assert text(await run(Dispatcher(group, policy), request)) == want
         assert b.priorities == [request.priority + boost], uncached
+
+
+class Arrivals(WrappedBackend):
+    """Records when each request arrives and when its first event leaves (trio's clock), by priority."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.arrived: list[tuple[float, int]] = []
+        self.first: list[tuple[float, int]] = []
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.arrived.append((trio.current_time(), request.priority))
+        first = True
+        async for event in super().stream(request):
+            if first:
+                self.first.append((trio.current_time(), request.priority))
+                first = False
+            yield event
+
+
+async def test_a_continuation_that_must_prefill_its_whole_prompt_waits_for_the_short_ones_of_its_break(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Four streams break on ``a`` together: one whose prompt nobody else
+    holds (started first), three that ``b`` holds. An engine cannot preempt a
+    prefill chunk it has started: the long continuation reaches ``b`` only
+    once the three short ones have their first token (each a few tokens of
+    prefill there, not behind a 512-token chunk of 1 ms a token), and every
+    answer is the uninterrupted one."""
+    from tests.router.test_migration_standby import Estimating, Recording
+
+    cache = {"block_size": 16, "cache_blocks": 1024, "max_context": 4096, "tpot_s": 0.01}
+    lane = {"prefill_s_per_token": 0.001, "prefill_chunk_tokens": 512}
+    shared = [GenerateRequest(prompt_token_ids=list(range(100, 1100)), max_tokens=12, seed=s, temperature=1.0) for s in (1, 2, 3)]
+    cold = GenerateRequest(prompt_token_ids=list(range(5000, 6000)), max_tokens=12, seed=4, temperature=1.0)
+    wants = {id(r): text(await reference(r)) for r in (*shared, cold)}
+    b = Recording(mock(**cache, **lane))
+    await reference(shared[0])
+    async for _ in b.mock.stream(shared[0]):  # b holds the shared prompt
+        pass
+    arrivals = Arrivals(b)
+    group = await actors(FlakyBackend(mock(**cache), fail_first=4, after_events=5), arrivals, names="ab")
+    dispatcher = Dispatcher(group, Estimating("a", "b", replicas={"b": b}))
+    got: dict[int, str] = {}
+
+    async def one(r: GenerateRequest) -> None:
+        got[id(r)] = text(await run(dispatcher, r))
+
+    async with trio.open_nursery() as nursery:
+        for r in (cold, *shared):
+            nursery.start_soon(one, r)
+    assert got == wants
+    long_arrived = next(t for t, p in arrivals.arrived if p == RESUME_PRIORITY_BOOST)
+    short_firsts = [t for t, p in arrivals.first if p == RESUME_PRIORITY_BOOST + 1]
+    assert len(short_firsts) == 3 and max(short_firsts) <= long_arrived
+    assert max(short_firsts) - min(t for t, _ in arrivals.arrived) < 0.2  # not behind a 0.5 s chunk
+    assert dispatcher.statistics().migration.migrations == {"broken:resumed": 4}
