@@ -293,6 +293,12 @@ _SHOWN = {HealthState.EJECTED: BreakerState.OPEN, HealthState.HALF_OPEN: Breaker
 STANDBY_PATIENCE = 10.0
 
 
+def _server(actor: BackendActor) -> str:
+    """The server behind ``actor``: its adapter's URL (entries that name one
+    server share its prefill), else its name."""
+    return str(getattr(actor.backend, "base_url", None) or actor.name)
+
+
 class _Broken:
     """A stream that failed after its first event: why, where, and when."""
 
@@ -378,8 +384,11 @@ class Dispatcher:
         self._divergences = 0
         self._inexact = 0
         self.spawn = spawn
-        self._short_resumes = 0  # continuations with a short prefill, placed and not yet at their first event
-        self._shorts_done: trio.Event | None = None  # set when that count falls to 0
+        # Per server (a backend's URL; entries that share one share its prefill),
+        # continuations with a short prefill placed there and not yet at their
+        # first event; the event is set when one of those counts falls to 0.
+        self._short_resumes: dict[str, int] = {}
+        self._shorts_done: trio.Event | None = None
         self._standby: dict[str, int] = {}  # warm standby syncs by outcome
         self._standby_tokens = 0  # what the synced ones sent, less what their backends had cached
         self.backoff_base, self.backoff_cap, self.draw = backoff_base, backoff_cap, draw
@@ -688,7 +697,7 @@ class Dispatcher:
                 route = route_request(sub, self.keys)
                 views, held = self._resume_views(target, candidates, route)
                 if mode == "resumed" and held is not None and not short_somewhere(held, route.prompt_tokens):
-                    await self._after_short_resumes()
+                    await self._after_short_resumes({_server(a) for a in self.members(target)})
                     candidates = self._candidates(target, excluded, _Outcome())
                     candidates = [a for a in candidates if a.info is not None and a.info.token_ids]
                     views, held = self._resume_views(target, candidates, route)
@@ -701,7 +710,7 @@ class Dispatcher:
                     uncached = route.prompt_tokens - held.get(actor.name, 0)
                     sub = short_prefill_first(sub, uncached)
                     if uncached <= RESUME_SHORT_PREFILL_TOKENS:
-                        short = self._short_resume()
+                        short = self._short_resume(_server(actor))
                 info = actor.info
                 if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
@@ -842,9 +851,11 @@ class Dispatcher:
             if attempt is not None and rec is not None:
                 rec.attempt_done(attempt, self.clock(), last_at, None if finished else failure_code(sys.exc_info()[1]))
 
-    def _short_resume(self) -> Callable[[], None]:
-        """Count a short continuation until the returned callable (idempotent) says it has its first event."""
-        self._short_resumes += 1
+    def _short_resume(self, server: str) -> Callable[[], None]:
+        """Count a short continuation on ``server`` until the returned
+        callable (idempotent) says it has its first event."""
+        shorts = self._short_resumes
+        shorts[server] = shorts.get(server, 0) + 1
         done = False
 
         def prefilled() -> None:
@@ -852,21 +863,25 @@ class Dispatcher:
             if done:
                 return
             done = True
-            self._short_resumes -= 1
-            if not self._short_resumes and self._shorts_done is not None:
+            left = shorts[server] - 1
+            if left:
+                shorts[server] = left
+                return
+            del shorts[server]
+            if self._shorts_done is not None:
                 self._shorts_done.set()
                 self._shorts_done = None
 
         return prefilled
 
-    async def _after_short_resumes(self) -> None:
+    async def _after_short_resumes(self, group: set[str]) -> None:
         """A long continuation's wait (:data:`~router.migration.RESUME_LONG_WAIT_S`):
-        the rest of its break's burst, then the short continuations placed
-        to their first event, so that its prefill holds no backend's chunk
-        before theirs."""
+        the rest of its break's burst, then the short continuations placed on
+        the servers of its ``group`` to their first event, so that its prefill
+        holds none of their chunks before them."""
         with trio.move_on_after(RESUME_LONG_WAIT_S):
             await trio.sleep(RESUME_BURST_S)
-            while self._short_resumes:
+            while not group.isdisjoint(self._short_resumes):
                 if self._shorts_done is None:
                     self._shorts_done = trio.Event()
                 await self._shorts_done.wait()
