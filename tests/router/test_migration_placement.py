@@ -209,3 +209,17 @@ async def test_a_continuation_that_must_prefill_its_whole_prompt_waits_for_the_s
     assert len(short_firsts) == 3 and max(short_firsts) <= long_arrived
     assert max(short_firsts) - min(t for t, _ in arrivals.arrived) < 0.2  # not behind a 0.5 s chunk
     assert dispatcher.statistics().migration.migrations == {"broken:resumed": 4}
+
+
+def test_entries_that_name_one_server_count_as_one_for_the_short_resumes() -> None:
+    """Two backend entries on one URL share its prefill: a long continuation
+    placed through one waits for the short ones placed through the other."""
+    from router.actors import BackendActor
+    from router.dispatch import _server
+
+    class OnServer(WrappedBackend):
+        base_url = "http://10.0.0.7:8000"
+
+    shared, cold = BackendActor("m", OnServer(mock())), BackendActor("m-cold", OnServer(mock()))
+    assert _server(shared) == _server(cold) == "http://10.0.0.7:8000"
+    assert _server(BackendActor("local", mock())) == "local"  # no URL: its name
