@@ -8,6 +8,7 @@ its cache) as the reference; the chaos bench measures the resume gap."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -249,3 +250,51 @@ def test_standby_tokens_in_config_and_per_model() -> None:
     assert code is None  # the router's, base
     with pytest.raises((ConfigError, msgspec.ValidationError)):
         decode_config({"migration": {"standby_tokens": -1}})
+
+
+class Sent(WrappedBackend):
+    """Records every request it is sent."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.sent: list[GenerateRequest] = []
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.sent.append(request)
+        async for event in super().stream(request):
+            yield event
+
+
+async def test_the_engine_answers_a_standby_sync_and_then_holds_its_prompt_and_output(tmp_path: Path) -> None:
+    """The real EngineBackend and LLMEngine (the fake runner, no model): the
+    syncs a stream on engine ``a`` sends engine ``b`` are answered (synced,
+    none failed: the resume contract with one token to generate and no stop
+    strings is a request the engine takes), and ``b``'s KV events then hold
+    the blocks of the prompt and the output up to the last sync."""
+    from backends.engine.backend import open_engine_backend
+    from router.prefix_keys import load_tokenizer
+    from tests.router.test_prefix_keys import BLOCK, fake_engine_backend, write_tokenizer_gguf
+
+    tok = load_tokenizer(str(write_tokenizer_gguf(tmp_path / "tok.gguf")))
+    request = GenerateRequest(model="tiny", prompt="the water then went in the well, and the winter " * 4,
+                              max_tokens=24, temperature=0.0, ignore_eos=True, stop=["zzz"])  # fmt: skip
+    async with (open_engine_backend(fake_engine_backend(tok).engine, tok, model_name="tiny") as a,
+                open_engine_backend(fake_engine_backend(tok).engine, tok, model_name="tiny") as b):  # fmt: skip
+        standby = Sent(b)
+        group = await actors(a, standby, names="ab")
+        got, d = await served(lambda spawn: Dispatcher(group, HoldsOn("a", "b", holds="b", uncached=0),
+                                                       migration=Settings(standby_tokens=6), spawn=spawn), request)
+        assert [e.finish_reason for e in got if e.finish_reason] == ["length"]
+        syncs = d.statistics().migration.standby_syncs
+        assert syncs.get("synced", 0) >= 1 and "failed" not in syncs
+        assert syncs["synced"] == len(standby.sent)
+        last = standby.sent[-1].prompt_token_ids
+        prompt, out = prompt_and_output(got)
+        assert last is not None and last[len(prompt):] == out[: len(last) - len(prompt)] and len(last) > len(prompt)
+        stored: set[int] = set()
+        with trio.move_on_after(1.0):
+            async for event in b.kv_events(-1):
+                if event.kind == "stored":
+                    stored.update(event.block_hashes)
+        held = chain_hashes(last, BLOCK)[: (len(last) - 1) // BLOCK]
+        assert len(held) * BLOCK > len(prompt) and set(held) <= stored
