@@ -100,6 +100,7 @@ from router.migration import (
     RESUME_BURST_S,
     RESUME_LONG_WAIT_S,
     RESUME_SHORT_PREFILL_TOKENS,
+    STANDBY_PATIENCE,
     MigrationStatistics,
     Progress,
     Replay,
@@ -288,9 +289,17 @@ _RELAY: dict[tuple[BreakerState, BreakerState], tuple[HealthEvent, ...]] = {
 _SHOWN = {HealthState.EJECTED: BreakerState.OPEN, HealthState.HALF_OPEN: BreakerState.HALF_OPEN}
 
 
-# How long a warm standby's sync may take before it is given up (it is
-# background work, a step below the streams' own in the backend's queue).
-STANDBY_PATIENCE = 10.0
+def _by_ids(actors: Iterable[BackendActor]) -> list[BackendActor]:
+    """Those of ``actors`` that report token ids (a resume by ids can go there)."""
+    return [a for a in actors if a.info is not None and a.info.token_ids]
+
+
+def _held(target: Target, views: list[BackendView], route: RouteRequest, now: float) -> dict[str, int] | None:
+    """The target policy's estimate of the tokens of ``route`` each of
+    ``views`` holds (kv_aware's ``cached_tokens``), or None where it makes none."""
+    estimate: Callable[[list[BackendView], RouteRequest, float], dict[str, int]] | None
+    estimate = getattr(target.policy, "cached_tokens", None)
+    return estimate(views, route, now) if estimate is not None else None
 
 
 def _server(actor: BackendActor) -> str:
@@ -668,7 +677,7 @@ class Dispatcher:
                 raise self._migration_failed(reason, f"the stream broke {migrations + 1} times (limit {settings.max_migrations} migrations)", "migration_limit")
             excluded = {b.backend} | {n for n, at in failed.items() if n not in self.actors or self.actors[n].ok_at <= at}
             candidates = self._candidates(target, excluded, _Outcome())
-            by_ids = [a for a in candidates if a.info is not None and a.info.token_ids]
+            by_ids = _by_ids(candidates)
             by_text = text_request(b.sub, progress) if settings.text_continuation else None
             relay: Callable[[Event], Event | None]
             if progress.resumable_by_ids and by_ids:
@@ -698,19 +707,15 @@ class Dispatcher:
                 views, held = self._resume_views(target, candidates, route)
                 if mode == "resumed" and held is not None and not short_somewhere(held, route.prompt_tokens):
                     await self._after_short_resumes({_server(a) for a in self.members(target)})
-                    candidates = self._candidates(target, excluded, _Outcome())
-                    candidates = [a for a in candidates if a.info is not None and a.info.token_ids]
+                    candidates = _by_ids(self._candidates(target, excluded, _Outcome()))
                     views, held = self._resume_views(target, candidates, route)
                 name = target.policy.pick(views, route, self.clock())
                 actor = self.actors.get(name) if name is not None else None
                 if actor is None or actor not in candidates:
                     raise self._migration_failed(reason, "the routing policy found no backend to continue on", "no_backend_to_resume", status=503)
-                short: Callable[[], None] | None = None
-                if mode == "resumed" and held is not None:
-                    uncached = route.prompt_tokens - held.get(actor.name, 0)
+                uncached = route.prompt_tokens - held.get(actor.name, 0) if mode == "resumed" and held is not None else None
+                if uncached is not None:
                     sub = short_prefill_first(sub, uncached)
-                    if uncached <= RESUME_SHORT_PREFILL_TOKENS:
-                        short = self._short_resume(_server(actor))
                 info = actor.info
                 if mode == "continued" or (mode == "resumed" and (info is None or not info.exact_resume)):
                     self._inexact += 1
@@ -720,9 +725,15 @@ class Dispatcher:
                 resumed = partial(self._migrated, reason, mode)
                 attempt = rec.attempt(actor.name, self.clock(), span.span_id if span is not None else None) if rec is not None else None
                 keep = b.standby if mode == "resumed" else None  # kept in sync from the continuation on
-                async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed,
-                                                  attempt, rec, keep, short):
-                    yield event
+                # A short prefill: counted until its first event (or its end), for the long ones to wait on.
+                short = self._short_resume(_server(actor)) if uncached is not None and uncached <= RESUME_SHORT_PREFILL_TOKENS else None
+                try:
+                    async for event in self._continue(actor, sub, route, target, settings, progress, relay, b.at, resumed,
+                                                      attempt, rec, keep, short):
+                        yield event
+                finally:
+                    if short is not None:
+                        short()
                 if span is not None:
                     span.finish(self.clock(), None, **{"headrace.to": actor.name})
                 return
@@ -758,9 +769,7 @@ class Dispatcher:
         counts the pending prefill) run with no checkpoint between them, so
         the next stream's pick sees it."""
         views = [a.view() for a in candidates]
-        estimate: Callable[[list[BackendView], RouteRequest, float], dict[str, int]] | None
-        estimate = getattr(target.policy, "cached_tokens", None)
-        cached = estimate(views, route, self.clock()) if estimate is not None else None
+        cached = _held(target, views, route, self.clock())
         queued_prefill: Callable[[], Mapping[str, int] | None] | None = getattr(target.policy, "queued_prefill", None)
         queued = queued_prefill() if queued_prefill is not None else None
         return resume_placement(views, route.prompt_tokens, cached, queued), cached
@@ -784,7 +793,7 @@ class Dispatcher:
         """One continuation attempt, its events as the client gets them;
         ``resumed()`` when the first of them leaves; the stream's warm
         standby kept in sync (token mode); ``prefilled()`` at its first
-        event from the backend (or its end, whichever comes first)."""
+        event from the backend."""
         name, feedback = actor.name, _Feedback(target.policy)
         if self.breakers is not None:
             self.breakers.dispatched(name, self.clock())
@@ -839,8 +848,6 @@ class Dispatcher:
                 actor.stalled()
             raise
         finally:
-            if first and prefilled is not None:
-                prefilled()
             gaps.flush()
             if gap is not None:
                 original = len(progress.prompt_token_ids) if progress.prompt_token_ids is not None else route.prompt_tokens
@@ -943,18 +950,19 @@ class Dispatcher:
         policy's estimate, as the policy picks among them; None where none
         does (a standby that must prefill the whole prompt would double its
         cost) or the policy makes no estimate."""
-        candidates = [a for a in self._candidates(target, {current}, _Outcome()) if a.info is not None and a.info.token_ids]
+        candidates = _by_ids(self._candidates(target, {current}, _Outcome()))
         if standby.backend is not None:
             for kept in candidates:
                 if kept.name == standby.backend:
                     return kept
             standby.backend = None
-        estimate = getattr(target.policy, "cached_tokens", None)
-        if not candidates or estimate is None:
+        if not candidates:
             return None
         now = self.clock()
         views = [a.view() for a in candidates]
-        held = estimate(views, route, now)
+        held = _held(target, views, route, now)
+        if held is None:
+            return None
         holding = [v for v in views if held.get(v.name, 0) >= HELD_FRACTION * prompt_tokens]
         name = target.policy.pick(holding, route, now) if holding else None
         actor = self.actors.get(name) if name is not None else None

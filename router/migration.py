@@ -61,6 +61,7 @@ __all__ = [
     "RESUME_PRIORITY_BOOST",
     "RESUME_SHORT_PREFILL_TOKENS",
     "STANDBY_OUTCOMES",
+    "STANDBY_PATIENCE",
     "MigrationStatistics",
     "Progress",
     "Replay",
@@ -321,6 +322,11 @@ def resume_placement(
     waits = [wait(c) for c in candidates]
     least = min(waits)
     return [c for c, w in zip(candidates, waits, strict=True) if w <= least + 1e-9]
+
+
+# How long a warm standby's sync may take before it is given up (background
+# work, a priority step below the streams' own in the backend's queue).
+STANDBY_PATIENCE = 10.0
 
 
 class Standby:
