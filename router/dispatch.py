@@ -705,7 +705,8 @@ class Dispatcher:
             try:
                 route = route_request(sub, self.keys)
                 views, held = self._resume_views(target, candidates, route)
-                if mode == "resumed" and held is not None and not short_somewhere(held, route.prompt_tokens):
+                # Long: no backend holds it. (An empty estimate without block hashes knows nothing.)
+                if mode == "resumed" and held is not None and (held or route.block_hashes) and not short_somewhere(held, route.prompt_tokens):
                     await self._after_short_resumes({_server(a) for a in self.members(target)})
                     candidates = _by_ids(self._candidates(target, excluded, _Outcome()))
                     views, held = self._resume_views(target, candidates, route)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+import pytest
 import trio
 import trio.testing
 
@@ -223,3 +224,23 @@ def test_entries_that_name_one_server_count_as_one_for_the_short_resumes() -> No
     shared, cold = BackendActor("m", OnServer(mock())), BackendActor("m-cold", OnServer(mock()))
     assert _server(shared) == _server(cold) == "http://10.0.0.7:8000"
     assert _server(BackendActor("local", mock())) == "local"  # no URL: its name
+
+
+class KnowsNothing(Prefer):
+    """Prefers ``order``; an estimate with nothing in it (what kv_aware
+    returns for a request without block hashes: no prefix keys)."""
+
+    def cached_tokens(self, views: Sequence[BackendView], request: RouteRequest, now: float) -> dict[str, int]:
+        return {}
+
+
+async def test_a_continuation_the_policy_knows_nothing_about_is_not_held_back(autojump_clock: trio.testing.MockClock) -> None:
+    """Without block hashes an empty estimate is no evidence that nobody
+    holds the prompt: the continuation of a 1000-token prompt goes at once
+    (the long-continuation wait would show as 10 ms of virtual time)."""
+    request = GenerateRequest(prompt_token_ids=list(range(100, 1100)), max_tokens=8, seed=2, temperature=1.0)
+    b = Arrivals(mock(tpot_s=0.01))
+    group = await actors(FlakyBackend(mock(tpot_s=0.01), fail_first=1, after_events=3), b, names="ab")
+    start = trio.current_time()
+    assert text(await run(Dispatcher(group, KnowsNothing("a", "b")), request)) == text(await reference(request))
+    assert [t - start for t, _ in b.arrived] == [pytest.approx(0.03)]  # the break, 30 ms in: no wait (0.04 with it)
