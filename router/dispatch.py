@@ -108,13 +108,13 @@ from router.migration import (
     StallWatch,
     Standby,
     continuation,
+    held_nowhere,
     no_final,
     prefix_label,
     reason_of,
     resume_placement,
     resume_request,
     short_prefill_first,
-    short_somewhere,
     standby_request,
     text_continuation,
     text_request,
@@ -705,8 +705,7 @@ class Dispatcher:
             try:
                 route = route_request(sub, self.keys)
                 views, held = self._resume_views(target, candidates, route)
-                # Long: no backend holds it. (An empty estimate without block hashes knows nothing.)
-                if mode == "resumed" and held is not None and (held or route.block_hashes) and not short_somewhere(held, route.prompt_tokens):
+                if mode == "resumed" and held is not None and held_nowhere(held, route):
                     await self._after_short_resumes({_server(a) for a in self.members(target)})
                     candidates = _by_ids(self._candidates(target, excluded, _Outcome()))
                     views, held = self._resume_views(target, candidates, route)

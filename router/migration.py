@@ -48,7 +48,7 @@ from backends.errors import (
     StreamBroken,
     UpstreamError,
 )
-from policies.base import BackendView
+from policies.base import BackendView, RouteRequest
 from policies.kv_aware import KVAware
 
 __all__ = [
@@ -69,12 +69,12 @@ __all__ = [
     "StallTimeout",
     "StallWatch",
     "Standby",
+    "held_nowhere",
     "prefix_label",
     "reason_of",
     "resume_placement",
     "resume_request",
     "short_prefill_first",
-    "short_somewhere",
     "standby_request",
     "text_continuation",
     "text_request",
@@ -267,10 +267,14 @@ RESUME_BURST_S = 0.01
 RESUME_LONG_WAIT_S = 0.5
 
 
-def short_somewhere(cached: Mapping[str, int], prompt_tokens: int) -> bool:
-    """Whether some backend holds all but :data:`RESUME_SHORT_PREFILL_TOKENS`
-    of a continuation of ``prompt_tokens`` tokens (by the policy's estimate)."""
-    return max(cached.values(), default=0) >= prompt_tokens - RESUME_SHORT_PREFILL_TOKENS
+def held_nowhere(cached: Mapping[str, int], request: RouteRequest) -> bool:
+    """Whether, by the policy's estimate ``cached``, no backend holds all
+    but :data:`RESUME_SHORT_PREFILL_TOKENS` of the continuation ``request``
+    (a long one). An empty estimate of a request without block hashes (no
+    prefix keys) knows nothing: not long."""
+    if not cached and not request.block_hashes:
+        return False
+    return max(cached.values(), default=0) < request.prompt_tokens - RESUME_SHORT_PREFILL_TOKENS
 
 
 def short_prefill_first(request: GenerateRequest, uncached_tokens: int) -> GenerateRequest:
