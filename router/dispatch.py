@@ -923,13 +923,10 @@ class Dispatcher:
                 if feedback.dispatch is not None:
                     feedback.dispatch(actor.name, route, self.clock())
                 cached: int | None = None
-                ok = first = False
+                ok = False
                 try:
                     async with closing_stream(actor.stream(request, prompt_tokens=route.prompt_tokens)) as events:
                         async for event in events:
-                            if not first and feedback.first_token is not None:  # prefilled: what it now holds
-                                feedback.first_token(actor.name, route, self.clock())
-                            first = True
                             if event.usage is not None:
                                 cached = event.usage.cached_tokens
                     ok = True

@@ -298,36 +298,3 @@ async def test_the_engine_answers_a_standby_sync_and_then_holds_its_prompt_and_o
                     stored.update(event.block_hashes)
         held = chain_hashes(last, BLOCK)[: (len(last) - 1) // BLOCK]
         assert len(held) * BLOCK > len(prompt) and set(held) <= stored
-
-
-class Hears(HoldsOn):
-    """HoldsOn, recording the feedback it hears: (call, backend, request id)."""
-
-    def __init__(self, *order: str, holds: str) -> None:
-        super().__init__(*order, holds=holds, uncached=0)
-        self.heard: list[tuple[str, str, str]] = []
-
-    def on_dispatch(self, backend: str, request: RouteRequest, now: float) -> None:
-        self.heard.append(("dispatch", backend, request.request_id))
-
-    def on_first_token(self, backend: str, request: RouteRequest, now: float) -> None:
-        self.heard.append(("first_token", backend, request.request_id))
-
-    def on_complete(self, backend: str, request: RouteRequest, now: float, *, ok: bool, cached_tokens: int | None) -> None:
-        self.heard.append(("complete", backend, request.request_id))
-
-
-async def test_the_policy_hears_a_sync_as_it_hears_a_stream_dispatch_first_token_and_end(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A policy that learns what a backend holds from the prompts it
-    prefilled (kv_aware, for backends without KV events, records them at the
-    first token) must hear each sync's first token, or a resume would not
-    know the standby holds the stream."""
-    request = GenerateRequest(prompt="the river runs " * 8, max_tokens=12, seed=5, request_id="r")
-    group = await actors(mock(tpot_s=0.01), mock(tpot_s=0.01), names="ab")
-    policy = Hears("a", "b", holds="b")
-    _, d = await served(lambda spawn: Dispatcher(group, policy, migration=Settings(standby_tokens=8), spawn=spawn), request)
-    assert d.statistics().migration.standby_syncs == {"synced": 1}
-    assert [h for h in policy.heard if h[2] == "r-standby"] == [
-        ("dispatch", "b", "r-standby"), ("first_token", "b", "r-standby"), ("complete", "b", "r-standby")]
