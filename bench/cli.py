@@ -7,6 +7,7 @@ rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-ba
 ``headrace bench chaos`` (stream migration while backends are killed at random),
 ``headrace bench ab`` (two router builds under the same load at the same time),
 ``headrace bench overload`` (admission, priority and tenant fairness at twice the fleet's capacity),
+``headrace bench budget`` (the CPU per request an added-TTFT target leaves the router, against a null relay),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
 """
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos|ab --help'.")
+                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos|ab|budget --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -309,6 +310,9 @@ def _sub(name: str) -> Any:
     if name == "overload":
         from bench import overload_bench
         return overload_bench.main
+    if name == "budget":
+        from bench import relay_budget
+        return relay_budget.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
@@ -316,7 +320,7 @@ def _sub(name: str) -> Any:
 def main(argv: list[str]) -> int:
     try:
         if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies",
-                                "cache", "chaos", "overload", "ab"}:
+                                "cache", "chaos", "overload", "ab", "budget"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)
