@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--backend", action="append", metavar="URL", help="an OpenAI-compatible backend; repeat for more (replaces [[backends]])")
-    p.add_argument("--policy", help="routing policy name (default round_robin)")
+    p.add_argument("--policy", help="routing policy name (default kv_aware: prefix- and KV-cache-aware)")
     p.add_argument("--certfile", help="TLS certificate (PEM); serves HTTP/2 over TLS with ALPN")
     p.add_argument("--keyfile", help="TLS private key (PEM)")
     p.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM (default 30)")
