@@ -20,6 +20,12 @@ request; the budget is where the curve crosses the target (interpolated
 between the two relays around it), and the router's point shows how far
 it is from it. Prints a table, writes JSON and a PNG under ``bench/results/``.
 
+The relays spin their extra CPU on the path to the first byte, so the curve
+is the worst case for a given cost: a router whose work partly follows its
+first byte (the end of the stream, accounting) adds less at the same CPU per
+request, and the budget is a lower bound. (Here, the router at 1.10 ms a
+request added +6.1 ms at p99 where the relays' curve gave ~+9 at that cost.)
+
     headrace bench budget                            # --rps 550: half the router's rate here
     headrace bench budget --burn-ms 0,0.2,0.4 --no-router --rps 300
 """
