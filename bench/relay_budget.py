@@ -15,7 +15,10 @@ Each front in turn is driven open loop at ``--rps`` (Poisson, the lean
 HTTP/2 client) for ``--duration`` s, then the first mock directly with the
 same schedule right after; the added TTFT is the difference of the two runs'
 percentiles, and the front's CPU per request its own CPU time over the
-answered requests. The relays give a curve of added TTFT against CPU per
+answered requests. With ``--rounds N`` every front runs N times (the order
+reversed every other round, a new schedule each round) and each number is
+its median over the rounds: on a shared box one run's p99 can be twice the
+next one's. The relays give a curve of added TTFT against CPU per
 request; the budget is where the curve crosses the target (interpolated
 between the two relays around it), and the router's point shows how far
 it is from it. Prints a table, writes JSON and a PNG under ``bench/results/``.
@@ -27,12 +30,14 @@ request, and the budget is a lower bound. (Here, the router at 1.10 ms a
 request added +6.1 ms at p99 where the relays' curve gave ~+9 at that cost.)
 
     headrace bench budget                            # --rps 550: half the router's rate here
+    headrace bench budget --rounds 3                 # medians of 3 (~10 min)
     headrace bench budget --burn-ms 0,0.2,0.4 --no-router --rps 300
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -70,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                    "half the router's highest rate on the reference box)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per run")
     p.add_argument("--burn-ms", default="0,0.2,0.4,0.6", help="the relays' added CPU per request, ms")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every front; medians over them")
     p.add_argument("--no-router", action="store_true", help="the relays only")
     p.add_argument("--target-p99-ms", type=float, default=5.0, help="the added TTFT p99 judged")
     p.add_argument("--max-tokens", type=int, default=20)
@@ -85,21 +91,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.burns = _burns(args.burn_ms)
-    if args.rps <= 0 or args.duration <= 0 or args.max_tokens < 1 or args.target_p99_ms <= 0:
-        raise ClientError("--rps, --duration and --target-p99-ms must be > 0, --max-tokens >= 1")
+    if args.rps <= 0 or args.duration <= 0 or args.max_tokens < 1 or args.target_p99_ms <= 0 or args.rounds < 1:
+        raise ClientError("--rps, --duration and --target-p99-ms must be > 0, --max-tokens and --rounds >= 1")
     if not args.burns and args.no_router:
         raise ClientError("nothing to measure: no --burn-ms and --no-router")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     doc: dict[str, Any] = {
         "kind": "budget", "cpu": cpu_info(),
-        "config": {"rps": args.rps, "duration": args.duration, "burn_ms": args.burns,
+        "config": {"rps": args.rps, "duration": args.duration, "rounds": args.rounds, "burn_ms": args.burns,
                    "router": not args.no_router, "target_p99_ms": args.target_p99_ms,
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "seed": args.seed},
         "rows": [],
     }
 
     def finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
-        doc["budget"] = budget(doc["rows"], args.target_p99_ms)
+        doc["fronts"] = medians(doc["rows"])
+        doc["budget"] = budget(doc["fronts"], args.target_p99_ms)
         print(format_report(doc))
         path = write_json(args.json_path or default_path(args.results_dir, "budget", stamp, "json"), doc)
         print(f"wrote {path}")
@@ -121,18 +128,20 @@ async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
             if not args.no_router:
                 serve = _python("router.cli", "serve", "--port", "0", "--workers", "1", "--log-level", "WARNING")
                 fronts.append(("router", None, serve + [a for m in mocks for a in ("--backend", m.url)]))
-            for i, (name, x, argv) in enumerate(fronts):
-                doc["rows"].append(await measure(args, name, x, argv, mocks[0], Path(logdir), i))
+            for r in range(args.rounds):
+                for i, (name, x, argv) in enumerate(fronts if r % 2 == 0 else fronts[::-1]):
+                    row = await measure(args, name, x, argv, mocks[0], Path(logdir), i, r)
+                    doc["rows"].append(row)
 
 
 async def measure(args: argparse.Namespace, name: str, burn_ms: float | None, argv: list[str],
-                  direct: Server, logdir: Path, i: int) -> dict[str, Any]:
+                  direct: Server, logdir: Path, i: int, r: int = 0) -> dict[str, Any]:
     """One front at ``--rps``, then the mock directly on the same schedule."""
     label = name if burn_ms is None else f"relay +{burn_ms:g} ms"
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
-    config = LoadConfig(rate=args.rps, duration=args.duration, seed=args.seed, prompt_tokens=args.prompt_tokens)
+    config = LoadConfig(rate=args.rps, duration=args.duration, seed=args.seed + r, prompt_tokens=args.prompt_tokens)
     async with AsyncExitStack() as stack:
-        (front,) = await _start_all(stack, logdir, [(f"front{i}", argv)])
+        (front,) = await _start_all(stack, logdir, [(f"front{i}-{r}", argv)])
         if name == "router":
             await _ready(front.url, "/ready")
         before = front.cpu_seconds()
@@ -143,12 +152,30 @@ async def measure(args: argparse.Namespace, name: str, burn_ms: float | None, ar
     ok = routed["counts"]["ok"]
     added = compare(routed, straight)["ttft_ms"]
     return {
-        "front": name, "burn_ms": burn_ms, "label": label,
+        "front": name, "burn_ms": burn_ms, "label": label, "round": r,
         "cpu_ms_per_request": cpu_s * 1000 / ok if ok else None,
         "errors": routed["counts"]["errors"] + straight["counts"]["errors"],
         "added_ttft_p50": added["p50"]["delta"], "added_ttft_p99": added["p99"]["delta"],
         "routed": routed, "direct": straight,
     }
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per front, in the order first run: each number the median of
+    its rounds' (those that have it), errors summed, each round's p99 kept."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        out.setdefault(row["label"], {"front": row["front"], "burn_ms": row["burn_ms"], "label": row["label"],
+                                      "runs": []})["runs"].append(row)
+    for front in out.values():
+        runs = front.pop("runs")
+        for key in ("cpu_ms_per_request", "added_ttft_p50", "added_ttft_p99"):
+            known = [run[key] for run in runs if run[key] is not None]
+            front[key] = statistics.median(known) if known else None
+        front["errors"] = sum(run["errors"] for run in runs)
+        front["rounds"] = len(runs)
+        front["added_ttft_p99_by_round"] = [run["added_ttft_p99"] for run in runs]
+    return list(out.values())
 
 
 def budget(rows: list[dict[str, Any]], target_p99_ms: float) -> dict[str, Any]:
@@ -183,22 +210,31 @@ def format_report(doc: dict[str, Any]) -> str:
     lines = [f"CPU: {cpu.get('model')}, {cpu.get('cores')} cores ({' '.join(cpu.get('features') or []) or '-'})",
              f"bed: 2 x headrace mock --tpot-ms 0 --max-tokens {cfg['max_tokens']}; each front at "
              f"{cfg['rps']:g} req/s for {cfg['duration']:g} s, then the first mock directly", ""]
-    head = (f"{'front':<18} {'CPU ms/req':>10} {'added TTFT p50':>15} {'p99':>8} "
+    head = (f"{'round':>5} {'front':<18} {'CPU ms/req':>10} {'added TTFT p50':>15} {'p99':>8} "
             f"{'routed p99':>11} {'direct p99':>11} {'errors':>7}")
     lines += [head, "-" * len(head)]
     for r in doc["rows"]:
-        lines.append(f"{r['label']:<18} {dash(r['cpu_ms_per_request'], '.3f'):>10} "
+        lines.append(f"{r.get('round', 0) + 1:>5} {r['label']:<18} {dash(r['cpu_ms_per_request'], '.3f'):>10} "
                      f"{dash(r['added_ttft_p50'], '+.2f'):>15} {dash(r['added_ttft_p99'], '+.2f'):>8} "
                      f"{dash(r['routed']['ttft_ms']['p99'], '.2f'):>11} "
                      f"{dash(r['direct']['ttft_ms']['p99'], '.2f'):>11} {r['errors']:>7}")
-    b = doc.get("budget") or budget(doc["rows"], cfg["target_p99_ms"])
+    fronts = doc.get("fronts") or medians(doc["rows"])
+    if cfg.get("rounds", 1) > 1:
+        head = f"{'median of rounds':<24} {'CPU ms/req':>10} {'added TTFT p50':>15} {'p99':>8}  p99 by round"
+        lines += ["", head, "-" * (len(head) + 12)]
+        for f in fronts:
+            each = ", ".join(dash(v, "+.2f") for v in f["added_ttft_p99_by_round"])
+            lines.append(f"{f['label']:<24} {dash(f['cpu_ms_per_request'], '.3f'):>10} "
+                         f"{dash(f['added_ttft_p50'], '+.2f'):>15} {dash(f['added_ttft_p99'], '+.2f'):>8}  {each}")
+    b = doc.get("budget") or budget(fronts, cfg["target_p99_ms"])
     lines.append("")
     if b["cpu_ms_per_request"] is None:
         lines.append(f"budget: no relay stayed within +{b['target_p99_ms']:g} ms at p99")
     else:
         more = "at least " if b["at_least"] else ""
         lines.append(f"budget for an added TTFT p99 <= {b['target_p99_ms']:g} ms: {more}"
-                     f"{b['cpu_ms_per_request']:.3f} ms of CPU a request")
+                     f"{b['cpu_ms_per_request']:.3f} ms of CPU a request (a lower bound: the relays "
+                     "spend it all before the first byte)")
     if b["router_cpu_ms_per_request"] is not None:
         lines.append(f"router: {b['router_cpu_ms_per_request']:.3f} ms a request, added TTFT p99 "
                      f"{dash(b['router_added_ttft_p99'], '+.2f')} ms")
@@ -210,15 +246,22 @@ def format_report(doc: dict[str, Any]) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     from bench.plot import _figure, _save
 
-    fig, (ax,) = _figure(1, f"added TTFT against CPU per request, {doc['config']['rps']:g} req/s")
-    relays = sorted((r for r in doc["rows"] if r["front"] == "relay" and r["cpu_ms_per_request"] is not None),
-                    key=lambda r: r["cpu_ms_per_request"])
+    rounds = doc["config"].get("rounds", 1)
+    fig, (ax,) = _figure(1, f"added TTFT against CPU per request, {doc['config']['rps']:g} req/s"
+                            + (f" (medians of {rounds} rounds)" if rounds > 1 else ""))
+    fronts = doc.get("fronts") or medians(doc["rows"])
+    relays = sorted((f for f in fronts if f["front"] == "relay" and f["cpu_ms_per_request"] is not None),
+                    key=lambda f: f["cpu_ms_per_request"])
     for q, style in (("p50", "o--"), ("p99", "o-")):
-        ax.plot([r["cpu_ms_per_request"] for r in relays], [r[f"added_ttft_{q}"] for r in relays], style,
+        ax.plot([f["cpu_ms_per_request"] for f in relays], [f[f"added_ttft_{q}"] for f in relays], style,
                 label=f"null relay + burn, {q}")
-    for r in doc["rows"]:
-        if r["front"] == "router" and r["cpu_ms_per_request"] is not None:
-            ax.plot([r["cpu_ms_per_request"]] * 2, [r["added_ttft_p50"], r["added_ttft_p99"]], "s",
+    if rounds > 1:  # every run's p99, faint, for the spread
+        runs = [r for r in doc["rows"] if r["cpu_ms_per_request"] is not None and r["added_ttft_p99"] is not None]
+        ax.plot([r["cpu_ms_per_request"] for r in runs], [r["added_ttft_p99"] for r in runs], ".",
+                color="grey", alpha=0.5, label="each run's p99")
+    for f in fronts:
+        if f["front"] == "router" and f["cpu_ms_per_request"] is not None:
+            ax.plot([f["cpu_ms_per_request"]] * 2, [f["added_ttft_p50"], f["added_ttft_p99"]], "s",
                     color="crimson", label="headrace router (p50, p99)")
     ax.axhline(doc["config"]["target_p99_ms"], color="grey", linestyle=":", label="p99 target")
     ax.set_xlabel("front's CPU ms per request")

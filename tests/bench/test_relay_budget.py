@@ -45,6 +45,21 @@ def test_a_relay_with_errors_or_no_numbers_is_not_a_point_of_the_curve() -> None
     assert relay_budget.budget(rows, 5.0)["cpu_ms_per_request"] == pytest.approx(0.4 + 0.4 * 4 / 8)
 
 
+def test_medians_take_each_fronts_rounds_in_the_order_first_run() -> None:
+    def run(label: str, front: str, cpu: float | None, p99: float | None, errors: int = 0) -> dict[str, object]:
+        return {"label": label, "front": front, "burn_ms": 0.0 if front == "relay" else None,
+                "cpu_ms_per_request": cpu, "added_ttft_p50": 1.0, "added_ttft_p99": p99, "errors": errors}
+
+    rows = [run("relay +0 ms", "relay", 0.4, 1.0), run("router", "router", 1.1, 6.0),
+            run("router", "router", 1.3, 20.0, errors=2), run("relay +0 ms", "relay", 0.5, 3.0),
+            run("relay +0 ms", "relay", None, 2.0), run("router", "router", 1.2, 7.0)]
+    relay, router = relay_budget.medians(rows)
+    assert relay["label"] == "relay +0 ms" and router["label"] == "router"
+    assert relay["cpu_ms_per_request"] == pytest.approx(0.45) and relay["added_ttft_p99"] == 2.0
+    assert relay["rounds"] == 3 and relay["added_ttft_p99_by_round"] == [1.0, 3.0, 2.0]
+    assert router["cpu_ms_per_request"] == 1.2 and router["added_ttft_p99"] == 7.0 and router["errors"] == 2
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ClientError):
         relay_budget.main(["--burn-ms", "0,x"])
@@ -54,6 +69,8 @@ def test_bad_arguments_are_refused() -> None:
         relay_budget.main(["--burn-ms", "", "--no-router"])
     with pytest.raises(ClientError):
         relay_budget.main(["--rps", "0"])
+    with pytest.raises(ClientError):
+        relay_budget.main(["--rounds", "0"])
 
 
 async def _through_the_relay(tmp_path: Path, burn_ms: float) -> tuple[bytes, bytes, float]:
@@ -94,22 +111,26 @@ async def test_the_relay_passes_the_upstream_stream_through_and_burns_what_it_is
     assert took >= 0.3  # the burn is spun on the request's path, before its upstream
 
 
-def test_a_short_run_measures_each_front_and_writes_the_table_json_and_plot(
+def test_a_short_run_measures_each_front_every_round_and_writes_the_table_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "budget.json"
-    argv = ["--rps", "20", "--duration", "1", "--burn-ms", "0,1", "--max-tokens", "3",
+    argv = ["--rps", "20", "--duration", "1", "--burn-ms", "0,5", "--rounds", "2", "--max-tokens", "3",
             "--json", str(out), "--plot", str(tmp_path / "budget.png")]
     assert relay_budget.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["kind"] == "budget" and "interrupted" not in doc
-    assert [(r["front"], r["burn_ms"]) for r in doc["rows"]] == [("relay", 0), ("relay", 1), ("router", None)]
+    fronts = [("relay", 0), ("relay", 5), ("router", None)]
+    # every front each round, the order reversed in the second, a new schedule each round
+    assert [(r["front"], r["burn_ms"], r["round"]) for r in doc["rows"]] == (
+        [(*f, 0) for f in fronts] + [(*f, 1) for f in fronts[::-1]])
     for r in doc["rows"]:
         assert r["errors"] == 0 and r["routed"]["counts"]["ok"] == r["routed"]["counts"]["scheduled"] > 0
         assert r["cpu_ms_per_request"] > 0 and r["added_ttft_p50"] is not None
-    relay0, relay1 = doc["rows"][0], doc["rows"][1]
-    assert relay1["cpu_ms_per_request"] > relay0["cpu_ms_per_request"] + 0.5  # 1 ms spun a request
-    assert doc["budget"]["router_cpu_ms_per_request"] == doc["rows"][2]["cpu_ms_per_request"]
+        assert r["routed"]["seed"] == r["round"]
+    relay0, relay1, router = doc["fronts"]
+    assert relay1["cpu_ms_per_request"] > relay0["cpu_ms_per_request"] + 3  # 5 ms spun a request
+    assert router["rounds"] == 2 and doc["budget"]["router_cpu_ms_per_request"] == router["cpu_ms_per_request"]
     printed = capsys.readouterr().out
-    assert "CPU ms/req" in printed and "router:" in printed and f"wrote {out}" in printed
-    assert (tmp_path / "budget.png").stat().st_size > 0
+    assert "CPU ms/req" in printed and "median of rounds" in printed and "router:" in printed
+    assert f"wrote {out}" in printed and (tmp_path / "budget.png").stat().st_size > 0
