@@ -23,11 +23,12 @@ request; the budget is where the curve crosses the target (interpolated
 between the two relays around it), and the router's point shows how far
 it is from it. Prints a table, writes JSON and a PNG under ``bench/results/``.
 
-The relays spin their extra CPU on the path to the first byte, so the curve
-is the worst case for a given cost: a router whose work partly follows its
-first byte (the end of the stream, accounting) adds less at the same CPU per
-request, and the budget is a lower bound. (Here, the router at 1.10 ms a
-request added +6.1 ms at p99 where the relays' curve gave ~+9 at that cost.)
+The relays spin their extra CPU on the path to the first byte, so in
+principle the curve is the worst case for a given cost (a router whose work
+partly follows its first byte could add less) and the budget a lower bound.
+Measured here, the router's medians over three rounds (1.16 ms a request,
++9.9 ms at p99) lay on the relays' curve extended (~+9.6 ms at 1.16 ms):
+its work costs the tail as if it were all before the first byte.
 
     headrace bench budget                            # --rps 550: half the router's rate here
     headrace bench budget --rounds 3                 # medians of 3 (~10 min)
