@@ -34,7 +34,6 @@ import argparse
 import statistics
 import subprocess
 import tempfile
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -42,12 +41,12 @@ from typing import Any
 import trio
 
 from backends.errors import ClientError
-from bench.cli import RESULTS_DIR, run_reported
+from bench.cli import add_output_args, finish, run_reported
 from bench.client import RequestSpec
 from bench.drivers import check_client, run_closed
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import cpu_info
-from bench.report import dash, default_path, summarize_run, write_json
+from bench.report import dash, summarize_run
 from bench.router_bench import _python, _ready, _source, _start_all
 from bench.schedule import make_prompt
 
@@ -83,10 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http", choices=("1.1", "2"), default="2", help="the closed loop's HTTP version")
     p.add_argument("--client", choices=("auto", "native", "python"), default="auto",
                    help="the closed loop's client: native (wrk, h2load), python, or native when installed")
-    p.add_argument("--json", dest="json_path", help="JSON report path")
-    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--results-dir", default=RESULTS_DIR)
+    add_output_args(p)
     return p
 
 
@@ -97,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ClientError("--rps and --duration > 0, --rounds and --max-tokens >= 1, --tpot-ms and --closed >= 0")
     if args.closed:
         check_client(args.client)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     doc: dict[str, Any] = {
         "kind": "ab", "cpu": cpu_info(),
         "config": {"rps": args.rps, "duration": args.duration, "rounds": args.rounds, "tpot_ms": args.tpot_ms,
@@ -107,15 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": [],
     }
 
-    def finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    def report(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         doc["summary"] = summarize(doc["rounds"])
         print(format_report(doc))
-        path = write_json(args.json_path or default_path(args.results_dir, "ab", stamp, "json"), doc)
-        print(f"wrote {path}")
-        if doc["rounds"] and not args.no_plot:
-            print(f"wrote {plot(doc, args.plot_path or default_path(args.results_dir, 'ab', stamp, 'png'))}")
+        finish(args, "ab", doc, plot, plot=bool(doc["rounds"]))
 
-    return run_reported(_run, args, doc, finish, name="headrace bench ab")
+    return run_reported(_run, args, doc, report, name="headrace bench ab")
 
 
 async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:

@@ -52,11 +52,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, target: bool = True) -> 
                         "falling back to HTTP/1.1")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals and prompts")
-    p.add_argument("--json", dest="json_path", help="JSON report path")
-    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--results-dir", default=RESULTS_DIR,
-                   help="where default JSON/PNG paths go (default: %(default)s)")
+    add_output_args(p)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -176,12 +172,22 @@ async def run_load(args: argparse.Namespace, partial: Partial | None = None) -> 
     return partial.document
 
 
-def finish(args: argparse.Namespace, kind: str, document: dict[str, Any], plotter: Any) -> None:
-    """Write the JSON report and (unless ``--no-plot``) the PNG; say where."""
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """``--json``, ``--plot``, ``--no-plot`` and ``--results-dir``, as :func:`finish` reads them."""
+    p.add_argument("--json", dest="json_path", help="JSON report path")
+    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--results-dir", default=RESULTS_DIR,
+                   help="where default JSON/PNG paths go (default: %(default)s)")
+
+
+def finish(args: argparse.Namespace, kind: str, document: dict[str, Any], plotter: Any, *,
+           plot: bool = True) -> None:
+    """Write the JSON report and (with ``plot``, unless ``--no-plot``) the PNG; say where."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     json_path = args.json_path or default_path(args.results_dir, kind, stamp, "json")
     print(f"wrote {write_report(json_path, document)}", file=sys.stderr)
-    if not args.no_plot:
+    if plot and not args.no_plot:
         png = args.plot_path or default_path(args.results_dir, kind, stamp, "png")
         print(f"wrote {plotter(document, Path(png))}", file=sys.stderr)
 

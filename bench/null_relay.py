@@ -28,6 +28,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -87,7 +88,7 @@ async def serve(host: str, port: int, backends: Sequence[str], burn_ms: float) -
     server = LeanServer(relay_app(pools, burn_ms / 1000))
     gc.freeze()  # as the router does once serving (router/server.py)
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: server.serve(host, port, task_status=task_status))
+        url = await nursery.start(partial(server.serve, host, port))
         print(f"relay listening on {url}", flush=True)
 
 

@@ -41,17 +41,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 from backends.errors import ClientError
-from bench.cli import RESULTS_DIR, run_reported
+from bench.cli import add_output_args, finish, run_reported
 from bench.client import RequestSpec
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info
-from bench.report import compare, dash, default_path, summarize_run, write_json
+from bench.report import compare, dash, summarize_run
 from bench.router_bench import _python, _ready, _start_all
 
 __all__ = ["budget", "format_report", "main"]
@@ -82,10 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", help="JSON report path")
-    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--results-dir", default=RESULTS_DIR)
+    add_output_args(p)
     return p
 
 
@@ -96,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ClientError("--rps, --duration and --target-p99-ms must be > 0, --max-tokens and --rounds >= 1")
     if not args.burns and args.no_router:
         raise ClientError("nothing to measure: no --burn-ms and --no-router")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     doc: dict[str, Any] = {
         "kind": "budget", "cpu": cpu_info(),
         "config": {"rps": args.rps, "duration": args.duration, "rounds": args.rounds, "burn_ms": args.burns,
@@ -105,16 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
 
-    def finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    def report(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         doc["fronts"] = medians(doc["rows"])
         doc["budget"] = budget(doc["fronts"], args.target_p99_ms)
         print(format_report(doc))
-        path = write_json(args.json_path or default_path(args.results_dir, "budget", stamp, "json"), doc)
-        print(f"wrote {path}")
-        if doc["rows"] and not args.no_plot:
-            print(f"wrote {plot(doc, args.plot_path or default_path(args.results_dir, 'budget', stamp, 'png'))}")
+        finish(args, "budget", doc, plot, plot=bool(doc["rows"]))
 
-    return run_reported(_run, args, doc, finish, name="headrace bench budget")
+    return run_reported(_run, args, doc, report, name="headrace bench budget")
 
 
 async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:

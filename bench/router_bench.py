@@ -47,12 +47,12 @@ import msgspec
 import trio
 
 from backends.errors import BackendUnavailable, ClientError
-from bench.cli import LAG_WARN_MS, RESULTS_DIR, run_reported
+from bench.cli import LAG_WARN_MS, add_output_args, finish, run_reported
 from bench.client import RequestSpec
 from bench.drivers import check_client, run_closed
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info, start_server
-from bench.report import compare, default_path, summarize_run, write_json
+from bench.report import compare, summarize_run
 from bench.schedule import make_prompt
 
 __all__ = ["format_report", "main", "search_max_rate"]
@@ -90,10 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-router", default="auto",
                    help="path of vllm-router, 'auto' (PATH, $PEERS_DIR/*/bin) or 'none'")
-    p.add_argument("--json", dest="json_path", help="JSON report path")
-    p.add_argument("--plot", dest="plot_path", help="PNG plot path")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--results-dir", default=RESULTS_DIR)
+    add_output_args(p)
     p.add_argument("--report", metavar="JSON", help="print the table of a saved run; run nothing")
     return p
 
@@ -516,12 +513,7 @@ def main(argv: list[str]) -> int:
 
 def _finish(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     print(format_report(doc))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = args.json_path or default_path(args.results_dir, "router", stamp, "json")
-    print(f"wrote {write_json(path, doc)}", file=sys.stderr)
-    if not args.no_plot and doc.get("open_loop", {}).get("runs"):
-        png = args.plot_path or default_path(args.results_dir, "router", stamp, "png")
-        print(f"wrote {_plot(doc, Path(png))}", file=sys.stderr)
+    finish(args, "router", doc, _plot, plot=bool(doc.get("open_loop", {}).get("runs")))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def test_a_short_run_loads_both_sides_at_once_and_writes_the_table_and_json(
         assert doc["summary"]["cpu_ms_per_request"][side] == row["cpu_ms_per_request"]  # one round: its median
     s = doc["summary"]["cpu_ms_per_request"]
     assert s["b_over_a"] == pytest.approx(s["B"] / s["A"])
-    printed = capsys.readouterr().out
-    assert "router CPU ms / request" in printed and f"wrote {out}" in printed
+    printed = capsys.readouterr()
+    assert "router CPU ms / request" in printed.out
+    assert f"wrote {out}" in printed.err and f"wrote {tmp_path / 'ab.png'}" in printed.err
     assert (tmp_path / "ab.png").stat().st_size > 0
 
 

@@ -131,6 +131,7 @@ def test_a_short_run_measures_each_front_every_round_and_writes_the_table_json_a
     relay0, relay1, router = doc["fronts"]
     assert relay1["cpu_ms_per_request"] > relay0["cpu_ms_per_request"] + 3  # 5 ms spun a request
     assert router["rounds"] == 2 and doc["budget"]["router_cpu_ms_per_request"] == router["cpu_ms_per_request"]
-    printed = capsys.readouterr().out
-    assert "CPU ms/req" in printed and "median of rounds" in printed and "router:" in printed
-    assert f"wrote {out}" in printed and (tmp_path / "budget.png").stat().st_size > 0
+    printed = capsys.readouterr()
+    assert "CPU ms/req" in printed.out and "median of rounds" in printed.out and "router:" in printed.out
+    assert f"wrote {out}" in printed.err and f"wrote {tmp_path / 'budget.png'}" in printed.err
+    assert (tmp_path / "budget.png").stat().st_size > 0
