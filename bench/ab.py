@@ -47,7 +47,7 @@ from bench.drivers import check_client, run_closed
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import cpu_info
 from bench.report import dash, summarize_run
-from bench.router_bench import _python, _ready, _source, _start_all
+from bench.router_bench import _ready, _source, _start_all, mock_argv, serve_argv
 from bench.schedule import make_prompt
 
 __all__ = ["format_report", "main", "summarize"]
@@ -118,17 +118,13 @@ async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 
 async def one_round(args: argparse.Namespace, i: int, logdir: Path) -> dict[str, Any]:
     """Both sides' beds, loaded at once; a row per side."""
-    mock = _python("router.cli", "mock", "--port", "0", "--tpot-ms", f"{args.tpot_ms:g}",
-                   "--max-tokens", str(args.max_tokens))
+    mock = mock_argv(args.tpot_ms, args.max_tokens)
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=60.0)
     async with AsyncExitStack() as stack:
         routers = {}
         for side, src in zip(SIDES, (args.a, args.b), strict=True):
             mocks = await _start_all(stack, logdir, [(f"{side}{i}-mock0", mock), (f"{side}{i}-mock1", mock)])
-            serve = _python("router.cli", "serve", "--port", "0", "--workers", "1", "--log-level", "WARNING")
-            for m in mocks:
-                serve += ["--backend", m.url]
-            (routers[side],) = await _start_all(stack, logdir, [(f"{side}{i}-router", serve)],
+            (routers[side],) = await _start_all(stack, logdir, [(f"{side}{i}-router", serve_argv(mocks))],
                                                 cwd={f"{side}{i}-router": src})
             await _ready(routers[side].url, "/ready")
         cpu = {side: r.cpu_seconds() for side, r in routers.items()}

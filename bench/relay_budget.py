@@ -51,7 +51,7 @@ from bench.client import RequestSpec
 from bench.loadgen import LoadConfig, run_rate
 from bench.procs import Server, cpu_info
 from bench.report import compare, dash, summarize_run
-from bench.router_bench import _python, _ready, _start_all
+from bench.router_bench import _ready, _start_all, backend_args, mock_argv, serve_argv
 
 __all__ = ["budget", "format_report", "main"]
 
@@ -110,17 +110,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
-    mock = _python("router.cli", "mock", "--port", "0", "--tpot-ms", "0", "--max-tokens", str(args.max_tokens))
+    mock = mock_argv(0, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="headrace-budget-") as logdir:
         async with AsyncExitStack() as stack:
             mocks = await _start_all(stack, Path(logdir), [("mock0", mock), ("mock1", mock)])
-            fronts: list[tuple[str, float | None, list[str]]] = []
-            for x in args.burns:
-                argv = [sys.executable, str(RELAY), "--port", "0", "--burn-ms", f"{x:g}"]
-                fronts.append(("relay", x, argv + [a for m in mocks for a in ("--backend", m.url)]))
+            relay = [sys.executable, str(RELAY), "--port", "0", *backend_args(mocks)]
+            fronts: list[tuple[str, float | None, list[str]]] = [
+                ("relay", x, [*relay, "--burn-ms", f"{x:g}"]) for x in args.burns]
             if not args.no_router:
-                serve = _python("router.cli", "serve", "--port", "0", "--workers", "1", "--log-level", "WARNING")
-                fronts.append(("router", None, serve + [a for m in mocks for a in ("--backend", m.url)]))
+                fronts.append(("router", None, serve_argv(mocks)))
             for r in range(args.rounds):
                 for i, (name, x, argv) in enumerate(fronts if r % 2 == 0 else fronts[::-1]):
                     row = await measure(args, name, x, argv, mocks[0], Path(logdir), i, r)

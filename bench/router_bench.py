@@ -148,20 +148,33 @@ async def _ready(url: str, path: str, patience: float = 30.0) -> None:
     raise BackendUnavailable(f"{url}{path} did not answer 200 within {patience:g} s")
 
 
+def mock_argv(tpot_ms: float, max_tokens: int) -> list[str]:
+    """One ``headrace mock`` of the router's bed: ``max_tokens`` SSE chunks an
+    answer, ``tpot_ms`` apart, on a free port."""
+    return _python("router.cli", "mock", "--port", "0", "--tpot-ms", f"{tpot_ms:g}", "--max-tokens", str(max_tokens))
+
+
+def backend_args(servers: Sequence[Server]) -> list[str]:
+    """``--backend URL`` for each of ``servers``."""
+    return [a for server in servers for a in ("--backend", server.url)]
+
+
+def serve_argv(mocks: Sequence[Server], workers: int | None = 1) -> list[str]:
+    """``headrace serve`` in front of ``mocks`` on a free port, quiet; ``workers``
+    None leaves the flag out (builds older than ``--workers``)."""
+    workers_args = ["--workers", str(workers)] if workers is not None else []
+    return _python("router.cli", "serve", "--port", "0", "--log-level", "WARNING", *workers_args) + backend_args(mocks)
+
+
 async def start_bed(args: argparse.Namespace, logdir: Path, stack: AsyncExitStack, *,
                     bare: bool = True, serve_args: Sequence[str] = ()) -> Bed:
     """The mocks first (the router needs their URLs), then the router (with
     ``serve_args`` appended) and the bare app (``bare``), side by side."""
     bed = Bed()
-    mock_argv = _python("router.cli", "mock", "--port", "0", "--tpot-ms", f"{args.tpot_ms:g}",
-                        "--max-tokens", str(args.max_tokens))
-    bed.mocks = await _start_all(stack, logdir, [("mock0", mock_argv), ("mock1", mock_argv)])
-    serve = _python("router.cli", "serve", "--port", "0", "--log-level", "WARNING")
-    for mock in bed.mocks:
-        serve += ["--backend", mock.url]
-    if serve_has_workers(args.router_src):
-        serve += ["--workers", str(args.workers)]
-    serve += serve_args
+    mock = mock_argv(args.tpot_ms, args.max_tokens)
+    bed.mocks = await _start_all(stack, logdir, [("mock0", mock), ("mock1", mock)])
+    workers = args.workers if serve_has_workers(args.router_src) else None
+    serve = serve_argv(bed.mocks, workers) + list(serve_args)
     wanted = [("router", serve)] + ([("bare", [sys.executable, str(BARE_APP), "--port", "0"])] if bare else [])
     started = await _start_all(stack, logdir, wanted, cwd={"router": args.router_src})
     bed.router, bed.bare = started[0], (started[1] if bare else None)

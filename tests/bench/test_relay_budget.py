@@ -15,7 +15,7 @@ import trio
 from backends.errors import ClientError
 from bench import relay_budget
 from bench.procs import start_server
-from bench.router_bench import _python
+from bench.router_bench import mock_argv
 
 RELAY = Path(relay_budget.__file__).with_name("null_relay.py")
 
@@ -76,8 +76,7 @@ def test_bad_arguments_are_refused() -> None:
 async def _through_the_relay(tmp_path: Path, burn_ms: float) -> tuple[bytes, bytes, float]:
     """One streamed completion from a real mock, directly and through a relay
     with ``burn_ms``; the relay's time for it."""
-    mock = await start_server("mock", _python("router.cli", "mock", "--port", "0", "--tpot-ms", "0",
-                                              "--max-tokens", "5"), tmp_path)
+    mock = await start_server("mock", mock_argv(0, 5), tmp_path)
     relay = await start_server("relay", [sys.executable, str(RELAY), "--port", "0", "--burn-ms", f"{burn_ms:g}",
                                          "--backend", mock.url], tmp_path)
     body = {"model": "mock", "prompt": "one two three", "max_tokens": 5, "stream": True, "seed": 7}
