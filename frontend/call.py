@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -43,7 +43,7 @@ from frontend.wire import (
     usage_payload,
 )
 
-__all__ = ["DONE", "Call", "Emit", "Producer", "error_event", "prepare_call", "sse"]
+__all__ = ["DONE", "Call", "Emit", "Producer", "StreamWatch", "error_event", "prepare_call", "sse", "watched"]
 
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
@@ -69,6 +69,38 @@ DONE = b"data: [DONE]\n\n"
 # events for it instead of 24.7k before stopping, in half the time).
 CHANNEL_EVENTS = 64
 CHANNEL_TEXT_BYTES = 8 * 1024
+
+
+class StreamWatch(Protocol):
+    """What a gate sees of one backend stream of a call it admitted
+    (:meth:`Call.watch`): each event, in order, before the call uses it, and
+    the stream's end, however it ends (finished, failed, cancelled, or left
+    by its consumer). Both are synchronous and must not block.
+
+    A watch, not a wrapper around the call's backend (CONVENTIONS #3): each
+    wrapper was one more async generator every event passed through, and
+    the SLI timer, the usage meter and the admission meter watch every
+    stream. One loop calls them all (:func:`watched`)."""
+
+    def event(self, event: Event) -> None: ...
+
+    def end(self) -> None: ...
+
+
+async def watched(events: AsyncIterator[Event], watches: list[StreamWatch]) -> AsyncIterator[Event]:
+    """``events`` with each shown to ``watches`` in order, and their ends
+    called however the stream ends; then the stream is closed."""
+    try:
+        async for event in events:
+            for watch in watches:
+                watch.event(event)
+            yield event
+    finally:
+        try:
+            for watch in watches:
+                watch.end()
+        finally:
+            await close_stream(events)
 
 
 def sse(obj: Any) -> bytes:
@@ -126,6 +158,18 @@ class Call:
         self.token_ids = wire.return_token_ids or kind == "native"
         self.coalesce = coalesce
         self.headers: list[tuple[str, str]] = []  # response headers a gate adds (x-ratelimit-*)
+        self.watches: list[Callable[[], StreamWatch]] = []
+
+    def watch(self, start: Callable[[], StreamWatch]) -> None:
+        """Have ``start()`` (a new watch for each choice's stream) see every
+        backend stream of this call, after the watches added before it."""
+        self.watches.append(start)
+
+    def _open(self, sub: GenerateRequest) -> AsyncIterator[Event]:
+        events = self.backend.stream(sub)
+        if not self.watches:
+            return events
+        return watched(events, [start() for start in self.watches])
 
     # -------- non-streaming
 
@@ -134,7 +178,7 @@ class Call:
 
         async def run(i: int) -> None:
             try:
-                async for event in self.backend.stream(self.subs[i]):
+                async for event in self._open(self.subs[i]):
                     results[i].add(event)
             except HeadraceError:
                 raise
@@ -182,7 +226,7 @@ class Call:
         budget = _TextBudget(CHANNEL_TEXT_BYTES)
         async with send:
             for i, sub in enumerate(self.subs):
-                nursery.start_soon(_pump, i, self.backend.stream(sub), send.clone(), budget)
+                nursery.start_soon(_pump, i, self._open(sub), send.clone(), budget)
         pending: list[tuple[int, Event]] = []
         started: set[int] = set()
         while len(started) < len(self.subs):
@@ -239,7 +283,7 @@ class Call:
 
         Two fewer scheduler turns before the first byte (the pump's start, the
         producer's wake on its channel) and a task spawn less per request."""
-        it = self.backend.stream(self.subs[0])
+        it = self._open(self.subs[0])
         defer.push_async_callback(close_stream, it)  # the one place it is closed, however the request ends
         try:
             first = await it.__anext__()

@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
-from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health, close_stream
+from backends.base import Event
 from frontend.context import RequestContext
 from frontend.exposition import observe_many
 
@@ -138,7 +138,7 @@ class CallTimer:
         labels = self.labels(context, call)
         if self.queue is not None:
             self.queue.observe(labels, admitted - context.arrival)
-        call.backend = _Timed(call.backend, self, labels, context.arrival)
+        call.watch(partial(_TimedStream, self, labels, context.arrival))
         try:
             yield
         finally:
@@ -150,40 +150,26 @@ class CallTimer:
                 self.done(labels, done - admitted)
 
 
-class _Timed:
-    """The call's backend, with each choice's first event and token gaps timed
-    (a wrapper around one call's streams: CONVENTIONS #3)."""
+class _TimedStream:
+    """One stream's first event and token gaps, timed (a
+    :class:`~frontend.call.StreamWatch`)."""
 
-    def __init__(self, inner: Backend, timer: CallTimer, labels: tuple[str, ...], arrival: float) -> None:
-        self.inner, self.timer, self.labels, self.arrival = inner, timer, labels, arrival
+    __slots__ = ("arrival", "clock", "gaps", "labels", "last", "timer")
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        last: float | None = None
-        gaps = GapBatch(partial(self.timer.itl.observe_many, self.labels))
-        events = self.inner.stream(request)
-        try:
-            clock = ReadClock(trio.current_time)
-            async for event in events:
-                now = clock.of(event)
-                if last is None:
-                    self.timer.ttft.observe(self.labels, now - self.arrival)
-                    last = now
-                elif event.token_ids or event.text:
-                    gaps.add(now - last)
-                    last = now
-                yield event
-        finally:  # close the inner stream however this one ends, so the backend hears of it
-            gaps.flush()
-            await close_stream(events)
+    def __init__(self, timer: CallTimer, labels: tuple[str, ...], arrival: float) -> None:
+        self.timer, self.labels, self.arrival = timer, labels, arrival
+        self.clock = ReadClock(trio.current_time)
+        self.last: float | None = None
+        self.gaps = GapBatch(partial(timer.itl.observe_many, labels))
 
-    def info(self) -> BackendInfo:
-        return self.inner.info()
+    def event(self, event: Event) -> None:
+        now = self.clock.of(event)
+        if self.last is None:
+            self.timer.ttft.observe(self.labels, now - self.arrival)
+            self.last = now
+        elif event.token_ids or event.text:
+            self.gaps.add(now - self.last)
+            self.last = now
 
-    async def health(self) -> Health:
-        return await self.inner.health()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    def __getattr__(self, name: str) -> Any:  # anything else a wrapped backend offers
-        return getattr(self.inner, name)
+    def end(self) -> None:
+        self.gaps.flush()

@@ -44,19 +44,19 @@ import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Protocol
 
 import msgspec
 import trio
 
-from backends.base import Backend, BackendInfo, Event, GenerateRequest, Health
+from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable, RateLimited
 from frontend.call import Call
 from frontend.context import ENGINE_PRIORITY, PriorityClass, RequestContext, new_request_id
 from policies.admission import AdmissionPolicy, AdmissionView, ServiceRate
 from policies.fairness import CLASSES, QueuePolicy, SlotShares, Waiting, rank_of
 from policies.ratelimit import Limits, RateDecision, RateLimitPolicy
-from router.actors import closing_stream
 from router.config import AdmissionConfig, TenantConfig
 
 __all__ = [
@@ -137,43 +137,34 @@ def _prompt_tokens(sub: GenerateRequest) -> int:
     return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
-class _Metered:
-    """The call's backend, with every generated token reported to ``on_tokens``
-    (a wrapper around one call's streams: CONVENTIONS #3)."""
+class _Meter:
+    """One stream's generated tokens, reported to ``on_tokens`` once an
+    upstream read (a :class:`~frontend.call.StreamWatch`)."""
 
-    def __init__(self, inner: Backend, on_tokens: Callable[[int], None]) -> None:
-        self.inner, self.on_tokens = inner, on_tokens
+    __slots__ = ("counted", "on_tokens", "pending")
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        counted = pending = 0
-        try:
-            async with closing_stream(self.inner.stream(request)) as events:
-                async for event in events:
-                    n = len(event.token_ids) or (1 if event.text else 0)
-                    if event.usage is not None:  # the backend's own count is the truth
-                        n = max(0, event.usage.completion_tokens - counted)
-                    counted += n
-                    pending += n
-                    if pending and not event.more_ready:  # once a read's events: one charge
-                        self.on_tokens(pending)
-                        pending = 0
-                    yield event
-        finally:
-            if pending:  # the consumer left inside a read's events
-                self.on_tokens(pending)
+    def __init__(self, on_tokens: Callable[[int], None]) -> None:
+        self.on_tokens = on_tokens
+        self.counted = self.pending = 0
 
-    def info(self) -> BackendInfo:
-        return self.inner.info()
+    def event(self, event: Event) -> None:
+        n = len(event.token_ids) or (1 if event.text else 0)
+        if event.usage is not None:  # the backend's own count is the truth
+            n = max(0, event.usage.completion_tokens - self.counted)
+        self.counted += n
+        self.pending += n
+        if self.pending and not event.more_ready:  # once a read's events: one charge
+            self.on_tokens(self.pending)
+            self.pending = 0
 
-    async def health(self) -> Health:
-        return await self.inner.health()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+    def end(self) -> None:
+        if self.pending:  # the consumer left inside a read's events
+            self.on_tokens(self.pending)
+            self.pending = 0
 
 
 def meter(call: Call, on_tokens: Callable[[int], None]) -> None:
-    call.backend = _Metered(call.backend, on_tokens)
+    call.watch(partial(_Meter, on_tokens))
 
 
 class Limiter(Protocol):

@@ -40,7 +40,7 @@ import msgspec
 import trio
 from prometheus_client import Counter
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage, close_stream
+from backends.base import Event, Usage
 from backends.errors import BadRequest, HeadraceError, NotFound
 from frontend import metric_names as N
 from frontend.context import RequestContext
@@ -191,7 +191,7 @@ class UsageLedger:
     @asynccontextmanager
     async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
         seen = _Seen(call.model)
-        call.backend = _Watched(call.backend, seen)
+        call.watch(lambda: seen)
         try:
             yield
         finally:
@@ -305,47 +305,24 @@ def _instant(query: dict[str, list[str]], name: str, default: float) -> float:
 
 
 class _Seen:
-    """What one call's choices reported: the answering model and each final usage."""
+    """What one call's choices reported: the answering model and each final
+    usage (one :class:`~frontend.call.StreamWatch` for all its streams)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.usages: list[Usage] = []
+
+    def event(self, event: Event) -> None:
+        if event.model is not None:
+            self.model = event.model
+        if event.usage is not None and event.finish_reason is not None:
+            self.usages.append(event.usage)
+
+    def end(self) -> None:
+        pass
 
     def total(self) -> Usage:
         # As the response counts it: the prompt once (the n choices share it), the rest summed.
         return Usage(prompt_tokens=max(u.prompt_tokens for u in self.usages),
                      completion_tokens=sum(u.completion_tokens for u in self.usages),
                      gpu_seconds=sum(u.gpu_seconds for u in self.usages))  # fmt: skip
-
-
-class _Watched:
-    """The call's backend, with each choice's final usage noted."""
-
-    def __init__(self, inner: Any, seen: _Seen) -> None:
-        self.inner, self.seen = inner, seen
-
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        events = self.inner.stream(request)
-        try:
-            async for event in events:
-                if event.model is not None:
-                    self.seen.model = event.model
-                if event.usage is not None and event.finish_reason is not None:
-                    self.seen.usages.append(event.usage)
-                yield event
-        finally:
-            await close_stream(events)
-
-    def info(self) -> BackendInfo:
-        result: BackendInfo = self.inner.info()
-        return result
-
-    async def health(self) -> Health:
-        result: Health = await self.inner.health()
-        return result
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

@@ -10,7 +10,8 @@ import trio.testing
 from prometheus_client import CollectorRegistry, Histogram
 
 from backends.base import Event, GenerateRequest
-from frontend.sli import GAP_BATCH, CallTimer, _Timed
+from frontend.call import watched
+from frontend.sli import GAP_BATCH, CallTimer, _TimedStream
 
 
 class _Tokens:
@@ -40,9 +41,8 @@ def _count(itl: Histogram) -> tuple[float, float]:
 async def test_gaps_are_observed_at_most_a_batch_late_and_all_of_them_at_the_end(autojump_clock: trio.testing.MockClock) -> None:
     timer, itl = _timer()
     n = 2 * GAP_BATCH + 3
-    timed = _Timed(_Tokens(n, 0.1), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
+    stream = watched(_Tokens(n, 0.1).stream(GenerateRequest()), [_TimedStream(timer, ("r",), trio.current_time())])
     seen = []
-    stream = timed.stream(GenerateRequest())
     async for _ in stream:
         seen.append(_count(itl)[0])
     count, total = _count(itl)
@@ -53,8 +53,7 @@ async def test_gaps_are_observed_at_most_a_batch_late_and_all_of_them_at_the_end
 
 async def test_a_stream_the_client_leaves_still_observes_its_gaps(autojump_clock: trio.testing.MockClock) -> None:
     timer, itl = _timer()
-    timed = _Timed(_Tokens(100, 0.1), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
-    stream = timed.stream(GenerateRequest())
+    stream = watched(_Tokens(100, 0.1).stream(GenerateRequest()), [_TimedStream(timer, ("r",), trio.current_time())])
     got = 0
     async for _ in stream:
         got += 1
@@ -79,8 +78,7 @@ async def test_the_events_of_one_read_have_no_gap_between_them(autojump_clock: t
     (at the first), however long the consumer takes over each (here 10 ms,
     which the gap to the next read then includes: 0.1 + 3 x 0.01 s)."""
     timer, itl = _timer()
-    timed = _Timed(_Reads(), timer, ("r",), arrival=trio.current_time())  # type: ignore[arg-type]
-    async for _ in timed.stream(GenerateRequest()):
+    async for _ in watched(_Reads().stream(GenerateRequest()), [_TimedStream(timer, ("r",), trio.current_time())]):
         await trio.sleep(0.01)
     count, total = _count(itl)
     assert count == 5 and abs(total - 0.13) < 1e-9  # a clock reading per event: 4 x 0.01 more

@@ -15,11 +15,11 @@ import trio.testing
 
 from backends.base import Event
 from backends.errors import HeadraceError
-from frontend.call import Call, prepare_call
+from frontend.call import Call, prepare_call, watched
 from frontend.context import RequestContext
 from policies.admission import ErlangShedding
 from policies.fairness import FairQueue
-from router.admission import Overloaded, Queue, Tenants, _Metered
+from router.admission import Overloaded, Queue, Tenants, _Meter
 from router.config import AdmissionConfig, ClassTable, TenantConfig
 from tests.router.fakes import FakeBackend
 
@@ -292,11 +292,11 @@ async def test_tokens_are_charged_once_a_read_and_what_a_consumer_left_with() ->
     charge took a clock read and a policy update per token); every token
     is charged, also when the consumer leaves inside a read."""
     charges: list[int] = []
-    metered = _Metered(_Batches([3, 1, 4]), charges.append)  # type: ignore[arg-type]
-    assert len([e async for e in metered.stream(None)]) == 8  # type: ignore[arg-type]
+    metered = lambda: watched(_Batches([3, 1, 4]).stream(None), [_Meter(charges.append)])  # noqa: E731
+    assert len([e async for e in metered()]) == 8
     assert charges == [3, 1, 4]
     charges.clear()
-    async with aclosing(metered.stream(None)) as events:  # type: ignore[arg-type]
+    async with aclosing(metered()) as events:
         for _ in range(5):  # the first read, the second, and 1 of the third's 4
             await events.__anext__()
     assert charges == [3, 1, 1]
