@@ -8,6 +8,7 @@ rate limits on a bed of mocks it starts), ``headrace bench roofline`` (memory-ba
 ``headrace bench ab`` (two router builds under the same load at the same time),
 ``headrace bench overload`` (admission, priority and tenant fairness at twice the fleet's capacity),
 ``headrace bench budget`` (the CPU per request an added-TTFT target leaves the router, against a null relay),
+``headrace bench instructions`` (the router's instructions per request, counted by valgrind: no drift),
 ``headrace bench baseline`` (Hugging Face transformers generate()). Without a
 subcommand it runs the load generator; see ``headrace bench --help``.
 """
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="headrace bench",
         description="Open-loop Poisson load generator. Other modes: "
-                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos|ab|budget --help'.")
+                    "'headrace bench engine|router|spec|roofline|baseline|kernels|chaos|ab|budget|instructions --help'.")
     add_common_arguments(p)
     p.add_argument("--rps", type=float, nargs="+", default=[5.0],
                    help="offered load(s) in requests/s; several give a load curve")
@@ -319,6 +320,9 @@ def _sub(name: str) -> Any:
     if name == "budget":
         from bench import relay_budget
         return relay_budget.main
+    if name == "instructions":
+        from bench import instructions
+        return instructions.main
     from bench import transformers_baseline
     return transformers_baseline.main
 
@@ -326,7 +330,7 @@ def _sub(name: str) -> Any:
 def main(argv: list[str]) -> int:
     try:
         if argv and argv[0] in {"engine", "spec", "roofline", "baseline", "kernels", "router", "policies",
-                                "cache", "chaos", "overload", "ab", "budget"}:
+                                "cache", "chaos", "overload", "ab", "budget", "instructions"}:
             result: int = _sub(argv[0])(argv[1:])
             return result
         return _load_main(argv)
