@@ -31,7 +31,7 @@ import trio
 
 from backends.base import Event
 from frontend.context import RequestContext
-from frontend.exposition import observe_many
+from frontend.exposition import observe_many, observe_one
 
 if TYPE_CHECKING:
     from prometheus_client import Histogram
@@ -107,7 +107,7 @@ class _Children:
         return child
 
     def observe(self, labels: tuple[str, ...], seconds: float) -> None:
-        self.child(labels).observe(seconds)
+        observe_one(self.child(labels), seconds)
 
     def observe_many(self, labels: tuple[str, ...], seconds: list[float]) -> None:
         observe_many(self.child(labels), seconds)

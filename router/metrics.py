@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from frontend import metric_names as N
 from frontend.call import Call
 from frontend.context import RequestContext
-from frontend.exposition import observe_many, render_cooperatively
+from frontend.exposition import observe_many, observe_one, render_cooperatively
 from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
 from frontend.sli import ROUTE_OF_KIND, CallTimer
 from policies.capacity import ReplicaEstimator
@@ -442,22 +442,22 @@ class RouterMetrics:
         if child is None:
             child = self._requests[key] = self.requests.labels(route, str(status), tenant)
         child.inc()
-        _child(self._latency, self.latency, route).observe(seconds)
+        observe_one(_child(self._latency, self.latency, route), seconds)
         self._this_worker.inc()
 
     # Recorder: per event on the hot path, so the labelled children are
     # looked up once per label value, not once per token.
     def queue_time(self, backend: str, seconds: float) -> None:
-        _child(self._queue, self.queue, backend).observe(seconds)
+        observe_one(_child(self._queue, self.queue, backend), seconds)
 
     def time_to_first_token(self, backend: str, seconds: float) -> None:
-        _child(self._ttft, self.ttft, backend).observe(seconds)
+        observe_one(_child(self._ttft, self.ttft, backend), seconds)
 
     def inter_token_latencies(self, backend: str, seconds: Sequence[float]) -> None:
         observe_many(_child(self._itl, self.itl, backend), seconds)
 
     def resume_gap(self, backend: str, seconds: float, prefix: str) -> None:
-        _child2(self._resume, self.resume, backend, prefix).observe(seconds)
+        observe_one(_child2(self._resume, self.resume, backend, prefix), seconds)
 
     # ------------------------------------------------------------ latency breakdown (issue 18; router/logs.py)
 
@@ -467,7 +467,7 @@ class RouterMetrics:
 
     def phase_time(self, phase: str, backend: str, seconds: float) -> None:
         """One phase of one request (RequestLog's ``observe_phase``)."""
-        _child2(self._phase, self.phase, phase, backend).observe(seconds)
+        observe_one(_child2(self._phase, self.phase, phase, backend), seconds)
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

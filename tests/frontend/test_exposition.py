@@ -123,27 +123,31 @@ def test_the_prometheus_client_internals_the_sliced_collection_uses_are_unchange
 @example(values=[0.0, math.nan, 0.0])  # NaN in no bucket
 @example(values=[0.0, math.inf, -math.inf])  # a NaN sum with no NaN in it
 @given(values=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.01, 0.1, 1.0])), max_size=40))
-def test_observing_many_values_at_once_gives_the_samples_of_observing_them_one_at_a_time(values: list[float]) -> None:
+def test_observe_many_and_observe_one_give_the_samples_of_prometheus_observe(values: list[float]) -> None:
     """Bucket edges included (a value equal to a bound is in that bound's
     bucket), infinities and NaN too; the sum is compared as text, NaN and all."""
     one, many = CollectorRegistry(), CollectorRegistry()
     h1 = Histogram("t_gap_seconds", "gap", ["backend"], registry=one, buckets=(0.01, 0.1, 1.0))
     hm = Histogram("t_gap_seconds", "gap", ["backend"], registry=many, buckets=(0.01, 0.1, 1.0))
+    h1b = Histogram("t_one_seconds", "one", ["backend"], registry=one, buckets=(0.01, 0.1, 1.0))
+    hmb = Histogram("t_one_seconds", "one", ["backend"], registry=many, buckets=(0.01, 0.1, 1.0))
     child = h1.labels("b")
     for v in values:
         child.observe(v)
+        h1b.labels("b").observe(v)
+        exposition.observe_one(hmb.labels("b"), v)  # and observe_one, value by value
     exposition.observe_many(hm.labels("b"), values)
     exposition.observe_many(hm.labels("b"), [])
 
     def text(r: CollectorRegistry) -> list[bytes]:
-        return [line for line in generate_latest(r).splitlines() if not line.startswith(b"t_gap_seconds_created")]
+        return [line for line in generate_latest(r).splitlines() if not line.startswith((b"t_gap_seconds_created", b"t_one_seconds_created"))]
 
     assert text(many) == text(one)
 
 
 def test_the_prometheus_client_internals_observe_many_uses_are_unchanged() -> None:
     """If this fails, re-read Histogram.observe and _metric_init, and
-    frontend/exposition.py's observe_many, which does what observe does."""
+    frontend/exposition.py's observe_many and observe_one, which do what observe does."""
     import inspect
 
     observe = inspect.getsource(Histogram.observe)
