@@ -4,6 +4,8 @@ request, counted by valgrind's callgrind, for this checkout and another.
     headrace bench instructions                      # this checkout
     headrace bench instructions --b /tmp/before      # against a worktree of an older commit
     git worktree add /tmp/before HEAD~3              # how to get a B
+    headrace bench instructions --b-serve-args "--policy round_robin"   # what a feature costs
+    headrace bench instructions --b-front null       # against the null relay (bench/null_relay.py)
 
 CPU time per request drifts by 10-20% from one minute to the next on a
 shared box: ``headrace bench ab`` loads both builds at once to cancel that
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -55,8 +58,9 @@ from bench.client import RequestResult, RequestSpec, send_request
 from bench.connect import make_client, make_pool
 from bench.procs import cpu_info
 from bench.progress import ProgressBar
+from bench.relay_budget import RELAY
 from bench.report import dash
-from bench.router_bench import _ready, _start_all, mock_argv, serve_argv
+from bench.router_bench import _ready, _start_all, backend_args, mock_argv, serve_argv
 from bench.schedule import make_prompt
 
 __all__ = ["available", "format_report", "main", "read_total", "summarize"]
@@ -85,7 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", type=Path, default=None, metavar="DIR", help="side A's source checkout (default: this one)")
     p.add_argument("--b", type=Path, default=None, metavar="DIR",
-                   help="side B's source checkout, e.g. a git worktree of an older commit (default: none)")
+                   help="side B's source checkout, e.g. a git worktree of an older commit (default: none, "
+                        "or this one with --b-serve-args or --b-front)")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more `headrace serve` arguments for both sides, e.g. \"--set retry.budget=0\"")
+    p.add_argument("--b-serve-args", default="", metavar="ARGS", help="more `headrace serve` arguments for side B")
+    p.add_argument("--b-front", choices=("router", "null"), default="router",
+                   help="null: side B is bench/null_relay.py (the least a router on this stack does)")
     p.add_argument("--requests", type=int, default=400, help="requests counted per side and round")
     p.add_argument("--warmup", type=int, default=100, help="requests sent uncounted first")
     p.add_argument("--concurrency", type=int, default=4, help="connections back to back")
@@ -106,13 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         raise ClientError("--requests, --concurrency, --rounds and --max-tokens >= 1, --warmup and --tpot-ms >= 0")
     if not available():
         raise ClientError("headrace bench instructions needs valgrind (apt-get install valgrind)")
-    sides = {"A": args.a or REPO, **({"B": args.b} if args.b is not None else {})}
+    b = args.b if args.b is not None else REPO if args.b_serve_args or args.b_front != "router" else None
+    sides = {"A": args.a or REPO, **({"B": b} if b is not None else {})}
+    fronts = {"A": ("router", shlex.split(args.serve_args)),
+              "B": (args.b_front, shlex.split(args.serve_args) + shlex.split(args.b_serve_args))}
     doc: dict[str, Any] = {
         "kind": "instructions", "cpu": cpu_info(), "valgrind": valgrind_version(),
         "config": {"requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency,
                    "rounds": args.rounds, "tpot_ms": args.tpot_ms, "max_tokens": args.max_tokens,
                    "prompt_tokens": args.prompt_tokens, "seed": args.seed, "http": args.http},
-        "sides": {side: _side(path) for side, path in sides.items()},
+        "sides": {side: {**_side(path), "front": fronts[side][0], "serve_args": fronts[side][1]}
+                  for side, path in sides.items()},
         "rounds": [],
     }
 
@@ -127,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {}
                 doc["rounds"].append(row)
                 for side, path in sides.items():
-                    row[side] = await measure(args, path, Path(logdir), f"round {i + 1} {side}", f"{side}{i}")
+                    row[side] = await measure(args, path, *fronts[side], Path(logdir), f"round {i + 1} {side}",
+                                              f"{side}{i}")
 
     return run_reported(run, args, doc, report, name="headrace bench instructions")
 
 
-async def measure(args: argparse.Namespace, src: Path, logdir: Path, label: str, tag: str) -> dict[str, Any]:
-    """One side's bed, its router counted over ``--requests`` requests."""
+async def measure(args: argparse.Namespace, src: Path, front: str, serve_args: list[str], logdir: Path, label: str,
+                  tag: str) -> dict[str, Any]:
+    """One side's bed, its router (or the null relay) counted over ``--requests`` requests."""
     out = logdir / f"{tag}.callgrind"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
                 f"--callgrind-out-file={out}"]
@@ -145,12 +161,13 @@ async def measure(args: argparse.Namespace, src: Path, logdir: Path, label: str,
         return await closed_count(router.url, args.http, spec, prompt, concurrency=args.concurrency,
                                   requests=requests, label=f"{label} {what}")
 
-    print(f"{label}: starting the router under callgrind ({src})", file=sys.stderr)
+    print(f"{label}: starting the {front} under callgrind ({src} {' '.join(serve_args)})", file=sys.stderr)
     async with AsyncExitStack() as stack:
         mocks = await _start_all(stack, logdir, [(f"{tag}-mock0", mock), (f"{tag}-mock1", mock)])
-        (router,) = await _start_all(stack, logdir, [(f"{tag}-router", valgrind + serve_argv(mocks))],
-                                     cwd={f"{tag}-router": src})
-        await _ready(router.url, "/ready", patience=120.0)
+        argv = [sys.executable, str(RELAY), "--port", "0", *backend_args(mocks)] if front == "null" \
+            else serve_argv(mocks) + serve_args
+        (router,) = await _start_all(stack, logdir, [(f"{tag}-{front}", valgrind + argv)], cwd={f"{tag}-{front}": src})
+        await _ready(router.url, "/v1/models" if front == "null" else "/ready", patience=120.0)
         if args.warmup > 0:
             await load(args.warmup, "warm-up")
         await _control(router.pid, "-i", "on")
@@ -241,14 +258,20 @@ def format_report(doc: dict[str, Any]) -> str:
         cells = "".join(f"{_millions(r['per_request']):>12}" for r in rows)
         s = summary.get(side, {})
         spread = f"{100 * s['spread']:.2f}%" if s else "-"
-        lines.append(f"{side:<6}{_name(doc['sides'][side])[:21]:<22}{cells}{_millions(s.get('per_request')):>12}"
+        lines.append(f"{side:<6}{_build(doc['sides'][side])[:21]:<22}{cells}{_millions(s.get('per_request')):>12}"
                      f"{spread:>9}{sum(r['ok'] for r in rows):>10}{sum(r['errors'] for r in rows):>8}")
     lines.append("(instructions per request, millions)")
+    lines += [f"{side}: {_build(doc['sides'][side])} {' '.join(doc['sides'][side].get('serve_args') or [])}".rstrip()
+              for side in sides if doc["sides"][side].get("serve_args")]
     if "b_over_a" in summary:
         lines.append(f"B/A: {summary['b_over_a']:.4f}")
     if doc.get("interrupted"):
         lines.append(f"(stopped early: {doc['interrupted']})")
     return "\n".join(lines)
+
+
+def _build(side: dict[str, Any]) -> str:
+    return f"null relay {_name(side)}" if side.get("front") == "null" else _name(side)
 
 
 def _millions(value: float | None) -> str:
@@ -264,7 +287,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
                   if side in r and r[side]["per_request"] is not None]
         if points:
             ax.plot([x for x, _ in points], [y for _, y in points], marker=marker, linestyle="",
-                    label=f"{side}: {_name(doc['sides'][side])}")
+                    label=f"{side}: {_build(doc['sides'][side])}")
     ax.set_xlabel("round")
     ax.set_ylabel("instructions per request (millions)")
     ax.set_xticks(list(range(1, len(doc["rounds"]) + 1)))

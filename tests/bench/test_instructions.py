@@ -35,9 +35,12 @@ def test_the_summary_is_each_sides_median_its_spread_and_b_over_a() -> None:
     assert s["A"]["per_request"] == pytest.approx(4.1e6) and s["A"]["spread"] == pytest.approx(0.2 / 4.1)
     assert s["B"]["per_request"] == pytest.approx(3.85e6) and s["B"]["errors"] == 1  # a side that answered nothing is no point
     assert s["b_over_a"] == pytest.approx(3.85 / 4.1)
-    text = instructions.format_report(_doc(rounds))  # type: ignore[arg-type]
+    doc = _doc(rounds)
+    doc["sides"]["B"]["serve_args"] = ["--policy", "round_robin"]  # type: ignore[index]
+    text = instructions.format_report(doc)  # type: ignore[arg-type]
     assert "Test CPU" in text and "valgrind-3.x" in text
     assert "c0ffeeA" in text and "4.100" in text and "3.850" in text and "B/A: 0.9390" in text
+    assert "B: c0ffeeB --policy round_robin" in text
 
 
 def test_one_side_has_no_ratio() -> None:
@@ -54,18 +57,21 @@ def test_bad_arguments_are_refused_before_anything_starts(bad: list[str], capsys
 
 
 @pytest.mark.skipif(not instructions.available(), reason="valgrind is not installed (apt-get install valgrind)")
-def test_two_runs_of_one_build_count_the_same_within_a_few_tenths_of_a_percent(tmp_path: Path) -> None:
+def test_two_runs_of_one_build_count_the_same_and_the_null_relay_far_less(tmp_path: Path) -> None:
     """A real router under callgrind, 30 requests counted twice: every one
     answered, a plausible count (a streamed request is millions of
     instructions in CPython), and the two runs within 2% of each other
-    (about 0.2% at the default 400 requests)."""
+    (about 0.2% at the default 400 requests); the null relay as side B
+    does a fraction of the router's work."""
     out = tmp_path / "ins.json"
     code = cli.main(["instructions", "--requests", "30", "--warmup", "10", "--concurrency", "2", "--rounds", "2",
-                     "--json", str(out), "--plot", str(tmp_path / "ins.png")])
+                     "--b-front", "null", "--json", str(out), "--plot", str(tmp_path / "ins.png")])
     assert code == 0
     doc = json.loads(out.read_text())
     assert (tmp_path / "ins.png").stat().st_size > 0
-    sides = [r["A"] for r in doc["rounds"]]
-    assert [s["ok"] for s in sides] == [30, 30] and [s["errors"] for s in sides] == [0, 0]
-    assert all(1e6 < s["per_request"] < 1e8 for s in sides), sides
+    assert doc["sides"]["A"]["front"] == "router" and doc["sides"]["B"]["front"] == "null"
+    sides = [r[side] for r in doc["rounds"] for side in ("A", "B")]
+    assert [s["ok"] for s in sides] == [30] * 4 and [s["errors"] for s in sides] == [0] * 4
+    assert all(1e5 < s["per_request"] < 1e8 for s in sides), sides
     assert doc["summary"]["A"]["spread"] < 0.02, sides
+    assert doc["summary"]["b_over_a"] < 0.5, doc["summary"]
