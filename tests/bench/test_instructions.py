@@ -58,20 +58,21 @@ def test_bad_arguments_are_refused_before_anything_starts(bad: list[str], capsys
 
 @pytest.mark.skipif(not instructions.available(), reason="valgrind is not installed (apt-get install valgrind)")
 def test_two_runs_of_one_build_count_the_same_and_the_null_relay_far_less(tmp_path: Path) -> None:
-    """A real router under callgrind, 30 requests counted twice: every one
+    """A real router under callgrind, 60 requests counted twice: every one
     answered, a plausible count (a streamed request is millions of
-    instructions in CPython), and the two runs within 2% of each other
-    (about 0.2% at the default 400 requests); the null relay as side B
-    does a fraction of the router's work."""
+    instructions in CPython), and the two runs within 5% of each other
+    (about 0.2% at the default 400 requests; over a short window a cyclic
+    garbage collection, or a probe, weighs a few percent); the null relay
+    as side B does a fraction of the router's work."""
     out = tmp_path / "ins.json"
-    code = cli.main(["instructions", "--requests", "30", "--warmup", "10", "--concurrency", "2", "--rounds", "2",
+    code = cli.main(["instructions", "--requests", "60", "--warmup", "10", "--concurrency", "2", "--rounds", "2",
                      "--b-front", "null", "--json", str(out), "--plot", str(tmp_path / "ins.png")])
     assert code == 0
     doc = json.loads(out.read_text())
     assert (tmp_path / "ins.png").stat().st_size > 0
     assert doc["sides"]["A"]["front"] == "router" and doc["sides"]["B"]["front"] == "null"
     sides = [r[side] for r in doc["rounds"] for side in ("A", "B")]
-    assert [s["ok"] for s in sides] == [30] * 4 and [s["errors"] for s in sides] == [0] * 4
+    assert [s["ok"] for s in sides] == [60] * 4 and [s["errors"] for s in sides] == [0] * 4
     assert all(1e5 < s["per_request"] < 1e8 for s in sides), sides
-    assert doc["summary"]["A"]["spread"] < 0.02, sides
+    assert doc["summary"]["A"]["spread"] < 0.05, sides
     assert doc["summary"]["b_over_a"] < 0.5, doc["summary"]
