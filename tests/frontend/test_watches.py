@@ -12,27 +12,20 @@ from contextlib import AsyncExitStack
 
 import trio
 
-from backends.base import BackendInfo, Event, GenerateRequest, Health, Usage
+from backends.base import Event, GenerateRequest, Usage
 from backends.errors import UpstreamError
 from frontend.call import Call, prepare_call
 from frontend.context import RequestContext
+from tests.frontend.test_single_choice import ScriptedBackend
 
 
-class _Backend:
+class _Backend(ScriptedBackend):
     """``tokens`` token events then a final one per stream; with ``fail_at``,
     an upstream error instead of that event. Logs closes in ``log``."""
 
     def __init__(self, log: list[str], tokens: int = 3, fail_at: int | None = None) -> None:
+        super().__init__([])
         self.log, self.tokens, self.fail_at = log, tokens, fail_at
-
-    def info(self) -> BackendInfo:
-        return BackendInfo(name="b", models=("m",))
-
-    async def health(self) -> Health:
-        return Health(ok=True)
-
-    async def aclose(self) -> None:
-        pass
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
         try:
