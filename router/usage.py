@@ -3,7 +3,7 @@ tenant and model, as metrics and in the job store (``GET /admin/usage``).
 
 ::
 
-    pipeline stage (UsageLedger.admit) ── wraps the call's backend, reads each choice's final usage
+    pipeline stage (UsageLedger.admit) ── watches the call's streams, reads each choice's final usage
         └─ at the call's end: +1 request, prompt (once per call), generated, gpu_seconds
            ├─> headrace_usage_*_total{tenant, model}       (bounded labels, at once)
            └─> pending[(tenant, model, minute)] += ...     (in memory)
