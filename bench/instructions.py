@@ -10,7 +10,7 @@ request, counted by valgrind's callgrind, for this checkout and another.
 CPU time per request drifts by 10-20% from one minute to the next on a
 shared box: ``headrace bench ab`` loads both builds at once to cancel that
 and still needs several rounds to tell 5% apart. Instructions executed do
-not drift: two runs of one build agree to about 0.2% at the default 400
+not drift: two runs of one build agree within ~0.5% at the default 400
 requests (a few percent over a few dozen, where one cyclic garbage
 collection weighs more), so a change that saves 1% of the router's work
 shows in one run. Instructions are not time

@@ -61,7 +61,7 @@ def test_two_runs_of_one_build_count_the_same_and_the_null_relay_far_less(tmp_pa
     """A real router under callgrind, 60 requests counted twice: every one
     answered, a plausible count (a streamed request is millions of
     instructions in CPython), and the two runs within 5% of each other
-    (about 0.2% at the default 400 requests; over a short window a cyclic
+    (within ~0.5% at the default 400 requests; over a short window a cyclic
     garbage collection, or a probe, weighs a few percent); the null relay
     as side B does a fraction of the router's work."""
     out = tmp_path / "ins.json"
