@@ -159,6 +159,8 @@ class Call:
         self.coalesce = coalesce
         self.headers: list[tuple[str, str]] = []  # response headers a gate adds (x-ratelimit-*)
         self.watches: list[Callable[[], StreamWatch]] = []
+        self._head_bytes = b""  # see _head
+        self._head_model: str | None = None
 
     def watch(self, start: Callable[[], StreamWatch]) -> None:
         """Have ``start()`` (a new watch for each choice's stream) see every
@@ -360,7 +362,17 @@ class Call:
                 payload["usage"] = usage_payload(state.usage)
             return sse(payload)
         choice = chunk_choice(self.kind, i, event, token_ids=self.token_ids, first=first, text_offset=offset)
-        return sse(self._envelope([choice], None))
+        return self._head() + _encoder.encode(choice) + b"]}\n\n"
+
+    def _head(self) -> bytes:
+        """``data: {"id":…,"object":…,"created":…,"model":…,"choices":[``,
+        the part of every chunk of this call before its choice, encoded once
+        (again if the answering model changes): the bytes
+        ``sse(self._envelope([choice], None))`` starts with."""
+        if self._head_model is not self.model:
+            whole = _encoder.encode(self._envelope([], None))  # ...,"choices":[]}
+            self._head_bytes, self._head_model = b"data: " + whole[:-2], self.model
+        return self._head_bytes
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -1,0 +1,50 @@
+"""A streamed chunk is its call's head, encoded once, then its choice: the
+same bytes as encoding the whole envelope per chunk, whatever the kind,
+the text (escapes, non-ASCII), the ids, and when the answering model
+changes between chunks."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.base import BackendInfo, Event
+from frontend.call import _Choice, prepare_call, sse
+from frontend.context import RequestContext
+from frontend.wire import chunk_choice
+
+
+class _Models:
+    def info(self) -> BackendInfo:
+        return BackendInfo(name="b", models=("m", 'm"2\u00e9'))
+
+
+events = st.builds(
+    Event,
+    text=st.text(max_size=12),
+    token_ids=st.lists(st.integers(0, 2**31), max_size=3),
+    finish_reason=st.sampled_from([None, "stop", "length"]),
+    seed=st.one_of(st.none(), st.integers(0, 2**31)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["chat", "completion"]), ids=st.booleans(), batch=st.lists(events, min_size=1, max_size=6),
+       switch=st.integers(0, 6))
+def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list[Event], switch: int) -> None:
+    body = {"model": "m", "stream": True, "return_token_ids": ids}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"})
+    call = prepare_call(kind, json.dumps(body).encode(), _Models(), RequestContext(request_id="r"))  # type: ignore[arg-type]
+    mine, theirs = _Choice(), _Choice()
+    for n, event in enumerate(batch):
+        if n == switch:
+            call.model = 'm"2\u00e9'  # a fallback model answered: the head follows
+        got = call._chunk(0, event, mine)
+        first = theirs.events == 0
+        offset = len(theirs.text)
+        theirs.add(event)
+        choice = chunk_choice(call.kind, 0, event, token_ids=call.token_ids, first=first, text_offset=offset)
+        assert got == sse(call._envelope([choice], None))
+        assert json.loads(got[6:])["model"] == call.model
