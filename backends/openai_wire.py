@@ -204,11 +204,16 @@ class ChunkParser:
             raise BackendProtocolError(f"malformed chunk: {data[:200]!r}") from None
         if chunk.error is not msgspec.UNSET:
             raise self._stream_error(chunk.error)
-        self._absorb(chunk.prompt_token_ids, chunk.seed, chunk.usage)
-        if chunk.choices is None:
+        if chunk.prompt_token_ids is not None or chunk.seed is not None or chunk.usage is not None:
+            self._absorb(chunk.prompt_token_ids, chunk.seed, chunk.usage)
+        choices = chunk.choices
+        if choices is None:
             raise BackendProtocolError(f"chunk without choices: {data[:200]!r}")
+        if len(choices) == 1:  # every token's chunk
+            event = self._choice(choices[0])
+            return [event] if event is not None else []
         events = []
-        for c in chunk.choices:
+        for c in choices:
             event = self._choice(c)
             if event is not None:
                 events.append(event)
@@ -236,7 +241,14 @@ class ChunkParser:
             self.saw_ids = True
         else:
             ids = []
-        text = self._text(c)
+        if self.chat:
+            text = self._text(c)
+        else:  # _text's completions case, inline: every token's chunk
+            text = c.text
+            if text is None:
+                text = ""
+            elif not isinstance(text, str):
+                raise BackendProtocolError("chunk text is not a string")
         event = Event(token_ids=ids, text=text, logprobs=_logprobs(c.logprobs, ids) if c.logprobs is not None else None)
         self.tokens += len(ids)
         if c.finish_reason is not None:

@@ -112,11 +112,20 @@ def test_parser_skips_role_only_chat_deltas_and_maps_unknown_finish_reasons_to_s
         '{"id": "x"}',
         _chunk("a", ids=["x"]),  # type: ignore[list-item]
         json.dumps({"choices": [{"index": 1, "text": "a"}]}),
+        json.dumps({"choices": [{"index": 0, "text": 7}]}),  # text that is not a string
+        json.dumps({"choices": [{"index": 0, "text": ["a"]}, {"index": 0, "text": "b"}]}),
     ],
 )
 def test_parser_rejects_chunks_that_are_not_the_openai_shape(data: str) -> None:
     with pytest.raises(BackendProtocolError):
         ChunkParser(chat=False).feed(data)
+
+
+def test_a_completion_chunk_with_null_or_empty_text_and_ids_is_a_token_event() -> None:
+    parser = ChunkParser(chat=False)
+    (event,) = parser.feed(json.dumps({"choices": [{"index": 0, "text": None, "token_ids": [4]}]}))
+    assert event.text == "" and event.token_ids == [4]
+    assert parser.feed(json.dumps({"choices": [{"index": 0, "text": ""}]})) == []  # nothing in it
 
 
 def test_done_without_finish_reason_and_error_events_translate() -> None:
