@@ -20,7 +20,7 @@ that ends a choice early ends the answer with the in-band error event and no
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -247,7 +247,7 @@ class Call:
         flush = self._flush
 
         async def produce(emit: Emit) -> None:
-            states = [_Choice() for _ in self.subs]
+            states = [_Streamed() for _ in self.subs]
             parts = [self._chunk(i, event, states[i]) for i, event in pending]
             while True:
                 # Chunks that are ready leave in one write (coalesce); a
@@ -300,7 +300,7 @@ class Call:
         flush = self._flush
 
         async def produce(emit: Emit) -> None:
-            state = _Choice()
+            state = _Streamed()
             parts = [self._chunk(0, first, state)]
             more = first.more_ready
             while True:
@@ -332,7 +332,7 @@ class Call:
                 await emit(part)
         parts.clear()
 
-    def _ending(self, parts: list[bytes], states: list[_Choice]) -> list[bytes]:
+    def _ending(self, parts: list[bytes], states: Sequence[_Choice]) -> list[bytes]:
         """``parts`` and what ends the body once every stream has ended."""
         if any(state.finish_reason is None for state in states):
             # Every stream ended, yet some choice never got its final event:
@@ -345,9 +345,9 @@ class Call:
         parts.append(DONE)
         return parts
 
-    def _chunk(self, i: int, event: Event, state: _Choice) -> bytes:
+    def _chunk(self, i: int, event: Event, state: _Streamed) -> bytes:
         first = state.events == 0
-        offset = len(state.text)
+        offset = state.text_length
         state.add(event)
         if self.kind == "native":
             payload: dict[str, Any] = {"id": self.rid, "text": event.text, "token_ids": event.token_ids}
@@ -514,7 +514,29 @@ class _Choice:
         return out
 
 
-def _total_usage(choices: list[_Choice]) -> Usage:
+class _Streamed(_Choice):
+    """A streamed choice: what its chunks and the stream's ending read (the
+    events so far, the text's length for logprob offsets, the outcome and
+    usage), not the text and token ids themselves, which went to the client
+    as they came (kept, they were copied on every event: quadratic in a
+    long answer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_length = 0
+
+    def add(self, event: Event) -> None:
+        self.events += 1
+        self.text_length += len(event.text)
+        if event.model is not None:
+            self.model = event.model
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+        if event.usage is not None:
+            self.usage = event.usage
+
+
+def _total_usage(choices: Sequence[_Choice]) -> Usage:
     # The prompt is shared by the n choices of one prompt; count it once per
     # distinct prompt as OpenAI does (here: the max, since n shares one prompt).
     prompt = max((c.usage.prompt_tokens for c in choices), default=0)

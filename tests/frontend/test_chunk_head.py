@@ -1,7 +1,8 @@
 """A streamed chunk is its call's head, encoded once, then its choice: the
 same bytes as encoding the whole envelope per chunk, whatever the kind,
 the text (escapes, non-ASCII), the ids, and when the answering model
-changes between chunks."""
+changes between chunks. A streamed choice keeps the text's length, not the
+text: the logprobs' text offsets come out the same."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.base import BackendInfo, Event
-from frontend.call import _Choice, prepare_call, sse
+from backends.base import BackendInfo, Event, Logprob
+from frontend.call import _Choice, _Streamed, prepare_call, sse
 from frontend.context import RequestContext
 from frontend.wire import chunk_choice
 
@@ -27,6 +28,8 @@ events = st.builds(
     token_ids=st.lists(st.integers(0, 2**31), max_size=3),
     finish_reason=st.sampled_from([None, "stop", "length"]),
     seed=st.one_of(st.none(), st.integers(0, 2**31)),
+    logprobs=st.one_of(st.none(), st.lists(st.builds(Logprob, token_id=st.integers(0, 99), logprob=st.just(-0.5),
+                                                     token=st.text(max_size=3)), min_size=1, max_size=2)),
 )
 
 
@@ -37,7 +40,7 @@ def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list
     body = {"model": "m", "stream": True, "return_token_ids": ids}
     body.update({"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"})
     call = prepare_call(kind, json.dumps(body).encode(), _Models(), RequestContext(request_id="r"))  # type: ignore[arg-type]
-    mine, theirs = _Choice(), _Choice()
+    mine, theirs = _Streamed(), _Choice()
     for n, event in enumerate(batch):
         if n == switch:
             call.model = 'm"2\u00e9'  # a fallback model answered: the head follows
@@ -48,3 +51,4 @@ def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list
         choice = chunk_choice(call.kind, 0, event, token_ids=call.token_ids, first=first, text_offset=offset)
         assert got == sse(call._envelope([choice], None))
         assert json.loads(got[6:])["model"] == call.model
+        assert mine.text_length == len(theirs.text) and mine.events == theirs.events
