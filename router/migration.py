@@ -174,13 +174,13 @@ class Progress:
     """What has been relayed so far: enough to resume elsewhere."""
 
     __slots__ = (
-        "cached", "events", "finished", "ids_complete", "logprobs", "prompt_token_ids", "seed", "text", "text_events", "token_ids",
+        "_pieces", "cached", "events", "finished", "ids_complete", "logprobs", "prompt_token_ids", "seed", "text_events", "token_ids",
     )  # fmt: skip
 
     def __init__(self) -> None:
         self.prompt_token_ids: list[int] | None = None
         self.token_ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []  # the text, joined only when a resume reads it
         self.text_events = 0  # events that carried text (a token count where there are no ids)
         self.seed: int | None = None
         self.events = 0
@@ -196,7 +196,7 @@ class Progress:
         elif event.text:
             self.ids_complete = False
         if event.text:
-            self.text += event.text
+            self._pieces.append(event.text)
             self.text_events += 1
         if event.logprobs:
             self.logprobs += len(event.logprobs)
@@ -208,6 +208,14 @@ class Progress:
             self.finished = True
         if event.usage is not None and self.cached is None:
             self.cached = event.usage.cached_tokens
+
+    @property
+    def text(self) -> str:
+        """The text relayed so far (its pieces, joined once: adding each
+        event's to a string copied all of it every event)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def resumable_by_ids(self) -> bool:

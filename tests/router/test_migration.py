@@ -540,3 +540,13 @@ async def test_a_failed_attempts_error_is_freed_without_the_cyclic_collector(aft
         assert all(ref() is None for ref in made)
     finally:
         gc.enable()
+
+
+@given(pieces=st.lists(st.text(alphabet="ab é", max_size=4), max_size=12), reads=st.sets(st.integers(0, 12)))
+def test_the_text_so_far_is_every_events_text_in_order_however_often_it_is_read(pieces: list[str], reads: set[int]) -> None:
+    progress = Progress()
+    for n, piece in enumerate(pieces):
+        if n in reads:
+            assert progress.text == "".join(pieces[:n])
+        progress.add(Event(text=piece))
+    assert progress.text == "".join(pieces) and progress.text_events == sum(1 for p in pieces if p)
