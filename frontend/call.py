@@ -477,6 +477,10 @@ class _Choice:
             self.prompt_token_ids = event.prompt_token_ids
         if event.seed is not None:
             self.seed = event.seed
+        self._outcome(event)
+
+    def _outcome(self, event: Event) -> None:
+        """The answering model, the finish reason and the usage, as they come."""
         if event.model is not None:
             self.model = event.model
         if event.finish_reason is not None:
@@ -528,12 +532,7 @@ class _Streamed(_Choice):
     def add(self, event: Event) -> None:
         self.events += 1
         self.text_length += len(event.text)
-        if event.model is not None:
-            self.model = event.model
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-        if event.usage is not None:
-            self.usage = event.usage
+        self._outcome(event)
 
 
 def _total_usage(choices: Sequence[_Choice]) -> Usage:
