@@ -119,15 +119,18 @@ async def _native(url: str, http: str, body_file: Path, concurrency: int, durati
     return {"client": "h2load", **parse_h2load(await _run_tool(argv, duration, label))}
 
 
+def closed_client(url: str, http: str, concurrency: int, timeout: float) -> httpx.AsyncClient | H2Pool:
+    """A closed loop's Python client: the lean one (backends.h2client) over
+    h2c, httpx over HTTP/1.1; ``concurrency`` connections."""
+    if http == "2":
+        return make_pool(url, max_connections=concurrency, api_key=None, timeout=timeout)
+    return make_client(url, "1.1", max_connections=concurrency, api_key=None, timeout=timeout)
+
+
 async def _python(url: str, http: str, spec: RequestSpec, prompt: str, concurrency: int,
                   duration: float, label: str) -> dict[str, Any]:
     """httpx over HTTP/1.1; the lean client (backends.h2client) over h2c."""
-    client: httpx.AsyncClient | H2Pool
-    if http == "2":
-        client = make_pool(url, max_connections=concurrency, api_key=None, timeout=spec.timeout)
-    else:
-        client = make_client(url, "1.1", max_connections=concurrency, api_key=None,
-                             timeout=spec.timeout)
+    client = closed_client(url, http, concurrency, spec.timeout)
     async with client:
         async def send(index: int, _: str, planned: float, run_start: float) -> RequestResult:
             return await send_request(client, spec, prompt, index=index, start=planned,

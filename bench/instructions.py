@@ -49,20 +49,18 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from backends.errors import BackendUnavailable, ClientError
-from backends.h2client import H2Pool
 from bench.ab import REPO, SIDES, _name, _side
 from bench.cli import add_output_args, finish, run_reported
 from bench.client import RequestResult, RequestSpec, send_request
-from bench.connect import make_client, make_pool
+from bench.drivers import closed_client
 from bench.procs import cpu_info
 from bench.progress import ProgressBar
-from bench.relay_budget import RELAY
+from bench.relay_budget import relay_argv
 from bench.report import dash
-from bench.router_bench import _ready, _start_all, backend_args, mock_argv, serve_argv
+from bench.router_bench import _ready, _start_all, mock_argv, serve_argv
 from bench.schedule import make_prompt
 
 __all__ = ["available", "format_report", "main", "read_total", "summarize"]
@@ -166,8 +164,7 @@ async def measure(args: argparse.Namespace, src: Path, front: str, serve_args: l
     print(f"{label}: starting the {front} under callgrind ({src} {' '.join(serve_args)})", file=sys.stderr)
     async with AsyncExitStack() as stack:
         mocks = await _start_all(stack, logdir, [(f"{tag}-mock0", mock), (f"{tag}-mock1", mock)])
-        argv = [sys.executable, str(RELAY), "--port", "0", *backend_args(mocks)] if front == "null" \
-            else serve_argv(mocks) + serve_args
+        argv = relay_argv(mocks) if front == "null" else serve_argv(mocks) + serve_args
         (router,) = await _start_all(stack, logdir, [(f"{tag}-{front}", valgrind + argv)], cwd={f"{tag}-{front}": src})
         await _ready(router.url, "/v1/models" if front == "null" else "/ready", patience=120.0)
         if args.warmup > 0:
@@ -185,11 +182,7 @@ async def measure(args: argparse.Namespace, src: Path, front: str, serve_args: l
 async def closed_count(url: str, http: str, spec: RequestSpec, prompt: str, *, concurrency: int, requests: int,
                        label: str) -> dict[str, Any]:
     """``requests`` requests over ``concurrency`` connections back to back."""
-    client: httpx.AsyncClient | H2Pool
-    if http == "2":
-        client = make_pool(url, max_connections=concurrency, api_key=None, timeout=spec.timeout)
-    else:
-        client = make_client(url, "1.1", max_connections=concurrency, api_key=None, timeout=spec.timeout)
+    client = closed_client(url, http, concurrency, spec.timeout)
     results: list[RequestResult] = []
     progress = ProgressBar(label)
     start = trio.current_time()

@@ -41,6 +41,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,11 @@ from bench.router_bench import _ready, _start_all, backend_args, mock_argv, serv
 __all__ = ["budget", "format_report", "main"]
 
 RELAY = Path(__file__).with_name("null_relay.py")
+
+
+def relay_argv(mocks: Sequence[Server]) -> list[str]:
+    """bench/null_relay.py in front of ``mocks`` on a free port (run as a file: see its docstring)."""
+    return [sys.executable, str(RELAY), "--port", "0", *backend_args(mocks)]
 
 
 def _burns(text: str) -> list[float]:
@@ -114,7 +120,7 @@ async def _run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory(prefix="headrace-budget-") as logdir:
         async with AsyncExitStack() as stack:
             mocks = await _start_all(stack, Path(logdir), [("mock0", mock), ("mock1", mock)])
-            relay = [sys.executable, str(RELAY), "--port", "0", *backend_args(mocks)]
+            relay = relay_argv(mocks)
             fronts: list[tuple[str, float | None, list[str]]] = [
                 ("relay", x, [*relay, "--burn-ms", f"{x:g}"]) for x in args.burns]
             if not args.no_router:
