@@ -87,7 +87,7 @@ from backends.openai_wire import (
     status_error,
     transport_error,
 )
-from backends.tally import StreamTally
+from backends.tally import Outcome, StreamTally
 from frontend import loop_lag
 from frontend.sse import SSEParser
 
@@ -538,7 +538,7 @@ class OpenAIHTTPBackend:
         path, payload = self._payload(request)
         stall = self.stall_timeout if stall_timeout is None else min(self.stall_timeout, stall_timeout)
         tenant = request.tenant if self.send_tenant and _HEADER_SAFE.fullmatch(request.tenant) else None
-        return self._tally.track(self._stream(path, payload, request.request_id, stall, request.traceparent, tenant))
+        return self._stream(path, payload, request.request_id, stall, request.traceparent, tenant)
 
     # ------------------------------------------------------------ internals
 
@@ -582,90 +582,103 @@ class OpenAIHTTPBackend:
         first event: migratable) from an unavailable backend (before it).
         Timeouts cover the waits only, never a ``yield`` (the consumer's
         time is not the backend's)."""
-        parser = ChunkParser(chat=path.endswith("/chat/completions"))
-        body = _json.encode(payload)
-        stall = self.stall_timeout if stall is None else stall
+        tally = self._tally
+        tally.begin()
+        outcome: Outcome = "cancelled"  # the consumer left, unless it ends otherwise
         try:
-            async with AsyncExitStack() as stack:
-                with trio.move_on_after(self.first_token_timeout) as opening:
-                    transport = await self._use()
-                    headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
-                    if traceparent:  # the router's span for this attempt (W3C trace context)
-                        headers = [*headers, ("traceparent", traceparent)]
-                    if tenant:
-                        headers = [*headers, ("x-headrace-tenant", tenant)]
-                    reply = await stack.enter_async_context(transport.open(path, body, headers))
-                if opening.cancelled_caught:
-                    raise BackendTimeout(f"no response within {self.first_token_timeout}s")
-                if reply.status != 200:
-                    raise await _status_error(reply)
-                content_type = reply.headers.get("content-type", "")
-                if not content_type.startswith("text/event-stream"):
-                    raise BackendProtocolError(
-                        f"expected an SSE stream, got {content_type or 'no content type'!r}"
-                    )
-                decoder = SSEParser(strict=True)
-                chunks, ready = reply.chunks, reply.ready
-                grace = 0.0  # more time for this silence: the router's own loop ran late
-                while not parser.done:  # after [DONE], the server may be slow to end
-                    limit = stall if parser.events else self.first_token_timeout
-                    chunk: bytes | None = None
-                    try:
-                        if ready is not None and ready():
-                            # Already here: no silence to time, so no cancel
-                            # scope (~6 us each on a slow core, one a read).
-                            chunk = await chunks.__anext__()
-                        else:
-                            with trio.move_on_after(grace or limit):
+            parser = ChunkParser(chat=path.endswith("/chat/completions"))
+            body = _json.encode(payload)
+            stall = self.stall_timeout if stall is None else stall
+            try:
+                async with AsyncExitStack() as stack:
+                    with trio.move_on_after(self.first_token_timeout) as opening:
+                        transport = await self._use()
+                        headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
+                        if traceparent:  # the router's span for this attempt (W3C trace context)
+                            headers = [*headers, ("traceparent", traceparent)]
+                        if tenant:
+                            headers = [*headers, ("x-headrace-tenant", tenant)]
+                        reply = await stack.enter_async_context(transport.open(path, body, headers))
+                    if opening.cancelled_caught:
+                        raise BackendTimeout(f"no response within {self.first_token_timeout}s")
+                    if reply.status != 200:
+                        raise await _status_error(reply)
+                    content_type = reply.headers.get("content-type", "")
+                    if not content_type.startswith("text/event-stream"):
+                        raise BackendProtocolError(
+                            f"expected an SSE stream, got {content_type or 'no content type'!r}"
+                        )
+                    decoder = SSEParser(strict=True)
+                    chunks, ready = reply.chunks, reply.ready
+                    grace = 0.0  # more time for this silence: the router's own loop ran late
+                    while not parser.done:  # after [DONE], the server may be slow to end
+                        limit = stall if parser.events else self.first_token_timeout
+                        chunk: bytes | None = None
+                        try:
+                            if ready is not None and ready():
+                                # Already here: no silence to time, so no cancel
+                                # scope (~6 us each on a slow core, one a read).
                                 chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    if chunk is None:
-                        if parser.complete:
-                            break  # everything came but [DONE]
-                        if not grace and (grace := min(loop_lag.current(), limit)) >= LAG_GRACE_MIN:
-                            continue  # once per silence, for as long as the loop was late
-                        error = BackendStalled if parser.events else BackendTimeout
-                        silent = limit + grace if grace >= LAG_GRACE_MIN else limit
-                        raise error(f"no bytes from the backend for {silent:.3g}s (after {parser.events} events)")
-                    grace = 0.0
-                    try:
-                        sse_events = decoder.feed(chunk)
-                    except UnicodeDecodeError:
-                        raise BackendProtocolError("stream data is not UTF-8") from None
-                    # The events of this read, each but the last marked
-                    # ``more_ready``, and the last too when the stream ends
-                    # with it. Not before an error in the read's rest: what
-                    # follows it (a migration) may wait.
-                    batch: list[Event] = []
-                    failure: HeadraceError | None = None
-                    try:
-                        for sse in sse_events:
-                            batch += parser.feed(sse.data)
-                            self._saw_ids = self._saw_ids or parser.saw_ids
-                    except HeadraceError as exc:
-                        failure = exc
-                    last, ends = len(batch) - 1, parser.done and failure is None
-                    for k, event in enumerate(batch):
-                        event.more_ready = k < last or ends
-                        yield event
-                    if failure is not None:
-                        raise failure
-        except HeadraceError:
-            raise
-        except _ERRORS as exc:
-            if parser.done:
-                return  # broke after [DONE]: everything arrived
-            if not parser.complete:
+                            else:
+                                with trio.move_on_after(grace or limit):
+                                    chunk = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        if chunk is None:
+                            if parser.complete:
+                                break  # everything came but [DONE]
+                            if not grace and (grace := min(loop_lag.current(), limit)) >= LAG_GRACE_MIN:
+                                continue  # once per silence, for as long as the loop was late
+                            error = BackendStalled if parser.events else BackendTimeout
+                            silent = limit + grace if grace >= LAG_GRACE_MIN else limit
+                            raise error(f"no bytes from the backend for {silent:.3g}s (after {parser.events} events)")
+                        grace = 0.0
+                        try:
+                            sse_events = decoder.feed(chunk)
+                        except UnicodeDecodeError:
+                            raise BackendProtocolError("stream data is not UTF-8") from None
+                        # The events of this read, each but the last marked
+                        # ``more_ready``, and the last too when the stream ends
+                        # with it. Not before an error in the read's rest: what
+                        # follows it (a migration) may wait.
+                        batch: list[Event] = []
+                        failure: HeadraceError | None = None
+                        try:
+                            for sse in sse_events:
+                                batch += parser.feed(sse.data)
+                                self._saw_ids = self._saw_ids or parser.saw_ids
+                        except HeadraceError as exc:
+                            failure = exc
+                        last, ends = len(batch) - 1, parser.done and failure is None
+                        for k, event in enumerate(batch):
+                            event.more_ready = k < last or ends
+                            if event.finish_reason is not None:
+                                outcome = "completed"
+                            yield event
+                        if failure is not None:
+                            raise failure
+            except HeadraceError:
+                raise
+            except _ERRORS as exc:
+                if parser.done:
+                    return  # broke after [DONE]: everything arrived
+                if not parser.complete:
+                    raise transport_error(exc, started=parser.events > 0) from exc
+                # broke after the final event and usage: complete but for [DONE]
+            except Exception as exc:
+                # Anything untranslated (a bug, an error type a library let
+                # through): the stream did not end well, so say so.
+                log.warning("backend %s: stream failed with %r", self.name, exc)
                 raise transport_error(exc, started=parser.events > 0) from exc
-            # broke after the final event and usage: complete but for [DONE]
-        except Exception as exc:
-            # Anything untranslated (a bug, an error type a library let
-            # through): the stream did not end well, so say so.
-            log.warning("backend %s: stream failed with %r", self.name, exc)
-            raise transport_error(exc, started=parser.events > 0) from exc
-        if not parser.done:
-            yield parser.end()  # the final event, or StreamBroken without one
+            if not parser.done:
+                final = parser.end()  # the final event, or StreamBroken without one
+                outcome = "completed"
+                yield final
+        except HeadraceError:
+            outcome = "failed"
+            raise
+        finally:
+            tally.end(outcome)
 
 
 _json = msgspec.json.Encoder()

@@ -396,6 +396,8 @@ async def test_every_mid_stream_failure_is_an_upstream_error_the_router_can_name
     closing.append(client)
     events, exc = await collect_until_error(client, GenerateRequest(prompt="a", max_tokens=6))
     assert type(exc) is want and isinstance(exc, UpstreamError) and len(ids_of(events)) >= 2
+    stats = client.statistics()  # the adapter's own tally: failed, not completed nor left in flight
+    assert (stats.started, stats.failed, stats.completed, stats.cancelled, stats.in_flight) == (1, 1, 0, 0, 0)
 
 
 @pytest.mark.parametrize(
