@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
+import pytest
 import trio
 
 from backends.base import Event, GenerateRequest, Usage
@@ -108,3 +109,11 @@ async def test_each_choice_gets_its_own_watches_and_a_whole_answer_is_watched_to
     assert log.count("a start") == log.count("b start") == 2
     assert log.count("a end") == log.count("b end") == log.count("closed") == 2
     assert log.count("a 0") == log.count("b 1") == 2
+
+
+async def test_a_stream_that_fails_before_its_first_event_still_ends_its_watches() -> None:
+    log: list[str] = []
+    with pytest.raises(BaseExceptionGroup) as raised:  # the request's nursery: a real status code, not an in-band error
+        await _stream(_call(_Backend(log, fail_at=0), log, stream=True))
+    assert raised.group_contains(UpstreamError, match="went away")
+    assert log == ["a start", "b start", "closed", "a end", "b end"]
