@@ -516,18 +516,133 @@ class Dispatcher:
                 await actor.aclose()
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        # One generator from the backend's stream to the caller, the journal's
+        # part included: a wrapper around it was one more hop for every event.
         self._counts["streams"] += 1
         self._active += 1  # the retry budget's base
         rec = self.journal.get(request) if self.journal is not None else None
+        output = rec.output if rec is not None else None
         try:
-            async with closing_stream(self._stream(request, rec)) as events:
-                if rec is not None and rec.output is not None:  # log_prompts: the output's text too
-                    async for event in events:
-                        rec.output.append(event.text)
-                        yield event
-                else:
-                    async for event in events:
-                        yield event
+            arrived = self.clock()
+            plan = self.routes.plan(request)
+            outcome = _Outcome()
+            attempts = 0  # over the whole chain: every one after the first is a retry
+            progress = Progress()  # what the client has been sent (nothing, until the first event)
+            broken: _Broken | None = None
+            for step, target in enumerate(plan.targets):
+                sub = request if target.upstream == request.model else msgspec.structs.replace(request, model=target.upstream)
+                route = route_request(sub, self.keys)
+                feedback = _Feedback(target.policy)
+                settings = target.migration or self.migration
+                standby = Standby(sub, settings.standby_tokens) if settings.standby_tokens and self.spawn is not None else None
+                tried: set[str] = set()
+                for _ in range(self.max_attempts):
+                    retry = attempts > 0
+                    if retry:
+                        if not self._candidates(target, tried, _Outcome()):
+                            break  # nobody left here: no budget spent, no backoff slept
+                        if not await self._retry_backoff(attempts):
+                            raise self._final_error(outcome, request.model)  # the budget is spent
+                    try:
+                        actor = self._pick(target, route, tried, outcome)
+                        if actor is None:
+                            break  # nothing (more) in this group: the next model
+                        attempts += 1
+                        tried.add(actor.name)
+                        self.recorder.queue_time(actor.name, self.clock() - arrived)
+                        if self.breakers is not None:
+                            self.breakers.dispatched(actor.name, self.clock())
+                        if feedback.dispatch is not None:
+                            feedback.dispatch(actor.name, route, self.clock())
+                        recorder, name, last_at = self.recorder, actor.name, arrived
+                        gaps = GapBatch(partial(self._gaps_seen, name))
+                        cached: int | None = None
+                        finished = False
+                        verdict: bool | None = None  # the breaker's: None for no verdict on the backend
+                        attempt = rec.attempt(name, self.clock()) if rec is not None else None
+                        failure: BaseException | None = None  # what ended the attempt, for its span
+                        try:
+                            upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
+                            async with closing_stream(upstream) as events:
+                                clock = ReadClock(self.clock)
+                                while True:
+                                    event = await _next(events, after_first if progress.events else first_wait, name, progress)
+                                    if event is None:
+                                        break
+                                    now = clock.of(event)
+                                    if progress.events == 0:
+                                        recorder.time_to_first_token(name, now - arrived)
+                                        if attempt is not None and rec is not None:
+                                            rec.first_event(attempt, now)
+                                        event = self._first_event(event, target, request, step)
+                                        if feedback.first_token is not None:
+                                            feedback.first_token(name, route, now)
+                                    elif event.token_ids:
+                                        gaps.add(now - last_at)
+                                    if event.usage is not None:
+                                        cached = event.usage.cached_tokens
+                                        if rec is not None:
+                                            rec.usage(event.usage)
+                                    last_at = now
+                                    progress.add(event)
+                                    if standby is not None and standby.due(progress):
+                                        self._sync_standby(standby, target, progress, name)
+                                    if output is not None:  # log_prompts: the output's text too
+                                        output.append(event.text)
+                                    yield event
+                            if progress.events and not progress.finished:
+                                raise no_final(progress.events)
+                            finished = verdict = True
+                            return
+                        except ContextLengthExceeded as exc:
+                            failure = exc
+                            if progress.events or step + 1 == len(plan.targets):
+                                raise  # the client's error: no larger model to move on to
+                            log.info("model %s: %s; trying the next model", target.name, exc.message)
+                            outcome.error = exc
+                            self._counts["retries"] += 1
+                            drop_tracebacks(exc)
+                            break
+                        except UpstreamError as exc:
+                            failure = exc
+                            verdict = None if isinstance(exc, UpstreamRateLimited) else False
+                            if progress.events:
+                                if isinstance(exc, StallTimeout):
+                                    actor.stalled()  # the actor saw a cancel, not a failure
+                                broken = _Broken(exc, actor.name, target, sub, settings, self.clock(), standby)
+                            else:
+                                # The actor's stream already told its health (and woke its prober).
+                                self._failed_early(actor, exc, outcome)
+                            drop_tracebacks(exc)  # kept (broken, outcome), raised again only afresh
+                        finally:
+                            gaps.flush()
+                            self._judge(name, verdict)
+                            if feedback.complete is not None:
+                                feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
+                            if attempt is not None and rec is not None:
+                                error = None if finished else failure_code(failure or sys.exc_info()[1])
+                                rec.attempt_done(attempt, self.clock(), last_at if progress.events else None, error)
+                    finally:
+                        if retry and self.retry_budget is not None:
+                            self.retry_budget.release()
+                    if broken is not None:
+                        break
+                if broken is not None:
+                    break
+            if broken is not None:
+                try:
+                    async with closing_stream(self._migrate(broken, progress, rec)) as continued:
+                        async for event in continued:
+                            if output is not None:  # log_prompts: the output's text too
+                                output.append(event.text)
+                            yield event
+                except UpstreamError:
+                    self._counts["failed"] += 1
+                    plan.failed()
+                    raise
+                return
+            plan.failed()
+            raise self._final_error(outcome, request.model)
         except HeadraceError as exc:
             if rec is not None:
                 rec.failed(exc)
@@ -535,123 +650,6 @@ class Dispatcher:
         finally:
             self._active -= 1
 
-    async def _stream(self, request: GenerateRequest, rec: RequestRecord | None = None) -> AsyncIterator[Event]:
-        arrived = self.clock()
-        plan = self.routes.plan(request)
-        outcome = _Outcome()
-        attempts = 0  # over the whole chain: every one after the first is a retry
-        progress = Progress()  # what the client has been sent (nothing, until the first event)
-        broken: _Broken | None = None
-        for step, target in enumerate(plan.targets):
-            sub = request if target.upstream == request.model else msgspec.structs.replace(request, model=target.upstream)
-            route = route_request(sub, self.keys)
-            feedback = _Feedback(target.policy)
-            settings = target.migration or self.migration
-            standby = Standby(sub, settings.standby_tokens) if settings.standby_tokens and self.spawn is not None else None
-            tried: set[str] = set()
-            for _ in range(self.max_attempts):
-                retry = attempts > 0
-                if retry:
-                    if not self._candidates(target, tried, _Outcome()):
-                        break  # nobody left here: no budget spent, no backoff slept
-                    if not await self._retry_backoff(attempts):
-                        raise self._final_error(outcome, request.model)  # the budget is spent
-                try:
-                    actor = self._pick(target, route, tried, outcome)
-                    if actor is None:
-                        break  # nothing (more) in this group: the next model
-                    attempts += 1
-                    tried.add(actor.name)
-                    self.recorder.queue_time(actor.name, self.clock() - arrived)
-                    if self.breakers is not None:
-                        self.breakers.dispatched(actor.name, self.clock())
-                    if feedback.dispatch is not None:
-                        feedback.dispatch(actor.name, route, self.clock())
-                    recorder, name, last_at = self.recorder, actor.name, arrived
-                    gaps = GapBatch(partial(self._gaps_seen, name))
-                    cached: int | None = None
-                    finished = False
-                    verdict: bool | None = None  # the breaker's: None for no verdict on the backend
-                    attempt = rec.attempt(name, self.clock()) if rec is not None else None
-                    failure: BaseException | None = None  # what ended the attempt, for its span
-                    try:
-                        upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
-                        async with closing_stream(upstream) as events:
-                            clock = ReadClock(self.clock)
-                            while True:
-                                event = await _next(events, after_first if progress.events else first_wait, name, progress)
-                                if event is None:
-                                    break
-                                now = clock.of(event)
-                                if progress.events == 0:
-                                    recorder.time_to_first_token(name, now - arrived)
-                                    if attempt is not None and rec is not None:
-                                        rec.first_event(attempt, now)
-                                    event = self._first_event(event, target, request, step)
-                                    if feedback.first_token is not None:
-                                        feedback.first_token(name, route, now)
-                                elif event.token_ids:
-                                    gaps.add(now - last_at)
-                                if event.usage is not None:
-                                    cached = event.usage.cached_tokens
-                                    if rec is not None:
-                                        rec.usage(event.usage)
-                                last_at = now
-                                progress.add(event)
-                                if standby is not None and standby.due(progress):
-                                    self._sync_standby(standby, target, progress, name)
-                                yield event
-                        if progress.events and not progress.finished:
-                            raise no_final(progress.events)
-                        finished = verdict = True
-                        return
-                    except ContextLengthExceeded as exc:
-                        failure = exc
-                        if progress.events or step + 1 == len(plan.targets):
-                            raise  # the client's error: no larger model to move on to
-                        log.info("model %s: %s; trying the next model", target.name, exc.message)
-                        outcome.error = exc
-                        self._counts["retries"] += 1
-                        drop_tracebacks(exc)
-                        break
-                    except UpstreamError as exc:
-                        failure = exc
-                        verdict = None if isinstance(exc, UpstreamRateLimited) else False
-                        if progress.events:
-                            if isinstance(exc, StallTimeout):
-                                actor.stalled()  # the actor saw a cancel, not a failure
-                            broken = _Broken(exc, actor.name, target, sub, settings, self.clock(), standby)
-                        else:
-                            # The actor's stream already told its health (and woke its prober).
-                            self._failed_early(actor, exc, outcome)
-                        drop_tracebacks(exc)  # kept (broken, outcome), raised again only afresh
-                    finally:
-                        gaps.flush()
-                        self._judge(name, verdict)
-                        if feedback.complete is not None:
-                            feedback.complete(name, route, self.clock(), ok=finished, cached_tokens=cached)
-                        if attempt is not None and rec is not None:
-                            error = None if finished else failure_code(failure or sys.exc_info()[1])
-                            rec.attempt_done(attempt, self.clock(), last_at if progress.events else None, error)
-                finally:
-                    if retry and self.retry_budget is not None:
-                        self.retry_budget.release()
-                if broken is not None:
-                    break
-            if broken is not None:
-                break
-        if broken is not None:
-            try:
-                async with closing_stream(self._migrate(broken, progress, rec)) as continued:
-                    async for event in continued:
-                        yield event
-            except UpstreamError:
-                self._counts["failed"] += 1
-                plan.failed()
-                raise
-            return
-        plan.failed()
-        raise self._final_error(outcome, request.model)
 
     # ------------------------------------------------------------ migration
 
