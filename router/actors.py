@@ -71,7 +71,7 @@ from policies.concurrency import AIMDLimit, ConcurrencyStatistics
 from router.health import BackendHealth, HealthEvent, HealthState, HealthStatistics
 from router.services import Supervisor
 
-__all__ = ["ActorStatistics", "BackendActor", "Supervisor", "closing_stream"]
+__all__ = ["ActorStatistics", "BackendActor", "StreamTicket", "Supervisor", "closing_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -350,59 +350,38 @@ class BackendActor:
         which the backend answered) is REQUEST_OK; an upstream error is
         REQUEST_FAILED_EARLY or _LATE by whether an event was relayed. A
         cancel is the client's doing and says nothing about the backend.
-        ``stall_timeout`` goes to a backend that :attr:`watches_stalls`."""
-        self.in_flight += 1
-        self._counts["requests"] += 1
-        self.pending_prefill_tokens += prompt_tokens
-        pending = prompt_tokens
-        relayed = False
-        sent_at = trio.current_time()
-        try:
-            upstream = (
-                self.backend.stream(request) if stall_timeout is None
-                else self.backend.stream(request, stall_timeout=stall_timeout)  # type: ignore[call-arg]
-            )  # fmt: skip
-            async with closing_stream(upstream) as events:
-                async for event in events:
-                    self._counts["tokens"] += len(event.token_ids)
-                    relayed = True
-                    self.pending_prefill_tokens -= pending
-                    pending = 0
-                    yield event
-        except UpstreamRateLimited:
-            # A 429 is an answer, not a failure: the backend is alive and
-            # says when to come back (the dispatcher cools it down that long),
-            # and that it has less room than we gave it.
-            self.report(HealthEvent.REQUEST_OK)
-            if self.concurrency is not None and self.concurrency.on_rate_limited(sent_at, trio.current_time()):
-                log.info("backend %s answered 429: its concurrency limit is now %d", self.name, self.limit)
-            raise
-        except UpstreamError:
-            self._failed(relayed)
-            raise
-        except HeadraceError:
-            self.report(HealthEvent.REQUEST_OK)
-            raise
-        except Exception as exc:
-            # An adapter let an error through untranslated: to the router it
-            # is an upstream failure like any other (retried before the first
-            # token, an in-band error after it), never a silent end.
-            self._failed(relayed)
-            log.exception("backend %s: untranslated error from the adapter", self.name)
-            error = StreamBroken if relayed else BackendUnavailable
-            raise error(f"backend {self.name} failed: {type(exc).__name__}: {exc}") from exc
-        except (trio.Cancelled, GeneratorExit):
-            self._counts["cancelled"] += 1
-            raise
-        else:
-            self.report(HealthEvent.REQUEST_OK)
-            if self.concurrency is not None:
-                self.concurrency.on_success(self.in_flight, trio.current_time())
-        finally:
-            self.in_flight -= 1
-            self.pending_prefill_tokens -= pending
-            if self.in_flight == 0 and self._idle is not None:
-                self._idle.set()
+        ``stall_timeout`` goes to a backend that :attr:`watches_stalls`.
+
+        The dispatcher does the same without this wrapper (one generator
+        less for every event): :meth:`open`, and a :class:`StreamTicket`."""
+        ticket = self.open(request, prompt_tokens, stall_timeout)
+        async with ticket as events:
+            while True:
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    ticket.done()
+                    return
+                except BaseException as exc:
+                    raise ticket.failed(exc)  # noqa: B904 (failed() chains a translated error to exc)
+                ticket.event(event)
+                yield event
+
+    def open(self, request: GenerateRequest, prompt_tokens: int = 0, stall_timeout: float | None = None) -> StreamTicket:
+        """The backend's stream, to be iterated by the caller inside ``async
+        with ticket as events`` and each of its events and its end told to
+        the ticket (:class:`StreamTicket`); counted in flight from now."""
+        ticket = StreamTicket(self, prompt_tokens)
+        try:  # an adapter may refuse the request before its stream starts (a BadRequest)
+            if stall_timeout is None:
+                ticket.events = self.backend.stream(request)
+            else:
+                ticket.events = self.backend.stream(request, stall_timeout=stall_timeout)  # type: ignore[call-arg]
+        except BaseException as exc:
+            error = ticket.failed(exc)
+            ticket._close()
+            raise error  # noqa: B904 (failed() chains a translated error to exc)
+        return ticket
 
     def stalled(self) -> None:
         """The dispatcher's watchdog gave up on a stream of this backend (it
@@ -588,3 +567,97 @@ class closing_stream(Generic[T]):
 
     async def __aexit__(self, *exc: object) -> None:
         await close_stream(self.it)
+
+
+class StreamTicket:
+    """One stream of an actor's, counted without wrapping it (from
+    :meth:`BackendActor.open`): in flight, its prompt as pending prefill,
+    from when it is made; told each :meth:`event`, then how the stream
+    ended (:meth:`done`: the backend's stream ran out; :meth:`failed`: its
+    next event raised). ``async with ticket as events`` closes the stream
+    and then the ticket, however the block ends: a stream closed with
+    neither was left by its consumer (cancelled).
+    :meth:`BackendActor.stream` is this around the backend's stream; the
+    dispatcher iterates the stream itself."""
+
+    __slots__ = ("actor", "ended", "events", "pending", "relayed", "sent_at")
+
+    def __init__(self, actor: BackendActor, prompt_tokens: int = 0) -> None:
+        self.actor = actor
+        self.events: AsyncIterator[Event]  # the backend's stream: set by BackendActor.open
+        actor.in_flight += 1
+        actor._counts["requests"] += 1
+        actor.pending_prefill_tokens += prompt_tokens
+        self.pending = prompt_tokens
+        self.relayed = False
+        self.ended = False
+        self.sent_at = trio.current_time()
+
+    async def __aenter__(self) -> AsyncIterator[Event]:
+        return self.events
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await close_stream(self.events)
+        finally:
+            self._close()
+
+    def event(self, event: Event) -> None:
+        actor = self.actor
+        actor._counts["tokens"] += len(event.token_ids)
+        if not self.relayed:
+            self.relayed = True
+            actor.pending_prefill_tokens -= self.pending
+            self.pending = 0
+
+    def done(self) -> None:
+        """The stream ran to its end: the backend answered."""
+        self.ended = True
+        actor = self.actor
+        actor.report(HealthEvent.REQUEST_OK)
+        if actor.concurrency is not None:
+            actor.concurrency.on_success(actor.in_flight, trio.current_time())
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """The stream's next event raised ``exc``: told to the health
+        machine by what it says of the backend. Returns what to raise:
+        ``exc``, or for an error an adapter let through untranslated, an
+        upstream error (StreamBroken after an event, else
+        BackendUnavailable) caused by it."""
+        self.ended = True
+        actor = self.actor
+        if isinstance(exc, UpstreamRateLimited):
+            # A 429 is an answer, not a failure: the backend is alive and
+            # says when to come back (the dispatcher cools it down that long),
+            # and that it has less room than we gave it.
+            actor.report(HealthEvent.REQUEST_OK)
+            if actor.concurrency is not None and actor.concurrency.on_rate_limited(self.sent_at, trio.current_time()):
+                log.info("backend %s answered 429: its concurrency limit is now %d", actor.name, actor.limit)
+        elif isinstance(exc, UpstreamError):
+            actor._failed(self.relayed)
+        elif isinstance(exc, HeadraceError):
+            actor.report(HealthEvent.REQUEST_OK)
+        elif isinstance(exc, Exception):
+            # An adapter let an error through untranslated: to the router it
+            # is an upstream failure like any other (retried before the first
+            # token, an in-band error after it), never a silent end.
+            actor._failed(self.relayed)
+            log.error("backend %s: untranslated error from the adapter", actor.name, exc_info=exc)
+            error = StreamBroken if self.relayed else BackendUnavailable
+            translated = error(f"backend {actor.name} failed: {type(exc).__name__}: {exc}")
+            translated.__cause__ = exc
+            return translated
+        elif isinstance(exc, (trio.Cancelled, GeneratorExit)):
+            actor._counts["cancelled"] += 1
+        return exc
+
+    def _close(self) -> None:
+        if not self.ended:  # its consumer left (GeneratorExit, a cancel outside the read)
+            self.ended = True
+            self.actor._counts["cancelled"] += 1
+        actor = self.actor
+        actor.in_flight -= 1
+        actor.pending_prefill_tokens -= self.pending
+        self.pending = 0
+        if actor.in_flight == 0 and actor._idle is not None:
+            actor._idle.set()

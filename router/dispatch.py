@@ -91,7 +91,7 @@ from policies.breaker import (
     full_jitter,
 )
 from policies.placement import Placement
-from router.actors import ActorStatistics, BackendActor, closing_stream
+from router.actors import ActorStatistics, BackendActor, StreamTicket, closing_stream
 from router.config import ConfigError
 from router.health import HealthEvent, HealthState
 from router.logs import Attempt, Journal, RequestRecord, failure_code
@@ -321,23 +321,30 @@ class _Broken:
         self.standby = standby
 
 
-async def _next(events: AsyncIterator[Event], wait: float, backend: str, progress: Progress) -> Event | None:
+async def _next(ticket: StreamTicket, wait: float, backend: str, progress: Progress) -> Event | None:
     """The stream's next event (None at its end), or :class:`StallTimeout`
-    after ``wait`` seconds without one. The deadline covers the wait for
-    the backend only, never the consumer's time. An infinite ``wait``
-    enters no cancel scope (7 us an event on a slow core)."""
-    if wait == math.inf:
-        try:
-            return await events.__anext__()
-        except StopAsyncIteration:
-            return None
-    with trio.CancelScope(deadline=trio.current_time() + wait):
-        try:
-            return await events.__anext__()
-        except StopAsyncIteration:
-            return None
-    what = "its first event" if not progress.events else "an event"
-    raise StallTimeout(f"backend {backend} sent no {what} for {wait:.3g}s (after {progress.events} events)")
+    after ``wait`` seconds without one; the ticket is told which (and what
+    the backend's stream raised). The deadline covers the wait for the
+    backend only, never the consumer's time. An infinite ``wait`` enters no
+    cancel scope (7 us an event on a slow core)."""
+    try:
+        if wait == math.inf:
+            event = await ticket.events.__anext__()
+        else:
+            with trio.CancelScope(deadline=trio.current_time() + wait) as scope:
+                event = await ticket.events.__anext__()
+            if scope.cancelled_caught:
+                what = "its first event" if not progress.events else "an event"
+                raise StallTimeout(f"backend {backend} sent no {what} for {wait:.3g}s (after {progress.events} events)")
+    except StopAsyncIteration:
+        ticket.done()
+        return None
+    except StallTimeout:
+        raise  # the dispatcher's verdict, not the stream's (actor.stalled() tells its health)
+    except BaseException as exc:
+        raise ticket.failed(exc)  # noqa: B904 (failed() chains a translated error to exc)
+    ticket.event(event)
+    return event
 
 
 class Dispatcher:
@@ -562,11 +569,11 @@ class Dispatcher:
                         attempt = rec.attempt(name, self.clock()) if rec is not None else None
                         failure: BaseException | None = None  # what ended the attempt, for its span
                         try:
-                            upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
-                            async with closing_stream(upstream) as events:
+                            ticket, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
+                            async with ticket:
                                 clock = ReadClock(self.clock)
                                 while True:
-                                    event = await _next(events, after_first if progress.events else first_wait, name, progress)
+                                    event = await _next(ticket, after_first if progress.events else first_wait, name, progress)
                                     if event is None:
                                         break
                                     now = clock.of(event)
@@ -803,11 +810,11 @@ class Dispatcher:
         gap_from: float | None = broke_at  # until the first new event reaches the client
         gap: float | None = None  # observed at the end, labelled by what the backend held (its usage)
         try:
-            upstream, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
-            async with closing_stream(upstream) as events:
+            ticket, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
+            async with ticket:
                 clock = ReadClock(self.clock)
                 while True:
-                    event = await _next(events, first_wait if first else after_first, name, progress)
+                    event = await _next(ticket, first_wait if first else after_first, name, progress)
                     if event is None:
                         break
                     now = clock.of(event)
@@ -977,8 +984,9 @@ class Dispatcher:
     def _open(
         self, actor: BackendActor, sub: GenerateRequest, route: RouteRequest, settings: MigrationSettings,
         attempt: Attempt | None = None, rec: RequestRecord | None = None,
-    ) -> tuple[AsyncIterator[Event], float, float]:
-        """One attempt's stream, and how long to wait for its first event and
+    ) -> tuple[StreamTicket, float, float]:
+        """One attempt's stream (its actor's ticket: iterated here, without the
+        actor's wrapper), and how long to wait for its first event and
         for each later one. The backend times its own silences (given the
         watchdog's timeout), or the dispatcher times each wait itself. The
         attempt's ``traceparent`` names its own span (router/tracing.py)."""
@@ -989,8 +997,8 @@ class Dispatcher:
         first_wait = settings.first_token_timeout if settings.first_token_timeout is not None else math.inf
         stall = self.stall.timeout(actor.name, settings)
         watched = actor.watches_stalls
-        upstream = actor.stream(sub, prompt_tokens=route.prompt_tokens, stall_timeout=stall if watched else None)
-        return upstream, first_wait, math.inf if watched else stall
+        ticket = actor.open(sub, route.prompt_tokens, stall_timeout=stall if watched else None)
+        return ticket, first_wait, math.inf if watched else stall
 
     def _migrated(self, reason: str, outcome: str) -> None:
         key = f"{reason}:{outcome}"
