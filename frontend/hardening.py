@@ -83,6 +83,7 @@ from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
 from backends.h2lite import LeanH2Connection
+from frontend.h2_headers import CheckedWhenNeeded
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
 from frontend.wire import error_body
 
@@ -242,7 +243,7 @@ class StreamBuffer:
 # ---------------------------------------------------------------- h2: refuse, don't die
 
 
-class GuardedH2Connection(LeanH2Connection):
+class GuardedH2Connection(CheckedWhenNeeded, LeanH2Connection):
     """h2's server connection, spending two budgets frame by frame (a read
     of 64 KiB holds thousands of frames: a check per read would let a Rapid
     Reset client open 2,400 streams before it) and with two connection
@@ -255,6 +256,9 @@ class GuardedH2Connection(LeanH2Connection):
     - a malformed request header block (uppercase or connection-specific
       names, bad pseudo-headers, a bad content-length): RST_STREAM(PROTOCOL_ERROR)
       on that stream only.
+
+    A response header block that is already canonical goes out without h2's
+    outbound normalization and validation (:class:`~frontend.h2_headers.CheckedWhenNeeded`).
 
     Budgets: RST_STREAM frames received for streams younger than
     ``premature_reset`` and streams we refused or reset for their headers

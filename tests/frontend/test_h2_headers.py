@@ -1,0 +1,125 @@
+"""frontend/h2_headers.py: a response header block that is already what h2's
+outbound normalization and validation would make of it skips them, and the
+wire cannot tell: for any header lists, a patched server connection sends the
+same bytes as h2's own and refuses the same blocks. The router's own
+responses take the short path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h2.config
+import h2.connection
+import httpx
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.h2lite import LeanH2Connection
+from frontend import h2_headers
+from frontend.h2_headers import CheckedWhenNeeded, canonical
+from frontend.serving import ServeOptions, serve
+from tests.frontend.test_serving import _h2_batch, health_app
+
+STREAMS = 3
+
+
+def _server(patched: bool, kind: type[h2.connection.H2Connection] = h2.connection.H2Connection) -> h2.connection.H2Connection:
+    """A server connection with STREAMS requests received (streams 1, 3, 5)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    if patched:
+        kind = type("Patched", (CheckedWhenNeeded, kind), {})
+    server = kind(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+    server.initiate_connection()
+    request = [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+    for i in range(STREAMS):
+        client.send_headers(2 * i + 1, request, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.data_to_send()
+    return server
+
+
+def _send(server: h2.connection.H2Connection, blocks: list[list[Any]]) -> list[tuple[str, bytes]]:
+    """Each block as one stream's response headers: what was raised (the
+    exception's type) or sent, block by block (HPACK's table carries over)."""
+    out = []
+    for i, block in enumerate(blocks):
+        try:
+            server.send_headers(2 * i + 1, block, end_stream=True)
+        except Exception as exc:  # ProtocolError, and what h2 itself trips on (an empty name: IndexError)
+            out.append((type(exc).__name__, server.data_to_send()))
+        else:
+            out.append(("sent", server.data_to_send()))
+    return out
+
+
+_NAMES = st.sampled_from([
+    b"content-type", b"x-request-id", b"retry-after", b"server", b"date", b"x-ratelimit-remaining-requests",
+    b"Content-Type", b"X-Request-Id", b" x-pad", b"x-pad ", b"", b"connection", b"keep-alive",
+    b"transfer-encoding", b"upgrade", b"te", b"authorization", b"proxy-authorization", b"cookie",
+    b":status", b":path", b"x:colon", b"123", b"set-cookie",
+])  # fmt: skip
+_VALUES = st.one_of(
+    st.sampled_from([b"200", b"text/event-stream", b"trailers", b"abc", b" padded", b"padded\t", b"", b"a b", b"short"]),
+    st.binary(max_size=12),
+)
+_FIELD = st.one_of(st.tuples(_NAMES, _VALUES), st.tuples(st.binary(max_size=8), st.binary(max_size=8)))
+_BLOCK = st.one_of(
+    # a response's: :status first, then fields (most often plain, canonical ones)
+    st.builds(lambda status, fields: [(b":status", status), *fields],
+              st.sampled_from([b"200", b"404", b"503", b" 200"]), st.lists(_FIELD, max_size=6)),
+    st.lists(_FIELD, max_size=5),  # anything: no :status, or elsewhere
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_BLOCK, min_size=1, max_size=STREAMS), st.sampled_from([h2.connection.H2Connection, LeanH2Connection]))
+def test_the_wire_cannot_tell_a_patched_connection_from_h2s_own(
+    blocks: list[list[Any]], kind: type[h2.connection.H2Connection]
+) -> None:
+    """h2's own connection (HPACK's table carries over between blocks) and the
+    one the ingress uses (frontend/hardening.py's, a stateless encoder)."""
+    assert _send(_server(True, kind), blocks) == _send(_server(False, kind), blocks)
+
+
+def test_canonical_is_a_response_block_of_plain_lowercase_fields() -> None:
+    plain = [(b":status", b"200"), (b"content-type", b"text/event-stream"), (b"x-request-id", b"r-1")]
+    assert canonical(plain)
+    assert not canonical([])
+    assert not canonical(plain[1:])  # no :status first: a trailer, or a request's
+    assert not canonical([*plain, (b"X-Upper", b"v")])
+    assert not canonical([*plain, (b"x-pad", b"v ")])
+    assert not canonical([*plain, (b"connection", b"close")])
+    assert not canonical([*plain, (b"te", b"trailers")])
+    assert not canonical([*plain, (b"authorization", b"secret")])  # never-indexed: h2's path
+    assert not canonical([*plain, (b":path", b"/")])
+    assert not canonical([*plain, ("content-length", "1")])  # str, not bytes
+    assert not canonical([*plain, (b"content-length", b"1", b"extra")])
+
+
+async def test_the_servers_own_responses_take_the_short_path(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over h2c, every response header block the served app and hypercorn
+    send is canonical (it skips h2's passes); over HTTP/1.1 none is looked at."""
+    seen: list[bool] = []
+
+    def spy(headers: Any) -> bool:
+        seen.append(canonical(headers))
+        return seen[-1]
+
+    monkeypatch.setattr(h2_headers, "canonical", spy)
+    url = await nursery.start(serve, health_app, ServeOptions(graceful_timeout=0.1))
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    await sock.send_all(conn.data_to_send())
+    with trio.fail_after(10):
+        events = await _h2_batch(sock, conn, [1, 3])
+    await sock.aclose()
+    statuses = [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert statuses == [b"200", b"200"]
+    assert seen == [True, True]
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"{url}/health")).text == "ok"
+    assert seen == [True, True]
