@@ -10,6 +10,7 @@ from typing import Any
 
 import h2.config
 import h2.connection
+import h2.events
 import httpx
 import pytest
 import trio
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from backends.h2lite import LeanH2Connection
 from frontend import h2_headers
-from frontend.h2_headers import CheckedWhenNeeded, canonical
+from frontend.h2_headers import CheckedWhenNeeded, canonical, canonical_request
 from frontend.serving import ServeOptions, serve
 from tests.frontend.test_serving import _h2_batch, health_app
 
@@ -123,3 +124,103 @@ async def test_the_servers_own_responses_take_the_short_path(nursery: trio.Nurse
     async with httpx.AsyncClient() as client:
         assert (await client.get(f"{url}/health")).text == "ok"
     assert seen == [True, True]
+
+
+# ---------------------------------------------------------------- received requests
+
+_PSEUDO = st.sampled_from([
+    (b":method", b"POST"), (b":method", b"GET"), (b":method", b"CONNECT"), (b":scheme", b"http"),
+    (b":authority", b"127.0.0.1:8000"), (b":authority", b" x"), (b":path", b"/v1/completions"), (b":path", b""),
+    (b":status", b"200"), (b":protocol", b"websocket"), (b":Path", b"/"),
+])  # fmt: skip
+_REQUEST_FIELD = st.one_of(
+    st.tuples(st.sampled_from([
+        b"content-type", b"content-length", b"user-agent", b"accept", b"x-request-id", b"authorization",
+        b"Content-Type", b"host", b"cookie", b"te", b"connection", b"x:colon", b"", b"x y", b"\x7f", b"caf\xc3\xa9",
+    ]), st.sampled_from([b"application/json", b"12", b"", b" pad", b"pad\t", b"127.0.0.1:8000", b"trailers", b"a\x00b",
+                         b"caf\xc3\xa9", b"gzip, br"])),
+    st.tuples(st.binary(max_size=6), st.binary(max_size=6)),
+)  # fmt: skip
+_REQUEST = st.builds(lambda pseudo, fields, shuffle: (pseudo + fields)[::-1] if shuffle else pseudo + fields,
+                     st.one_of(st.just([(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"127.0.0.1:8000"),
+                                        (b":path", b"/v1/completions")]),
+                               st.lists(_PSEUDO, max_size=5)),
+                     st.lists(_REQUEST_FIELD, max_size=5), st.booleans())  # fmt: skip
+
+
+def _receive(patched: bool, blocks: list[list[Any]], trailers: bool) -> list[Any]:
+    """Each block as a new stream's request headers (and, with ``trailers``,
+    again as that stream's trailers), sent raw by a client that checks
+    nothing: what the ingress's server connection made of each (its events,
+    what it sent back) or what it raised."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False))
+    client.initiate_connection()
+    kind = type("Patched", (CheckedWhenNeeded, LeanH2Connection), {}) if patched else LeanH2Connection
+    server = kind(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    out: list[Any] = []
+    for i, block in enumerate(blocks):
+        sid = 2 * i + 1
+        try:
+            client.send_headers(sid, block, end_stream=not trailers)
+            if trailers:
+                client.send_headers(sid, block, end_stream=True)
+        except Exception as exc:  # the client's own h2 cannot send it: the same for both
+            out.append(("client", type(exc).__name__))
+            break
+        try:
+            events = server.receive_data(client.data_to_send())
+        except Exception as exc:
+            out.append(("raised", type(exc).__name__, server.data_to_send()))
+            break
+        out.append([(type(e).__name__, getattr(e, "stream_id", None), list(getattr(e, "headers", None) or []))
+                    for e in events])  # fmt: skip
+        out.append(server.data_to_send())
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_REQUEST, min_size=1, max_size=STREAMS), st.booleans())
+def test_a_received_request_is_taken_or_refused_as_h2_would(blocks: list[list[Any]], trailers: bool) -> None:
+    """Requests (most of them canonical, some not in one way or another) and,
+    with ``trailers``, the same block again as trailers (pseudo-headers
+    there are refused): the same events, frames back and errors with the
+    short path as with h2's own checks."""
+    assert _receive(True, blocks, trailers) == _receive(False, blocks, trailers)
+
+
+def test_canonical_request_is_the_four_pseudo_headers_then_plain_fields() -> None:
+    base = [(b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"h:1"), (b":path", b"/v1/completions")]
+    fields = [(b"content-type", b"application/json"), (b"content-length", b"12"), (b"user-agent", b"")]
+    assert canonical_request(base + fields)
+    assert not canonical_request(base[:3] + fields)  # no :path
+    assert not canonical_request([base[0], *fields, *base[1:]])  # a pseudo-header after a field
+    assert not canonical_request(base + base[:1])  # twice
+    assert not canonical_request([(b":method", b"CONNECT"), *base[1:]])
+    assert not canonical_request([*base[:3], (b":path", b"")])
+    for name, value in [(b"Content-Type", b"x"), (b"host", b"h:1"), (b"cookie", b"a=1"), (b"te", b"trailers"),
+                        (b"connection", b"close"), (b"x y", b"1"), (b"a", b" padded"), (b"a", b"nul\x00")]:
+        assert not canonical_request([*base, (name, value)]), (name, value)
+
+
+async def test_a_request_to_the_server_takes_the_short_path(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+
+    def spy(headers: Any) -> bool:
+        seen.append(canonical_request(headers))
+        return seen[-1]
+
+    monkeypatch.setattr(h2_headers, "canonical_request", spy)
+    url = await nursery.start(serve, health_app, ServeOptions(graceful_timeout=0.1))
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    await sock.send_all(conn.data_to_send())
+    with trio.fail_after(10):
+        events = await _h2_batch(sock, conn, [1])
+    await sock.aclose()
+    assert [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)] == [b"200"]
+    assert seen == [True]
