@@ -1,7 +1,9 @@
-"""frontend/h2_headers.py: a response header block that is already what h2's
-outbound normalization and validation would make of it skips them, and the
-wire cannot tell: for any header lists, a patched server connection sends the
-same bytes as h2's own and refuses the same blocks. The router's own
+"""frontend/h2_headers.py: a header block that is already what h2's passes
+would make of it (a response's going out, a request's coming in) skips
+them, and nobody can tell: for any header lists, a patched server connection
+sends the same bytes as h2's own and refuses the same blocks, and for any
+request blocks (as requests and as trailers) it takes or refuses them with
+the same events and frames. A plain client's requests and the server's
 responses take the short path."""
 
 from __future__ import annotations
@@ -100,32 +102,6 @@ def test_canonical_is_a_response_block_of_plain_lowercase_fields() -> None:
     assert not canonical([*plain, (b"content-length", b"1", b"extra")])
 
 
-async def test_the_servers_own_responses_take_the_short_path(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over h2c, every response header block the served app and hypercorn
-    send is canonical (it skips h2's passes); over HTTP/1.1 none is looked at."""
-    seen: list[bool] = []
-
-    def spy(headers: Any) -> bool:
-        seen.append(canonical(headers))
-        return seen[-1]
-
-    monkeypatch.setattr(h2_headers, "canonical", spy)
-    url = await nursery.start(serve, health_app, ServeOptions(graceful_timeout=0.1))
-    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    await sock.send_all(conn.data_to_send())
-    with trio.fail_after(10):
-        events = await _h2_batch(sock, conn, [1, 3])
-    await sock.aclose()
-    statuses = [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)]
-    assert statuses == [b"200", b"200"]
-    assert seen == [True, True]
-    async with httpx.AsyncClient() as client:
-        assert (await client.get(f"{url}/health")).text == "ok"
-    assert seen == [True, True]
-
-
 # ---------------------------------------------------------------- received requests
 
 _PSEUDO = st.sampled_from([
@@ -206,21 +182,30 @@ def test_canonical_request_is_the_four_pseudo_headers_then_plain_fields() -> Non
         assert not canonical_request([*base, (name, value)]), (name, value)
 
 
-async def test_a_request_to_the_server_takes_the_short_path(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[bool] = []
+async def test_the_servers_requests_and_responses_take_the_short_path(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over h2c, a plain client's request header blocks and every response
+    block the served app and hypercorn send are canonical (they skip h2's
+    passes); over HTTP/1.1 none is looked at."""
+    seen: dict[str, list[bool]] = {"canonical": [], "canonical_request": []}
+    for name, check in (("canonical", canonical), ("canonical_request", canonical_request)):
+        def spy(headers: Any, check: Any = check, log: list[bool] = seen[name]) -> bool:
+            log.append(check(headers))
+            return log[-1]
 
-    def spy(headers: Any) -> bool:
-        seen.append(canonical_request(headers))
-        return seen[-1]
-
-    monkeypatch.setattr(h2_headers, "canonical_request", spy)
+        monkeypatch.setattr(h2_headers, name, spy)
     url = await nursery.start(serve, health_app, ServeOptions(graceful_timeout=0.1))
     sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     await sock.send_all(conn.data_to_send())
     with trio.fail_after(10):
-        events = await _h2_batch(sock, conn, [1])
+        events = await _h2_batch(sock, conn, [1, 3])
     await sock.aclose()
-    assert [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)] == [b"200"]
-    assert seen == [True]
+    statuses = [dict(e.headers)[b":status"] for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert statuses == [b"200", b"200"]
+    assert seen == {"canonical": [True, True], "canonical_request": [True, True]}
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"{url}/health")).text == "ok"
+    assert seen == {"canonical": [True, True], "canonical_request": [True, True]}
