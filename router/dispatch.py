@@ -570,23 +570,12 @@ class Dispatcher:
                         failure: BaseException | None = None  # what ended the attempt, for its span
                         try:
                             ticket, first_wait, after_first = self._open(actor, sub, route, settings, attempt, rec)
-                            async with ticket as events:
+                            async with ticket:
                                 clock = ReadClock(self.clock)
                                 while True:
-                                    wait = after_first if progress.events else first_wait
-                                    if wait != math.inf:
-                                        event = await _next(ticket, wait, name, progress)
-                                        if event is None:
-                                            break
-                                    else:  # _next's untimed case, inline: no coroutine an event
-                                        try:
-                                            event = await events.__anext__()
-                                        except StopAsyncIteration:
-                                            ticket.done()
-                                            break
-                                        except BaseException as exc:
-                                            raise ticket.failed(exc)  # noqa: B904 (failed() chains a translated error to exc)
-                                        ticket.event(event)
+                                    event = await _next(ticket, after_first if progress.events else first_wait, name, progress)
+                                    if event is None:
+                                        break
                                     now = clock.of(event)
                                     if progress.events == 0:
                                         recorder.time_to_first_token(name, now - arrived)
