@@ -501,19 +501,14 @@ class Dispatcher:
 
     def _sync(self, actor: BackendActor, now: float) -> None:
         breakers = self.breakers
-        if breakers is None:
+        if breakers is None or actor.closed:
             return
         state = actor.state
-        if state is HealthState.CLOSED:
-            return
-        up = state.probed_up
         if self._set_serving is not None:
-            self._set_serving(actor.name, up, now)
-        if not up:
+            self._set_serving(actor.name, state.probed_up, now)
+        if not state.probed_up:
             return  # down or not yet probed: the probes decide, its breaker was reset
         actual = breakers.state(actor.name, now)
-        if actual is BreakerState.CLOSED and (state is HealthState.UP or state is HealthState.SUSPECT):
-            return  # shown closed and closed (the common case: no table look-up, whose enum keys hash in Python)
         for event in _RELAY.get((_SHOWN.get(state, BreakerState.CLOSED), actual), ()):
             actor.breaker_moved(event)
 
