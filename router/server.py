@@ -436,7 +436,30 @@ def main(argv: list[str]) -> int:
         return 0
     workers = worker_count(config)
     if workers == 1:
-        trio.run(_serve_until_signal, config, policy, engine_args)
-        return 0
+        return _serve_one(config, policy, engine_args)
     status: int = trio.run(_supervise_until_signal, config, workers, engine_args, args.log_level)
     return status
+
+
+def _serve_one(config: RouterConfig, policy: RoutingPolicy, engine_args: list[str]) -> int:
+    """The router in this process (one worker): 1, logged in a line as the
+    supervisor of several logs it, when a port is taken (the main
+    listener's, or the admin one's, by default the main + 1), not a
+    traceback."""
+    taken: list[BaseException] = []
+    try:
+        trio.run(_serve_until_signal, config, policy, engine_args)
+    except* OSError as group:
+        taken.extend(_leaves(group))
+    s = config.server
+    for error in taken:
+        log.error("headrace serve: %s (the listener on %s:%d, or the admin one on %s:%d: [server] admin_port)",
+                  error, s.host, s.port, s.admin_host, admin_port(config))  # fmt: skip
+    return 1 if taken else 0
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions in ``exc``, groups (nested nurseries) opened."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,6 +125,26 @@ def test_serve_exits_2_on_bad_config(args: list[str], message: str, capsys: pyte
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("headrace serve: ") and message in err
+
+
+@pytest.mark.parametrize("held", ["main", "admin"])
+def test_serve_with_one_worker_exits_1_in_a_line_when_a_port_is_taken(
+    held: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the supervisor of several workers does: the port in use (the main
+    listener's, or the admin one's, the main + 1) named, no traceback."""
+    with socket.socket() as probe:  # a free pair: port, port + 1
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1] - 1
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port + (held == "admin")))
+        holder.listen()
+        status = main(["--workers", "1", "--port", str(port), "--backend", "http://127.0.0.1:9", "--log-level", "WARNING"])
+    err = capsys.readouterr().err
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert status == 1 and "Traceback" not in err, err
+    assert len(errors) == 1 and errors[0].startswith("headrace serve: ") and not caplog.records[-1].exc_info, errors
+    assert "Address already in use" in errors[0] and f"127.0.0.1:{port + 1}: [server] admin_port" in errors[0], errors
 
 
 def test_serve_mock_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
