@@ -99,7 +99,7 @@ from frontend.server import (
     error_response,
     json_response,
 )
-from frontend.serving import ServeOptions, serve, wait_for_signal
+from frontend.serving import ServeOptions, os_error_in, serve, wait_for_signal
 from frontend.wire import Kind, error_body, usage_payload
 
 __all__ = ["FastPath", "FaultInjector", "build_app", "main"]
@@ -758,17 +758,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     except (OSError, BaseExceptionGroup) as exc:
-        error = _os_error(exc)
+        error = os_error_in(exc)
         if error is None:
             raise
         print(f"headrace mock: cannot serve: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError (a port in use, a bad certificate path) inside a trio
-    exception group, if that is all it holds."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, OSError) else None

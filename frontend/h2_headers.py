@@ -34,6 +34,7 @@ from typing import Any
 
 import h2.config
 import h2.connection
+from h2.utilities import CONNECTION_HEADERS
 
 from backends.h2lite import LeanDecoder
 
@@ -41,10 +42,7 @@ __all__ = ["CheckedWhenNeeded", "RequestCheckingDecoder", "canonical", "canonica
 
 # Fields h2 drops or rejects (connection-specific, ``te``) or sends
 # never-indexed (credentials): a block with any takes h2's own path.
-_ASIDE = frozenset({
-    b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te",
-    b"authorization", b"proxy-authorization", b"cookie",
-})  # fmt: skip
+_ASIDE = CONNECTION_HEADERS | {b"te", b"authorization", b"proxy-authorization", b"cookie"}
 
 
 def canonical(headers: Sequence[Any]) -> bool:
@@ -77,9 +75,7 @@ _NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+")
 _VALUE = re.compile(rb"(?:[^\x00\n\r\t ](?:[^\x00\n\r]*[^\x00\n\r\t ])?)?")
 _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})
 # Fields h2 rejects, checks against others (host) or merges (cookie) coming in.
-_INBOUND_ASIDE = frozenset({
-    b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"host", b"cookie",
-})  # fmt: skip
+_INBOUND_ASIDE = CONNECTION_HEADERS | {b"te", b"host", b"cookie"}
 
 
 def canonical_request(headers: Sequence[Any]) -> bool:

@@ -58,7 +58,7 @@ from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
 from frontend.server import BODY_FOLLOWS, ON_DISCONNECT, DisconnectHook
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
-__all__ = ["Limits", "ServeOptions", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
+__all__ = ["Limits", "ServeOptions", "os_error_in", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
 
 log = logging.getLogger(__name__)
 
@@ -843,6 +843,15 @@ def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
         # main one and the admin one, by default the main + 1).
         raise OSError(exc.errno, f"{exc.strerror or exc} ({host}:{port})") from exc
     return sock
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError (a port in use, a bad certificate path) that stopped a
+    server, inside the trio exception groups around it, if that is all
+    they hold: a command says it in a line instead of a traceback."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
 
 
 def reserve_port(host: str, port: int = 0) -> socket.socket:

@@ -43,6 +43,7 @@ import trio
 from frontend.serving import (
     Limits,
     ServeOptions,
+    os_error_in,
     reload_on_sighup,
     reserve_port,
     serve,
@@ -446,20 +447,14 @@ def _serve_one(config: RouterConfig, policy: RoutingPolicy, engine_args: list[st
     supervisor of several logs it, when a port is taken (the main
     listener's, or the admin one's, by default the main + 1), not a
     traceback."""
-    taken: list[BaseException] = []
     try:
         trio.run(_serve_until_signal, config, policy, engine_args)
-    except* OSError as group:
-        taken.extend(_leaves(group))
-    s = config.server
-    for error in taken:
+    except (OSError, BaseExceptionGroup) as exc:
+        error = os_error_in(exc)
+        if error is None:
+            raise
+        s = config.server
         log.error("headrace serve: %s (the listener on %s:%d, or the admin one on %s:%d: [server] admin_port)",
                   error, s.host, s.port, s.admin_host, admin_port(config))  # fmt: skip
-    return 1 if taken else 0
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions in ``exc``, groups (nested nurseries) opened."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+        return 1
+    return 0
