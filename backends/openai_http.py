@@ -55,6 +55,7 @@ import re
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import h2.exceptions
@@ -166,25 +167,37 @@ class _H2:
         return reply.status, reply.body
 
     def open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AbstractAsyncContextManager[_Reply]:
-        return self._open(path, body, headers)
+        return _H2Opened(partial(self._start, path, body, headers))
 
-    @asynccontextmanager
-    async def _open(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> AsyncIterator[_Reply]:
-        async def start() -> H2Response:
-            response = self.pool.stream("POST", path, headers=headers, body=body)
-            return await response.__aenter__()  # a failed start closes its stream itself
-
-        response = await _resend_if_refused(start)
-        try:
-            yield _Reply(response.status, response.headers, response, response.ready)
-        finally:
-            if not response.close_if_finished():  # a finished stream's close needs no cancel scope
-                with trio.CancelScope(shield=True):
-                    await response.aclose()
+    async def _start(self, path: str, body: bytes, headers: list[tuple[str, str]]) -> H2Response:
+        response = self.pool.stream("POST", path, headers=headers, body=body)
+        return await response.__aenter__()  # a failed start closes its stream itself
 
     async def aclose(self) -> None:
         await self.pool.aclose()
         await self.probes.aclose()
+
+
+class _H2Opened:
+    """One upstream stream over HTTP/2, started (again if the server refused
+    it unprocessed) on entry and closed on the way out. A class, not an
+    ``@asynccontextmanager``: one async generator less a request."""
+
+    __slots__ = ("_response", "_start")
+
+    def __init__(self, start: Callable[[], Awaitable[H2Response]]) -> None:
+        self._start = start
+        self._response: H2Response | None = None
+
+    async def __aenter__(self) -> _Reply:
+        response = self._response = await _resend_if_refused(self._start)
+        return _Reply(response.status, response.headers, response, response.ready)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        response, self._response = self._response, None
+        if response is not None and not response.close_if_finished():  # a finished stream's close needs no cancel scope
+            with trio.CancelScope(shield=True):
+                await response.aclose()
 
 
 class _H1:

@@ -22,15 +22,15 @@ time: a scrape sees a long stream's gaps at most that many tokens late.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
 from backends.base import Event
-from frontend.context import RequestContext
+from frontend.context import Hold, Leave, RequestContext
 from frontend.exposition import observe_many, observe_one
 
 if TYPE_CHECKING:
@@ -132,22 +132,24 @@ class CallTimer:
         self.queue = _Children(queue) if queue is not None else None
         self.inference = _Children(inference) if inference is not None else None
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> Leave:
         admitted = trio.current_time()
         labels = self.labels(context, call)
         if self.queue is not None:
             self.queue.observe(labels, admitted - context.arrival)
         call.watch(partial(_TimedStream, self, labels, context.arrival))
-        try:
-            yield
-        finally:
-            done = trio.current_time()
-            self.e2e.observe(labels, done - context.arrival)
-            if self.inference is not None:
-                self.inference.observe(labels, done - admitted)
-            if self.done is not None:  # the slot's hold time: the service time of a capacity model
-                self.done(labels, done - admitted)
+        return partial(self._done, labels, context.arrival, admitted)
+
+    def _done(self, labels: tuple[str, ...], arrival: float, admitted: float) -> None:
+        done = trio.current_time()
+        self.e2e.observe(labels, done - arrival)
+        if self.inference is not None:
+            self.inference.observe(labels, done - admitted)
+        if self.done is not None:  # the slot's hold time: the service time of a capacity model
+            self.done(labels, done - admitted)
 
 
 class _TimedStream:

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Protocol
 
@@ -53,7 +53,14 @@ import trio
 from backends.base import Event, GenerateRequest
 from backends.errors import BackendUnavailable, RateLimited
 from frontend.call import Call
-from frontend.context import ENGINE_PRIORITY, PriorityClass, RequestContext, new_request_id
+from frontend.context import (
+    ENGINE_PRIORITY,
+    Hold,
+    Leave,
+    PriorityClass,
+    RequestContext,
+    new_request_id,
+)
 from policies.admission import AdmissionPolicy, AdmissionView, ServiceRate
 from policies.fairness import CLASSES, QueuePolicy, SlotShares, Waiting, rank_of
 from policies.ratelimit import Limits, RateDecision, RateLimitPolicy
@@ -215,12 +222,13 @@ class RateLimits:
             subjects.append((f"key:{context.key_id}", key))
         return [(name, limits) for name, limits in subjects if limits != Limits()]
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> Leave | None:
         subjects = self._subjects(context)
         if not subjects:
-            yield
-            return
+            return None
         names = [name for name, _ in subjects]
         holder = f"{self._process}:{next(self._holders)}"
         decision = await self.limiter.acquire(subjects, prompt_tokens(call), holder)
@@ -228,10 +236,7 @@ class RateLimits:
             raise _refusal(decision)
         call.headers += rate_headers(decision)
         meter(call, lambda n: self.limiter.charge(names, n))
-        try:
-            yield
-        finally:
-            self.limiter.release(names, holder)
+        return partial(self.limiter.release, names, holder)
 
 
 def rate_headers(d: RateDecision) -> list[tuple[str, str]]:
@@ -340,8 +345,10 @@ class Queue:
             self.groups[key] = found = _Group(key, self.make_queue(), shares)
         return found
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> Leave:
         cls = self.tenants.classify(context, call)
         g = self.group(self.group_of(call.subs[0].model if call.subs else None))
         tenant = self.tenants.get(context.tenant)
@@ -382,15 +389,15 @@ class Queue:
             g.queue.charge(context.tenant, tenant.weight, cost, now)
             self._counts["at_once"] += 1
         meter(call, lambda n: g.queue.charge(context.tenant, tenant.weight, n, trio.current_time()))
-        started = trio.current_time()
-        try:
-            yield
-        finally:
-            g.busy -= slots
-            g.shares.give(context.tenant, rank, slots)
-            g.rate.observe(trio.current_time() - started)
-            if g.waiters:  # the freed slots go to the queue (an empty one takes nothing)
-                self._grant(g)
+        return partial(self._leave, g, context.tenant, rank, slots, trio.current_time())
+
+    def _leave(self, g: _Group, tenant: str, rank: int, slots: int, started: float) -> None:
+        """A call's slots back, however it ended."""
+        g.busy -= slots
+        g.shares.give(tenant, rank, slots)
+        g.rate.observe(trio.current_time() - started)
+        if g.waiters:  # the freed slots go to the queue (an empty one takes nothing)
+            self._grant(g)
 
     def _ahead(self, g: _Group, tenant: str, rank: int, weight: float) -> int:
         """Waiting requests that would go before this one: the queue policy's

@@ -34,8 +34,8 @@ restarts), which shows how the kernel spreads connections.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import cast
 
 import trio
@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from frontend import metric_names as N
 from frontend.call import Call
-from frontend.context import RequestContext
+from frontend.context import Hold, RequestContext
 from frontend.exposition import observe_many, observe_one, render_cooperatively
 from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
 from frontend.sli import ROUTE_OF_KIND, CallTimer
@@ -307,12 +307,13 @@ class Arrivals:
     def __init__(self, estimator: ReplicaEstimator, bounds: LabelBounds) -> None:
         self.estimator, self.bounds = estimator, bounds
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> None:
         model = self.bounds.model(call.model)
         if model != N.OTHER:
             self.estimator.arrive(model, context.arrival)
-        yield
 
 
 class CapacityCollector(Collector):

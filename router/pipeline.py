@@ -22,8 +22,9 @@ and the waiting. With no stages the pipeline is a counted pass-through.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
 
 import msgspec
 import trio
@@ -67,35 +68,16 @@ class Pipeline:
         self._rejected: dict[str, int] = {}
         self._rejections: deque[float] = deque(maxlen=REJECTION_SAMPLES)
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
-        journal = self.journal
-        record = journal.open(context) if journal is not None else None
-        try:
-            async with AsyncExitStack() as stack:
-                try:
-                    if record is None:
-                        for stage in self.stages:
-                            await stack.enter_async_context(stage.admit(context, call))
-                    else:
-                        await self._enter_recorded(stack, context, call, record)
-                except HeadraceError as exc:
-                    reason = exc.code or exc.type
-                    self._rejected[reason] = self._rejected.get(reason, 0) + 1
-                    if reason != "queue_timeout":
-                        self._rejections.append(trio.current_time() - context.arrival)
-                    if record is not None:
-                        record.failed(exc)
-                    raise
-                self._admitted += 1
-                self._in_flight += 1
-                try:
-                    yield
-                finally:
-                    self._in_flight -= 1
-        finally:
-            if record is not None and journal is not None:
-                journal.close(record, trio.current_time())
+    def admit(self, context: RequestContext, call: Call) -> _Admission:
+        return _Admission(self, context, call)
+
+    def _refused(self, exc: HeadraceError, context: RequestContext, record: RequestRecord | None) -> None:
+        reason = exc.code or exc.type
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        if reason != "queue_timeout":
+            self._rejections.append(trio.current_time() - context.arrival)
+        if record is not None:
+            record.failed(exc)
 
     async def _enter_recorded(self, stack: AsyncExitStack, context: RequestContext, call: Call, record: RequestRecord) -> None:
         """The stages, with the request's record: what it asked for, a span
@@ -125,6 +107,54 @@ class Pipeline:
             rejection_p50=_quantile(ordered, 0.5),
             rejection_p99=_quantile(ordered, 0.99),
         )
+
+
+class _Admission:
+    """One request's way through the pipeline: its record opened, the stages
+    entered in order (a refusal counted), and on the way out, however the
+    call ended, the stages left in reverse and the record closed. A class,
+    not an ``@asynccontextmanager`` (one async generator less a request)."""
+
+    __slots__ = ("_call", "_context", "_pipeline", "_record", "_stack")
+
+    def __init__(self, pipeline: Pipeline, context: RequestContext, call: Call) -> None:
+        self._pipeline, self._context, self._call = pipeline, context, call
+        self._record: RequestRecord | None = None
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> None:
+        p, context, call, stack = self._pipeline, self._context, self._call, self._stack
+        record = self._record = p.journal.open(context) if p.journal is not None else None
+        try:
+            try:
+                if record is None:
+                    for stage in p.stages:
+                        await stack.enter_async_context(stage.admit(context, call))
+                else:
+                    await p._enter_recorded(stack, context, call, record)
+            except HeadraceError as exc:
+                p._refused(exc, context, record)
+                raise
+        except BaseException as exc:
+            try:
+                await stack.__aexit__(type(exc), exc, exc.__traceback__)  # the stages entered, left
+            finally:
+                self._close_record()
+            raise
+        p._admitted += 1
+        p._in_flight += 1
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self._pipeline._in_flight -= 1
+        try:
+            return await self._stack.__aexit__(*exc_info)
+        finally:
+            self._close_record()
+
+    def _close_record(self) -> None:
+        journal, record = self._pipeline.journal, self._record
+        if record is not None and journal is not None:
+            journal.close(record, trio.current_time())
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float | None:

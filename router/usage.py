@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import parse_qs
 
@@ -43,7 +44,7 @@ from prometheus_client import Counter
 from backends.base import Event, Usage
 from backends.errors import BadRequest, HeadraceError, NotFound
 from frontend import metric_names as N
-from frontend.context import RequestContext
+from frontend.context import Hold, Leave, RequestContext
 from frontend.server import HTTPRequest, Response, json_response
 from router.store import JobStore, SQLiteStore
 
@@ -188,15 +189,17 @@ class UsageLedger:
 
     # ------------------------------------------------------------ the pipeline stage
 
-    @asynccontextmanager
-    async def admit(self, context: RequestContext, call: Call) -> AsyncIterator[None]:
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> Leave:
         seen = _Seen(call.model)
         call.watch(lambda: seen)
-        try:
-            yield
-        finally:
-            if seen.usages:
-                self.record(context.tenant, seen.model, seen.total())
+        return partial(self._seen, context.tenant, seen)
+
+    def _seen(self, tenant: str, seen: _Seen) -> None:
+        if seen.usages:
+            self.record(tenant, seen.model, seen.total())
 
     def record(self, tenant: str, model: str, usage: Usage) -> None:
         """One finished call's usage (its choices' together)."""

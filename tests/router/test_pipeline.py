@@ -5,7 +5,8 @@ last byte; a stage that refuses stops the request with its status."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,9 +16,10 @@ import trio.testing
 from backends.base import Event, GenerateRequest
 from backends.errors import RateLimited
 from frontend.call import Call
-from frontend.context import RequestContext
+from frontend.context import THROUGH, Hold, Leave, RequestContext
 from frontend.server import OpenAIServer
 from frontend.serving import ServeOptions, serve
+from router.logs import Journal
 from router.pipeline import Pipeline
 from tests.router.fakes import FakeBackend
 
@@ -142,3 +144,126 @@ async def test_the_pipeline_times_refusals_from_arrival_and_leaves_queue_timeout
     stats = pipeline.statistics()
     assert stats.rejected == {"shed": 2, "queue_timeout": 1}
     assert stats.rejection_p50 == pytest.approx(0.004) and stats.rejection_p99 == pytest.approx(0.004)
+
+
+class Logged:
+    """A stage in each of the three forms a stage may take, logging its
+    entry and exit (and the error it left with) to ``log``."""
+
+    def __init__(self, name: str, log: list[str], form: str, refuse: bool = False) -> None:
+        self.name, self.log, self.form, self.refuse = name, log, form, refuse
+
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        if self.form == "generator":
+            return self._generator()
+        if self.form == "hold":
+            return Hold(self._hold())
+        return self._Class(self)
+
+    def _enter(self) -> None:
+        self.log.append(f"enter {self.name}")
+        if self.refuse:
+            raise RateLimited("no", code="shed", retry_after=1)
+
+    def _leave(self, error: BaseException | None) -> None:
+        self.log.append(f"leave {self.name}" + (f" after {type(error).__name__}" if error else ""))
+
+    @asynccontextmanager
+    async def _generator(self) -> AsyncIterator[None]:
+        await trio.lowlevel.checkpoint()
+        self._enter()
+        try:
+            yield
+        except BaseException as exc:
+            self._leave(exc)
+            raise
+        else:
+            self._leave(None)
+
+    async def _hold(self) -> Leave:
+        await trio.lowlevel.checkpoint()
+        self._enter()
+        return lambda: self.log.append(f"leave {self.name}")  # a Hold is not told how the call ended
+
+    class _Class:
+        def __init__(self, stage: Logged) -> None:
+            self.stage = stage
+
+        async def __aenter__(self) -> None:
+            self.stage._enter()
+
+        async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+            self.stage._leave(exc)
+
+
+FORMS = ["generator", "hold", "class"]
+
+
+@pytest.mark.parametrize("forms", [FORMS, FORMS[::-1]])
+@pytest.mark.parametrize("journal", [False, True])
+async def test_stages_of_every_form_are_entered_in_order_and_left_in_reverse_however_the_call_ends(
+    forms: list[str], journal: bool
+) -> None:
+    """A call that ends well, one whose body raises, and one a middle stage
+    refuses: each stage entered is left once, last first; the refusal is
+    counted and leaves nothing in flight or in the journal."""
+    log: list[str] = []
+    stages = [Logged(f"{i}:{form}", log, form) for i, form in enumerate(forms)]
+    pipeline = Pipeline(stages, journal=Journal() if journal else None)
+    names = [s.name for s in stages]
+    call = SimpleNamespace(model="m", wire=SimpleNamespace(stream=True), subs=[])  # what the journal's record reads
+
+    def context() -> RequestContext:
+        return RequestContext(request_id="r", arrival=trio.current_time(), span_id="0123456789abcdef")
+
+    async with pipeline.admit(context(), call):  # type: ignore[arg-type]
+        assert pipeline.statistics().in_flight == 1
+        assert pipeline.journal is None or len(pipeline.journal) == 1
+    assert log == [f"enter {n}" for n in names] + [f"leave {n}" for n in reversed(names)]
+
+    log.clear()
+    with pytest.raises(KeyError):
+        async with pipeline.admit(context(), call):  # type: ignore[arg-type]
+            raise KeyError("the body failed")
+    told = {"generator": " after KeyError", "class": " after KeyError", "hold": ""}
+    assert log == [f"enter {n}" for n in names] + [f"leave {s.name}{told[s.form]}" for s in reversed(stages)]
+
+    log.clear()
+    stages[1].refuse = True
+    with pytest.raises(RateLimited):
+        async with pipeline.admit(context(), call):  # type: ignore[arg-type]
+            raise AssertionError("a refused call's body never runs")
+    left = f"leave {names[0]}" + (" after RateLimited" if stages[0].form != "hold" else "")
+    assert log == [f"enter {names[0]}", f"enter {names[1]}", left]
+    stats = pipeline.statistics()
+    assert (stats.admitted, stats.in_flight, stats.rejected) == (2, 0, {"shed": 1})
+    assert pipeline.journal is None or len(pipeline.journal) == 0
+
+
+async def test_a_hold_enters_when_entered_and_leaves_once() -> None:
+    """Nothing runs when a stage's ``admit`` is called, only on entry; the
+    leave runs once however the block ends; an entry that raises leaves
+    nothing to undo."""
+    log: list[str] = []
+
+    async def enter(fail: bool) -> Leave:
+        log.append("enter")
+        if fail:
+            raise RateLimited("no", code="shed", retry_after=1)
+        return lambda: log.append("leave")
+
+    hold = Hold(enter(False))
+    assert log == []
+    async with hold:
+        assert log == ["enter"]
+    assert log == ["enter", "leave"]
+    with pytest.raises(ValueError):
+        async with Hold(enter(False)):
+            raise ValueError
+    assert log == ["enter", "leave", "enter", "leave"]
+    with pytest.raises(RateLimited):
+        async with Hold(enter(True)):
+            raise AssertionError("not reached")
+    assert log == ["enter", "leave", "enter", "leave", "enter"]
+    async with THROUGH, THROUGH:  # stateless: one for every call, even nested
+        pass
