@@ -59,7 +59,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -82,6 +81,7 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
+from backends.h2client import write_now
 from backends.h2lite import LeanH2Connection
 from frontend.h2_headers import CheckedWhenNeeded
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
@@ -647,28 +647,16 @@ class IdleDeadline:
             await self._server._initiate_server_close()
 
 
+# (a module attribute: tests count the immediate writes by replacing it)
+_write_now = write_now
+
+
 @dataclass(frozen=True)
 class ImmediateRawData(RawData):
     """Bytes to write now if they can be: when the connection's send lock is
     free and the socket takes them all, they are written without a
     checkpoint (frontend/serving.py sends a whole small response so, from
     the app's task). Otherwise, or for the rest, the usual locked send."""
-
-
-def _write_now(stream: Any, data: bytes) -> int:
-    """How much of ``data`` a plain TCP stream's socket takes without
-    blocking (0: none, or not a plain socket: TLS frames its own writes).
-    ``os.write`` on the socket's descriptor: trio's ``send_all`` would take
-    the same bytes, then checkpoint. Errors are left to the ``send_all`` the
-    caller hands the rest to. The caller must be the connection's only
-    writer at that moment (its send lock free, no checkpoint since), or
-    bytes would interleave."""
-    if type(stream) is not trio.SocketStream:
-        return 0
-    try:
-        return os.write(stream.socket.fileno(), data)
-    except OSError:
-        return 0
 
 
 def _peer(stream: Any) -> tuple[str, int] | None:

@@ -25,6 +25,7 @@ import h2.settings
 import pytest
 import trio
 
+from backends import h2client
 from backends.h2client import (
     ConnectError,
     ConnectionLost,
@@ -289,6 +290,55 @@ async def test_a_body_larger_than_the_servers_window_is_sent_whole(nursery: trio
         async with H2Pool(host, port) as pool:
             reply = await pool.request("POST", "/echo", body=body, limit=4 * MiB)
     assert reply.body == body
+
+
+async def test_writes_the_socket_takes_at_once_go_out_without_send_all(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's frames are written straight to the socket when it takes
+    them (no cancel scope, no ``send_all``); only the rest of a larger write
+    goes through ``send_all``."""
+    whole, partial_writes = [], []
+    write_now = h2client.write_now
+
+    def counted(stream: object, data: bytes) -> int:
+        sent = write_now(stream, data)
+        (whole if sent == len(data) else partial_writes).append(len(data))
+        return sent
+
+    monkeypatch.setattr(h2client, "write_now", counted)
+    host, port = await serve_app(nursery, App())
+    with trio.fail_after(5):
+        async with H2Pool(host, port) as pool:
+            assert (await pool.request("GET", "/hello")).body == b"hello"
+            assert whole and not partial_writes
+            body = os.urandom(3 * MiB)  # more than a socket takes at once: the rest through send_all
+            reply = await pool.request("POST", "/echo", body=body, limit=4 * MiB)
+    assert reply.body == body
+
+
+async def test_a_peer_that_stops_reading_fails_the_connection_after_write_timeout(nursery: trio.Nursery) -> None:
+    """A server that grants a large window and then never reads: the
+    client's body fills the socket, its write blocks, and after
+    ``write_timeout`` the connection fails (not a hang)."""
+
+    async def stuck(stream: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        conn.initiate_connection()
+        conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: (1 << 31) - 1})
+        conn.increment_flow_control_window((1 << 31) - 1 - 65535)
+        await stream.send_all(conn.data_to_send())
+        await trio.sleep_forever()  # reads nothing, ever
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, stuck, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(10):
+        async with H2Pool("127.0.0.1", port, write_timeout=0.5, connection_window=(1 << 31) - 1) as pool:
+            started = trio.current_time()
+            with pytest.raises(ConnectionLost, match="write blocked"):
+                await pool.request("POST", "/x", body=b"\0" * (64 * MiB))
+            assert trio.current_time() - started >= 0.5
 
 
 async def test_tls_with_alpn_h2(nursery: trio.Nursery, tls_files: TLSFiles) -> None:
