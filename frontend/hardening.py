@@ -81,7 +81,7 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.utils import parse_socket_addr
 from hyperframe.frame import DataFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
-from backends.h2client import write_now
+from backends.h2client import read_some, write_now
 from backends.h2lite import LeanH2Connection
 from frontend.h2_headers import CheckedWhenNeeded
 from frontend.limits import DEFAULT_LIMITS, Budget, ConnectionLedger, Limits
@@ -510,7 +510,7 @@ def _patch_tcp_server() -> None:
         stream = self.stream
         while True:
             try:
-                data = await stream.receive_some(MAX_RECV)
+                data = await read_some(stream, MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
             await self.protocol.handle(RawData(data))

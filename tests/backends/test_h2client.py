@@ -24,6 +24,7 @@ import h2.exceptions
 import h2.settings
 import pytest
 import trio
+import trio.testing
 
 from backends import h2client
 from backends.h2client import (
@@ -801,3 +802,62 @@ async def test_ready_says_when_the_next_chunk_needs_no_wait(nursery: trio.Nurser
             assert resp.ready()  # ended: the next call raises at once
             with trio.testing.assert_no_checkpoints(), pytest.raises(StopAsyncIteration):
                 await resp.__anext__()
+
+
+# ---------------------------------------------------------------- the lean socket read
+
+
+async def test_read_some_reads_waits_and_fails_as_trios_receive_some() -> None:
+    """``read_some`` on a plain TCP stream: what is there at once, else a
+    wait; b"" at the peer's end; a checkpoint either way (a cancelled caller
+    is told even with data waiting); a reset peer is BrokenResourceError, a
+    socket closed here ClosedResourceError, as trio's ``receive_some``."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        accepted: list[trio.SocketStream] = []
+
+        async def accept() -> None:
+            accepted.append(await listeners[0].accept())  # type: ignore[arg-type]
+
+        nursery.start_soon(accept)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await eventually(lambda: bool(accepted), 2)
+        server = accepted[0]
+
+        await server.send_all(b"ready")
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            with pytest.raises(trio.Cancelled):
+                await h2client.read_some(client, 100)  # data waits, but the caller is cancelled
+        with trio.testing.assert_checkpoints():  # a schedule point too, even with the data there
+            assert await h2client.read_some(client, 100) == b"ready"
+
+        sent = trio.Event()
+
+        async def later() -> None:
+            await trio.sleep(0.05)
+            await server.send_all(b"late")
+            sent.set()
+
+        nursery.start_soon(later)
+        assert await h2client.read_some(client, 100) == b"late"  # waited for it
+        await sent.wait()
+        await server.send_eof()
+        assert await h2client.read_some(client, 100) == b""
+
+        other = await trio.open_tcp_stream("127.0.0.1", port)
+        nursery.start_soon(accept)
+        await eventually(lambda: len(accepted) == 2, 2)
+        accepted[1].socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        accepted[1].socket.close()  # an RST
+        with pytest.raises(trio.BrokenResourceError):
+            await h2client.read_some(other, 100)
+        await other.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await h2client.read_some(other, 100)
+        await client.aclose()
+        await server.aclose()
+        for listener in listeners:
+            await listener.aclose()
