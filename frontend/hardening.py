@@ -593,39 +593,46 @@ class IdleDeadline:
     and the caller waits a scheduler turn for it) whenever it goes idle again:
     with one request at a time on a connection, that is every request, at the
     end of its answer. Here one watcher task per connection, started at its
-    first idle spell, waits under a cancel scope whose deadline moves:
-    ``keep_alive_timeout`` from now when the connection goes idle, never while
-    it is busy. The behaviour is hypercorn's: an idle connection closes at its
-    deadline, or at once when the server shuts down (a busy one once it is
-    idle again). The same two methods as hypercorn's ``TrioSingleTask``
-    (``action``, the server's own ``_idle_timeout``, is what this does), and
-    :meth:`end` for a connection whose reading is over."""
+    first idle spell, waits under a cancel scope with a deadline. The
+    behaviour is hypercorn's: an idle connection closes ``keep_alive_timeout``
+    after it went idle, or at once when the server shuts down (a busy one
+    once it is idle again). The same two methods as hypercorn's
+    ``TrioSingleTask`` (``action``, the server's own ``_idle_timeout``, is
+    what this does), and :meth:`end` for a connection whose reading is over.
 
-    __slots__ = ("_ended", "_idle", "_scope", "_server")
+    Going busy and idle again (every request) only notes when: a deadline
+    set on each (two a request: trio's deadline bookkeeping, ~1% of a
+    streamed request's instructions) is not needed, since the deadline only
+    moves later. When it passes, the watcher looks: idle for the whole
+    timeout, it closes; idle for less, it waits for the rest; busy, it
+    waits with no deadline until the connection is idle again, which sets
+    one (at most once a timeout, not once a request)."""
+
+    __slots__ = ("_armed", "_ended", "_idle", "_idle_since", "_scope", "_server")
 
     def __init__(self, server: Any) -> None:
         self._server = server
         self._scope: trio.CancelScope | None = None
+        self._armed = False  # the watcher's scope has a deadline
         self._idle = False
+        self._idle_since = 0.0
         self._ended = False
 
     async def restart(self, task_group: Any, action: object) -> None:
         """The connection is idle: it closes ``keep_alive_timeout`` from now."""
         self._idle = True
-        server = self._server
-        terminated = server.context.terminated.is_set()
-        deadline = -math.inf if terminated else trio.current_time() + server.config.keep_alive_timeout
+        self._idle_since = trio.current_time()
         if self._scope is None:
-            self._scope = trio.CancelScope(deadline=deadline)
+            self._scope = trio.CancelScope(deadline=self._deadline())
+            self._armed = True
             task_group._nursery.start_soon(self._watch, name="hypercorn idle deadline")
-        else:
-            self._scope.deadline = deadline
+        elif not self._armed:  # the watcher found it busy: waiting for this
+            self._scope.deadline = self._deadline()
+            self._armed = True
 
     async def stop(self) -> None:
-        """The connection is busy: no deadline."""
+        """The connection is busy (its deadline, if it passes, finds it so)."""
         self._idle = False
-        if self._scope is not None:
-            self._scope.deadline = math.inf
 
     def end(self) -> None:
         """Reading is over (the client left, or the connection closed): the
@@ -635,14 +642,28 @@ class IdleDeadline:
         if self._scope is not None:
             self._scope.cancel()
 
+    def _deadline(self) -> float:
+        if not self._idle:
+            return math.inf  # busy: the next idle spell sets one
+        if self._server.context.terminated.is_set():
+            return -math.inf  # shutting down: an idle connection goes now
+        timeout: float = self._server.config.keep_alive_timeout
+        return self._idle_since + timeout
+
     async def _watch(self) -> None:
-        assert self._scope is not None
-        with self._scope:
-            await self._server.context.terminated.wait()
-            while not self._idle:
-                await trio.sleep_forever()  # busy at shutdown: ends at the next idle spell (deadline now)
-        if self._ended:
-            return
+        terminated = self._server.context.terminated
+        while True:
+            assert self._scope is not None
+            with self._scope:
+                if terminated.is_set():
+                    await trio.sleep_forever()  # busy at shutdown: ends at the next idle spell (deadline now)
+                await terminated.wait()
+            if self._ended:
+                return
+            if self._idle and trio.current_time() >= self._deadline():
+                break  # idle for the whole timeout, or shutting down
+            self._armed = self._idle
+            self._scope = trio.CancelScope(deadline=self._deadline())
         with trio.CancelScope(shield=True):
             await self._server._initiate_server_close()
 

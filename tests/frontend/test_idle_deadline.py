@@ -5,10 +5,14 @@ its last answer, a busy one never, and one whose client left goes at once."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
+import trio.testing
 
+from frontend.hardening import IdleDeadline
 from frontend.serving import ServeOptions, serve
 from tests.frontend.instruments import Spawns
 from tests.frontend.test_serving import health_app
@@ -117,3 +121,101 @@ def _all_tasks() -> list[trio.lowlevel.Task]:
         for nursery in task.child_nurseries:
             stack.extend(nursery.child_tasks)
     return out
+
+
+class _Server:
+    """What IdleDeadline reads of hypercorn's TCPServer; records when it is closed."""
+
+    def __init__(self, keep_alive: float) -> None:
+        self.config = SimpleNamespace(keep_alive_timeout=keep_alive)
+        self.context = SimpleNamespace(terminated=trio.Event())
+        self.closed_at: float | None = None
+
+    async def _initiate_server_close(self) -> None:
+        self.closed_at = trio.current_time()
+
+
+async def _closes(keep_alive: float, script: Any) -> tuple[_Server, float]:
+    """Runs ``script(idle, server)`` against a watcher; (server, start time)."""
+    server = _Server(keep_alive)
+    idle = IdleDeadline(server)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        group = SimpleNamespace(_nursery=nursery)
+        await script(idle, group, server)
+        await trio.sleep(10 * keep_alive)
+        idle.end()
+    return server, start
+
+
+async def test_requests_on_a_connection_move_no_deadline_and_it_closes_a_timeout_after_going_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Busy and idle again, request after request: the watcher's deadline is
+    the one set at the first idle spell (no deadline set a request); it
+    passes while the connection is busy, and while it is idle but not yet
+    for the whole timeout; the connection closes exactly ``keep_alive``
+    after its last answer."""
+    deadlines: list[float] = []
+
+    async def script(idle: IdleDeadline, group: Any, server: _Server) -> None:
+        await idle.restart(group, None)  # the connection opens idle
+        for _ in range(30):  # a request every 0.4 s, each 0.3 s busy
+            await trio.sleep(0.1)
+            await idle.stop()
+            deadlines.append(idle._scope.deadline)  # type: ignore[union-attr]
+            await trio.sleep(0.3)
+            await idle.restart(group, None)
+            deadlines.append(idle._scope.deadline)  # type: ignore[union-attr]
+        assert server.closed_at is None  # never idle for 1 s in 12 s
+
+    server, start = await _closes(1.0, script)
+    assert server.closed_at == pytest.approx(start + 12.0 + 1.0)
+    assert len(set(deadlines)) <= 12 + 1, sorted(set(deadlines))  # set once a timeout at most, not once a request
+
+
+async def test_a_connection_busy_at_its_deadline_closes_a_timeout_after_its_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def script(idle: IdleDeadline, group: Any, server: _Server) -> None:
+        await idle.restart(group, None)
+        await trio.sleep(0.5)
+        await idle.stop()
+        await trio.sleep(3.0)  # a long answer: the deadline (1.0) passes
+        assert server.closed_at is None
+        await idle.restart(group, None)
+
+    server, start = await _closes(1.0, script)
+    assert server.closed_at == pytest.approx(start + 3.5 + 1.0)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+async def test_at_shutdown_an_idle_connection_closes_at_once_and_a_busy_one_when_its_answer_is_out(
+    autojump_clock: trio.testing.MockClock, busy: bool
+) -> None:
+    async def script(idle: IdleDeadline, group: Any, server: _Server) -> None:
+        await idle.restart(group, None)
+        await trio.sleep(0.2)
+        if busy:
+            await idle.stop()
+        await trio.sleep(0.1)
+        server.context.terminated.set()
+        await trio.sleep(0.3)
+        if busy:
+            assert server.closed_at is None
+            await idle.restart(group, None)
+
+    server, start = await _closes(1.0, script)
+    assert server.closed_at == pytest.approx(start + (0.6 if busy else 0.3))
+
+
+async def test_a_connection_whose_reading_ended_is_not_closed_by_its_watcher(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def script(idle: IdleDeadline, group: Any, server: _Server) -> None:
+        await idle.restart(group, None)
+        await trio.sleep(0.5)
+        idle.end()
+
+    server, _ = await _closes(1.0, script)
+    assert server.closed_at is None
