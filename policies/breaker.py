@@ -265,8 +265,10 @@ class CircuitBreaker:
 class BreakerPolicy(Protocol):
     """Which backends may take requests, fed every request's outcome.
     ``state`` is what the router's one health state per backend follows
-    (router/health.py); optional: ``release``, ``set_serving``,
-    ``ejected_until``, ``add``, ``statistics`` (see :class:`Breakers`)."""
+    (router/health.py); optional: ``release``, ``set_serving`` (called
+    when what the health probes say of a backend changes, and at its
+    removal), ``ejected_until``, ``add``, ``statistics`` (see
+    :class:`Breakers`)."""
 
     def allows(self, backend: str, now: float) -> bool: ...
 

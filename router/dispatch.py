@@ -43,6 +43,7 @@ time), and a backend the probes hold down has its breaker reset::
     breaker HALF_OPEN -> CLOSED   actor RECOVERED  (HALF_OPEN -> UP)
     breaker HALF_OPEN -> OPEN     actor EJECT      (HALF_OPEN -> EJECTED)
     actor DOWN / UNKNOWN          breakers.set_serving(False): reset, out of the fleet rule
+                                  (told on each change of the probes' verdict)
 
 A backend at its concurrency limit (:attr:`BackendActor.limit`, learned
 from its 429s) is passed over while another of the group has room.
@@ -286,7 +287,7 @@ _RELAY: dict[tuple[BreakerState, BreakerState], tuple[HealthEvent, ...]] = {
     (BreakerState.CLOSED, BreakerState.HALF_OPEN): (HealthEvent.EJECT, HealthEvent.COOLED),
 }
 # What the actor's state says its breaker is.
-_SHOWN = {HealthState.EJECTED: BreakerState.OPEN, HealthState.HALF_OPEN: BreakerState.HALF_OPEN}
+_OPEN, _HALF_OPEN, _CLOSED, _EJECTED = BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED, HealthState.EJECTED
 
 
 def _by_ids(actors: Iterable[BackendActor]) -> list[BackendActor]:
@@ -388,6 +389,7 @@ class Dispatcher:
         self.breakers = breakers
         self._release: Callable[[str, float], None] | None = getattr(breakers, "release", None)
         self._set_serving: Callable[[str, bool, float], None] | None = getattr(breakers, "set_serving", None)
+        self._serving: dict[str, bool] = {}  # what set_serving was last told, per backend
         self._ejected_until: Callable[[str, float], float | None] | None = getattr(breakers, "ejected_until", None)
         if breakers is not None and hasattr(breakers, "add"):
             breakers.add(self.actors)  # the fleet rule counts every backend, per group
@@ -485,6 +487,7 @@ class Dispatcher:
         """Out of routing; out of its breaker's fleet rule."""
         self.actors.pop(name, None)
         if self._set_serving is not None:
+            self._serving[name] = False
             self._set_serving(name, False, self.clock())
 
     # ------------------------------------------------------------ one state per backend
@@ -504,13 +507,18 @@ class Dispatcher:
         if breakers is None or actor.closed:
             return
         state = actor.state
-        if self._set_serving is not None:
-            self._set_serving(actor.name, state.probed_up, now)
-        if not state.probed_up:
+        up = state.probed_up
+        if self._set_serving is not None and self._serving.get(actor.name) is not up:
+            # Told when it changes (a request syncs every candidate, twice).
+            self._serving[actor.name] = up
+            self._set_serving(actor.name, up, now)
+        if not up:
             return  # down or not yet probed: the probes decide, its breaker was reset
         actual = breakers.state(actor.name, now)
-        for event in _RELAY.get((_SHOWN.get(state, BreakerState.CLOSED), actual), ()):
-            actor.breaker_moved(event)
+        shown = _OPEN if state is _EJECTED else _HALF_OPEN if state is HealthState.HALF_OPEN else _CLOSED
+        if actual is not shown:  # (no enum hashed in the common case: each hash is a Python call)
+            for event in _RELAY[(shown, actual)]:
+                actor.breaker_moved(event)
 
     def backend_statistics(self) -> list[ActorStatistics]:
         """Every actor's statistics, their states level with the breakers."""

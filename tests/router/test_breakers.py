@@ -289,3 +289,37 @@ async def test_metrics_export_the_pipelines_rejections_queue_depth_and_admitted(
         'headrace_queue_group_busy{group="*"} 0.0',
     ):
         assert line in metrics, line
+
+
+async def test_the_breakers_are_told_when_what_the_probes_say_changes_not_on_every_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``set_serving`` each time a backend's probed state changes (and at
+    first sight), not once per candidate per request."""
+    told: list[tuple[str, bool]] = []
+
+    class Recording(Breakers):
+        def set_serving(self, backend: str, serving: bool, now: float) -> None:
+            told.append((backend, serving))
+            super().set_serving(backend, serving, now)
+
+    a, b = FakeBackend("a"), FakeBackend("b")
+    actors = await actors_for(a, b)
+    d = Dispatcher(actors, Prefer("a", "b"), breakers=Recording(options()), draw=lambda: 0.0)
+    for _ in range(5):
+        assert await drain_stream(d) == 4
+    assert sorted(told) == [("a", True), ("b", True)]
+    a.healthy = False
+    while actors[0].state.probed_up:
+        await actors[0].probe()
+    for _ in range(3):
+        assert await drain_stream(d) == 4
+    assert told[2:] == [("a", False)]
+    assert b.started == 3  # a is down: b answered
+    a.healthy = True
+    while not actors[0].state.probed_up:
+        await actors[0].probe()
+    assert await drain_stream(d) == 4 and a.started == 6
+    assert told[3:] == [("a", True)]
+    d.remove("b")
+    assert told[4:] == [("b", False)]
