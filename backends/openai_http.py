@@ -53,8 +53,9 @@ import logging
 import os
 import re
 import ssl
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -603,7 +604,8 @@ class OpenAIHTTPBackend:
             body = _json.encode(payload)
             stall = self.stall_timeout if stall is None else stall
             try:
-                async with AsyncExitStack() as stack:
+                opened: AbstractAsyncContextManager[_Reply] | None = None  # the upstream stream, once open
+                try:
                     with trio.move_on_after(self.first_token_timeout) as opening:
                         transport = await self._use()
                         headers = [*_POST_HEADERS, ("x-request-id", request_id)] if request_id else _POST_HEADERS
@@ -611,7 +613,9 @@ class OpenAIHTTPBackend:
                             headers = [*headers, ("traceparent", traceparent)]
                         if tenant:
                             headers = [*headers, ("x-headrace-tenant", tenant)]
-                        reply = await stack.enter_async_context(transport.open(path, body, headers))
+                        opening_stream = transport.open(path, body, headers)
+                        reply = await opening_stream.__aenter__()
+                        opened = opening_stream
                     if opening.cancelled_caught:
                         raise BackendTimeout(f"no response within {self.first_token_timeout}s")
                     if reply.status != 200:
@@ -670,6 +674,9 @@ class OpenAIHTTPBackend:
                             yield event
                         if failure is not None:
                             raise failure
+                finally:
+                    if opened is not None:  # closed however the stream ends (an exit stack, without one)
+                        await opened.__aexit__(*sys.exc_info())
             except HeadraceError:
                 raise
             except _ERRORS as exc:
