@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from functools import partial
 from types import SimpleNamespace
 
 import httpx
@@ -165,8 +166,12 @@ class Logged:
         if self.refuse:
             raise RateLimited("no", code="shed", retry_after=1)
 
+    exit_error: Exception | None = None
+
     def _leave(self, error: BaseException | None) -> None:
         self.log.append(f"leave {self.name}" + (f" after {type(error).__name__}" if error else ""))
+        if self.exit_error is not None:
+            raise self.exit_error
 
     @asynccontextmanager
     async def _generator(self) -> AsyncIterator[None]:
@@ -183,7 +188,7 @@ class Logged:
     async def _hold(self) -> Leave:
         await trio.lowlevel.checkpoint()
         self._enter()
-        return lambda: self.log.append(f"leave {self.name}")  # a Hold is not told how the call ended
+        return partial(self._leave, None)  # a Hold is not told how the call ended
 
     class _Class:
         def __init__(self, stage: Logged) -> None:
@@ -238,6 +243,21 @@ async def test_stages_of_every_form_are_entered_in_order_and_left_in_reverse_how
     stats = pipeline.statistics()
     assert (stats.admitted, stats.in_flight, stats.rejected) == (2, 0, {"shed": 1})
     assert pipeline.journal is None or len(pipeline.journal) == 0
+
+    # An exit that raises on a clean way out: the stages before it are still
+    # left (told of that error), and it is the call's error.
+    log.clear()
+    stages[1].refuse = False
+    stages[1].exit_error = ValueError("exit failed")
+    with pytest.raises(ValueError, match="exit failed"):
+        async with pipeline.admit(context(), call):  # type: ignore[arg-type]
+            pass
+    assert log[-1] == f"leave {names[0]}" + (" after ValueError" if stages[0].form != "hold" else "")
+    assert pipeline.statistics().in_flight == 0
+    with pytest.raises(TypeError, match="asynchronous context manager"):
+        pipeline.stages = [SimpleNamespace(admit=lambda context, call: object())]
+        async with pipeline.admit(context(), call):  # type: ignore[arg-type]
+            pass
 
 
 async def test_a_hold_enters_when_entered_and_leaves_once() -> None:
