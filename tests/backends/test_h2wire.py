@@ -267,3 +267,29 @@ def test_a_header_block_that_never_ends_is_bounded() -> None:
         for _ in range(10):
             client.receive(_raw(9, 0, 1, b"\0" * 500))
     assert info.value.code == ErrorCode.COMPRESSION_ERROR
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from([b"content-type", b"x-a", b"x-b", b"server", b"date"]),
+                           st.binary(min_size=0, max_size=40)), max_size=6),
+        min_size=1, max_size=8,
+    )
+)
+def test_response_header_blocks_that_index_fields_decode_as_hpacks_decoder_reads_them(
+    blocks: list[list[tuple[bytes, bytes]]],
+) -> None:
+    """Blocks from hpack's encoder, which indexes fields into the dynamic
+    table (later blocks refer to earlier ones): each stream's headers are
+    what hpack's own decoder reads from the same bytes."""
+    import hpack
+
+    encoder, reference = hpack.Encoder(), hpack.Decoder()
+    client = ClientConnection()
+    for fields in blocks:
+        sid = client.send_headers(REQUEST, end_stream=True)
+        block = encoder.encode([(b":status", b"200"), *fields])
+        events = client.receive(_raw(1, 4 | 1, sid, block))  # HEADERS, END_HEADERS | END_STREAM
+        headers = next(e for e in events if isinstance(e, h2wire.Response)).headers
+        assert headers == [(bytes(n), bytes(v)) for n, v in reference.decode(block, raw=True)]
