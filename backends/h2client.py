@@ -489,18 +489,19 @@ class H2Connection:
 
     async def _flush(self) -> None:
         """Write everything h2 has buffered (the active writer, if any,
-        drains our bytes too). What the socket takes at once is written
-        without a checkpoint (nothing to cut, nothing to time: no cancel
-        scope, ~1% of a streamed request's instructions); the rest under a
-        shielded scope (a cut frame would break the connection) bounded by
-        ``write_timeout``: a wedged peer fails it.
+        drains our bytes too). What the socket takes at once goes out by
+        :func:`write_now` (a write that cannot block has nothing to cut or
+        to time: no cancel scope, no ``send_all``; 3.2% of a streamed
+        request's instructions); the rest under a shielded scope (a cut
+        frame would break the connection) bounded by ``write_timeout``: a
+        wedged peer fails it.
 
-        ``send_all`` checkpoints after its write, and that turn is kept: the
-        requests other tasks put into h2wire's buffer meanwhile leave with
-        the writer's next write. Written at once without it (an
-        ``os.write`` as the ingress does), each request was its own
-        write: no cheaper for the router, and +0.07 ms of CPU a request for
-        a mock reading them (h2load -c 32, three alternated runs)."""
+        Either way the write is followed by the turn ``send_all`` takes (a
+        shielded checkpoint), and that turn is kept: the requests other
+        tasks put into h2wire's buffer meanwhile leave with the writer's
+        next write. Without it each request was its own write: no cheaper
+        for the router, and +0.07 ms of CPU a request for a mock reading
+        them (h2load -c 32, three alternated runs)."""
         if self._writing or self.error is not None:
             return
         data = self._h2.data_to_send()

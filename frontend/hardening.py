@@ -601,7 +601,7 @@ class IdleDeadline:
     what this does), and :meth:`end` for a connection whose reading is over.
 
     Going busy and idle again (every request) only notes when: a deadline
-    set on each (two a request: trio's deadline bookkeeping, ~1% of a
+    set on each (two a request: trio's deadline bookkeeping, 0.65% of a
     streamed request's instructions) is not needed, since the deadline only
     moves later. When it passes, the watcher looks: idle for the whole
     timeout, it closes; idle for less, it waits for the rest; busy, it
