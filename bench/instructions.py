@@ -276,7 +276,7 @@ def _millions(value: float | None) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     from bench.plot import _figure, _save
 
-    fig, (ax,) = _figure(1, "headrace bench instructions: the router's instructions per request")
+    fig, (ax,) = _figure(1, "headrace bench instructions:\nthe router's instructions per request")  # two lines: one was cut at the figure's width
     for side, marker in zip(SIDES, ("o", "s"), strict=True):
         points = [(i + 1, r[side]["per_request"] / 1e6) for i, r in enumerate(doc["rounds"])
                   if side in r and r[side]["per_request"] is not None]
