@@ -38,6 +38,7 @@ __all__ = [
     "OPEN_GATE",
     "THROUGH",
     "Gate",
+    "HeldStage",
     "Hold",
     "Leave",
     "Principal",
@@ -210,10 +211,8 @@ class Hold:
     async generator: ``enter`` (a coroutine, awaited on entry) does what
     comes before an ``@asynccontextmanager``'s ``yield`` and returns what
     its ``finally`` would do (None: nothing), called on the way out however
-    the call ends. A stage returns one from ``admit``::
-
-        def admit(self, context, call):
-            return Hold(self._admit(context, call))
+    the call ends. A stage subclasses :class:`HeldStage`, whose ``admit``
+    returns one, and writes its entry::
 
         async def _admit(self, context, call) -> Leave | None:
             ...  # may raise to refuse, may await (a queue)
@@ -240,6 +239,19 @@ class Hold:
         leave, self._leave = self._leave, None
         if leave is not None:
             leave()
+
+
+class HeldStage:
+    """A stage written as a :class:`Hold`: its ``_admit`` coroutine (entry,
+    then what leaving does), wrapped here as the stage's ``admit``."""
+
+    __slots__ = ()
+
+    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
+        return Hold(self._admit(context, call))
+
+    async def _admit(self, context: RequestContext, call: Call) -> Leave | None:
+        raise NotImplementedError
 
 
 class _Through:

@@ -608,12 +608,11 @@ class IdleDeadline:
     waits with no deadline until the connection is idle again, which sets
     one (at most once a timeout, not once a request)."""
 
-    __slots__ = ("_armed", "_ended", "_idle", "_idle_since", "_scope", "_server")
+    __slots__ = ("_ended", "_idle", "_idle_since", "_scope", "_server")
 
     def __init__(self, server: Any) -> None:
         self._server = server
         self._scope: trio.CancelScope | None = None
-        self._armed = False  # the watcher's scope has a deadline
         self._idle = False
         self._idle_since = 0.0
         self._ended = False
@@ -624,11 +623,9 @@ class IdleDeadline:
         self._idle_since = trio.current_time()
         if self._scope is None:
             self._scope = trio.CancelScope(deadline=self._deadline())
-            self._armed = True
             task_group._nursery.start_soon(self._watch, name="hypercorn idle deadline")
-        elif not self._armed:  # the watcher found it busy: waiting for this
+        elif self._scope.deadline == math.inf:  # the watcher found it busy: waiting for this
             self._scope.deadline = self._deadline()
-            self._armed = True
 
     async def stop(self) -> None:
         """The connection is busy (its deadline, if it passes, finds it so)."""
@@ -662,8 +659,7 @@ class IdleDeadline:
                 return
             if self._idle and trio.current_time() >= self._deadline():
                 break  # idle for the whole timeout, or shutting down
-            self._armed = self._idle
-            self._scope = trio.CancelScope(deadline=self._deadline())
+            self._scope = trio.CancelScope(deadline=self._deadline())  # none while busy
         with trio.CancelScope(shield=True):
             await self._server._initiate_server_close()
 

@@ -23,14 +23,13 @@ time: a scrape sees a long stream's gaps at most that many tokens late.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
 from backends.base import Event
-from frontend.context import Hold, Leave, RequestContext
+from frontend.context import HeldStage, Leave, RequestContext
 from frontend.exposition import observe_many, observe_one
 
 if TYPE_CHECKING:
@@ -113,7 +112,7 @@ class _Children:
         observe_many(self.child(labels), seconds)
 
 
-class CallTimer:
+class CallTimer(HeldStage):
     """A :class:`~frontend.context.Gate` that times each call it admits."""
 
     def __init__(
@@ -131,9 +130,6 @@ class CallTimer:
         self.ttft, self.itl, self.e2e = _Children(ttft), _Children(itl), _Children(e2e)
         self.queue = _Children(queue) if queue is not None else None
         self.inference = _Children(inference) if inference is not None else None
-
-    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
-        return Hold(self._admit(context, call))
 
     async def _admit(self, context: RequestContext, call: Call) -> Leave:
         admitted = trio.current_time()

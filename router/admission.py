@@ -43,7 +43,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Protocol
 
@@ -55,7 +54,7 @@ from backends.errors import BackendUnavailable, RateLimited
 from frontend.call import Call
 from frontend.context import (
     ENGINE_PRIORITY,
-    Hold,
+    HeldStage,
     Leave,
     PriorityClass,
     RequestContext,
@@ -202,7 +201,7 @@ class LocalLimiter:
         self.policy.release(subjects, trio.current_time())
 
 
-class RateLimits:
+class RateLimits(HeldStage):
     """Stage: the tenant's and the key's limits (requests, tokens,
     concurrency); the figures of the tightest go out as ``x-ratelimit-*``
     headers on the answer, and on a 429."""
@@ -221,9 +220,6 @@ class RateLimits:
         if key is not None:
             subjects.append((f"key:{context.key_id}", key))
         return [(name, limits) for name, limits in subjects if limits != Limits()]
-
-    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
-        return Hold(self._admit(context, call))
 
     async def _admit(self, context: RequestContext, call: Call) -> Leave | None:
         subjects = self._subjects(context)
@@ -304,7 +300,7 @@ class _Group:
         self.waiters: dict[int, _Waiter] = {}
 
 
-class Queue:
+class Queue(HeldStage):
     """Stage: admission, the bounded per-class queues and the slots, per
     model group (the backends a request's model may go to first).
 
@@ -344,9 +340,6 @@ class Queue:
             shares = SlotShares(window=self.config.share_window, reserve=self.config.reserve_slots)
             self.groups[key] = found = _Group(key, self.make_queue(), shares)
         return found
-
-    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
-        return Hold(self._admit(context, call))
 
     async def _admit(self, context: RequestContext, call: Call) -> Leave:
         cls = self.tenants.classify(context, call)

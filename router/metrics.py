@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager
 from typing import cast
 
 import trio
@@ -46,7 +45,7 @@ from prometheus_client.registry import Collector
 
 from frontend import metric_names as N
 from frontend.call import Call
-from frontend.context import Hold, RequestContext
+from frontend.context import HeldStage, RequestContext
 from frontend.exposition import observe_many, observe_one, render_cooperatively
 from frontend.metric_names import REQUEST_BUCKETS, TOKEN_BUCKETS  # noqa: F401  (re-exported: older imports)
 from frontend.sli import ROUTE_OF_KIND, CallTimer
@@ -301,14 +300,11 @@ class LabelBounds:
         return (ROUTE_OF_KIND.get(call.kind, N.OTHER), self.model(call.model), self.tenant(context.tenant), context.priority)
 
 
-class Arrivals:
+class Arrivals(HeldStage):
     """A pipeline stage that counts each call's arrival for its model."""
 
     def __init__(self, estimator: ReplicaEstimator, bounds: LabelBounds) -> None:
         self.estimator, self.bounds = estimator, bounds
-
-    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
-        return Hold(self._admit(context, call))
 
     async def _admit(self, context: RequestContext, call: Call) -> None:
         model = self.bounds.model(call.model)

@@ -31,7 +31,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -44,7 +43,7 @@ from prometheus_client import Counter
 from backends.base import Event, Usage
 from backends.errors import BadRequest, HeadraceError, NotFound
 from frontend import metric_names as N
-from frontend.context import Hold, Leave, RequestContext
+from frontend.context import HeldStage, Leave, RequestContext
 from frontend.server import HTTPRequest, Response, json_response
 from router.store import JobStore, SQLiteStore
 
@@ -165,7 +164,7 @@ class _Totals:
         self.requests, self.prompt, self.generated, self.gpu = 0, 0, 0, 0.0
 
 
-class UsageLedger:
+class UsageLedger(HeldStage):
     """A pipeline stage that accounts each call's usage, and the service that
     writes it to the store in batches. Metrics labels go through the router's
     :class:`~router.metrics.LabelBounds` (``metrics.bounds``, set by its call timer)."""
@@ -188,9 +187,6 @@ class UsageLedger:
         self.store = store
 
     # ------------------------------------------------------------ the pipeline stage
-
-    def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
-        return Hold(self._admit(context, call))
 
     async def _admit(self, context: RequestContext, call: Call) -> Leave:
         seen = _Seen(call.model)
