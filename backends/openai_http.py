@@ -657,23 +657,32 @@ class OpenAIHTTPBackend:
                         # The events of this read, each but the last marked
                         # ``more_ready``, and the last too when the stream ends
                         # with it. Not before an error in the read's rest: what
-                        # follows it (a migration) may wait.
-                        batch: list[Event] = []
-                        failure: HeadraceError | None = None
-                        try:
-                            for sse in sse_events:
-                                batch += parser.feed(sse.data)
-                                self._saw_ids = self._saw_ids or parser.saw_ids
-                        except HeadraceError as exc:
-                            failure = exc
-                        last, ends = len(batch) - 1, parser.done and failure is None
-                        for k, event in enumerate(batch):
-                            event.more_ready = k < last or ends
-                            if event.finish_reason is not None:
-                                outcome = "completed"
-                            yield event
-                        if failure is not None:
-                            raise failure
+                        # follows it (a migration) may wait. The stream's first
+                        # event leaves alone, before the rest of its read is
+                        # parsed: the first token is the one a client waits on.
+                        rest, lone = iter(sse_events), not parser.events
+                        while True:
+                            batch: list[Event] = []
+                            failure: HeadraceError | None = None
+                            try:
+                                for sse in rest:
+                                    batch += parser.feed(sse.data)
+                                    self._saw_ids = self._saw_ids or parser.saw_ids
+                                    if lone and batch:
+                                        break
+                            except HeadraceError as exc:
+                                failure = exc
+                            last, ends = len(batch) - 1, parser.done and failure is None
+                            for k, event in enumerate(batch):
+                                event.more_ready = k < last or ends
+                                if event.finish_reason is not None:
+                                    outcome = "completed"
+                                yield event
+                            if failure is not None:
+                                raise failure
+                            if not (lone and batch):
+                                break
+                            lone = False
                 finally:
                     if opened is not None:  # closed however the stream ends (an exit stack, without one)
                         await opened.__aexit__(*sys.exc_info())
