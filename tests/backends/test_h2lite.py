@@ -199,3 +199,94 @@ def test_a_guarded_connection_decodes_with_the_lean_decoder_and_keeps_h2s_list_l
     client.send_headers(3, [*request, (b"x-big", b"v" * 2000)], end_stream=True)
     with pytest.raises(h2.exceptions.DenialOfServiceError):
         server.receive_data(client.data_to_send())
+
+
+# ---------------------------------------------------------------- DATA frames
+
+
+_REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/v1/completions"), (b":authority", b"x")]
+_send = st.tuples(
+    st.sampled_from([1, 3, 5, 7, 9]),  # 7: never opened; 9: reset by the client
+    st.one_of(st.integers(0, 40), st.integers(0, 20_000)),  # sizes: small, and past a frame (16 KiB) or a window
+    st.booleans(),  # end_stream
+    st.one_of(st.none(), st.integers(0, 4)),  # pad_length
+    st.booleans(),  # as a memoryview
+)
+
+
+def _state(conn: h2.connection.H2Connection) -> object:
+    streams = {sid: (s.state_machine.state, s.outbound_flow_control_window) for sid, s in conn.streams.items()}
+    return conn.outbound_flow_control_window, conn.state_machine.state, streams
+
+
+@settings(max_examples=300, deadline=None)
+@given(window=st.sampled_from([65_535, 100, 10]), sends=st.lists(_send, max_size=14), goaway=st.booleans())
+def test_lean_send_data_frames_windows_and_states_as_h2s_does(
+    window: int, sends: list[tuple[int, int, bool, int | None, bool]], goaway: bool
+) -> None:
+    """Two servers, h2's and the lean one, get the same client bytes and the
+    same ``send_data`` calls: each call raises the same error or none, and
+    leaves the same bytes to send, windows and stream states. Streams half
+    closed by the request and open, ended, reset, never opened; windows that
+    the data exceeds; frames too large; padding; memoryviews; a closed
+    connection."""
+    client = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.local_settings = h2.settings.Settings(client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    client.initiate_connection()
+    client.send_headers(1, _REQUEST, end_stream=True)  # half closed (remote) at the server: a request read whole
+    client.send_headers(3, _REQUEST)  # open: a request body still coming
+    client.send_headers(5, _REQUEST, end_stream=True)
+    client.send_headers(9, _REQUEST, end_stream=True)
+    client.reset_stream(9)
+    wire = client.data_to_send()
+    servers = [cls(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+               for cls in (h2.connection.H2Connection, LeanH2Connection)]  # fmt: skip
+    for server in servers:
+        server.initiate_connection()
+        server.receive_data(wire)
+        for sid in (1, 3, 5):
+            server.send_headers(sid, [(b":status", b"200")])
+        if goaway:
+            server.close_connection()
+        server.data_to_send()
+    stock, lean = servers
+    for sid, size, end, pad, view in sends:
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        outcomes = []
+        for server in servers:
+            try:
+                server.send_data(sid, memoryview(data) if view else data, end_stream=end, pad_length=pad)
+            except Exception as exc:  # the same refusal, whichever it is
+                outcomes.append(type(exc))
+            else:
+                outcomes.append(None)
+        assert outcomes[0] == outcomes[1], (sid, size, end, pad)
+        assert lean.data_to_send() == stock.data_to_send()
+        assert _state(lean) == _state(stock)
+
+
+def test_lean_send_data_frames_the_common_case_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A response's DATA within its windows never reaches h2's ``send_data``
+    (ending the stream or not), and what it wrote reads back at a stock
+    client as that data, the end, and nothing else."""
+    client = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
+    server = LeanH2Connection(config=h2.config.H2Configuration(client_side=False, header_encoding=None))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.send_headers(1, _REQUEST, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(b":status", b"200")])
+    calls: list[int] = []
+    stock = h2.connection.H2Connection.send_data
+    monkeypatch.setattr(h2.connection.H2Connection, "send_data", lambda self, *a, **k: (calls.append(1), stock(self, *a, **k))[1])
+    server.send_data(1, b"data: one\n\n")
+    server.send_data(1, b"data: two\n\n", end_stream=True)
+    assert calls == []
+    events = client.receive_data(server.data_to_send())
+    assert [e.data for e in events if isinstance(e, h2.events.DataReceived)] == [b"data: one\n\n", b"data: two\n\n"]
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+    with pytest.raises(h2.exceptions.StreamClosedError):
+        server.send_data(1, b"late")  # closed: h2's own refusal
+    assert calls == [1]
