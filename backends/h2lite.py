@@ -312,8 +312,9 @@ class LeanDecoder(HPACKDecoder):
 
 
 _FRAME_HEAD = struct.Struct(">HBBBL")  # hyperframe's: length (24 bits), type, flags, stream id
-_OPEN_CONNECTION = frozenset({ConnectionState.CLIENT_OPEN, ConnectionState.SERVER_OPEN})  # SEND_DATA keeps these
-_SENDING_STREAM = frozenset({StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE})  # SEND_DATA keeps these
+# The states SEND_DATA keeps (compared by identity: an Enum's hash is a Python call)
+_SERVER_OPEN, _CLIENT_OPEN = ConnectionState.SERVER_OPEN, ConnectionState.CLIENT_OPEN
+_OPEN, _HALF_CLOSED_REMOTE = StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE
 END_STREAM_FLAG = 0x1
 
 
@@ -341,8 +342,8 @@ class LeanH2Connection(h2.connection.H2Connection):
             or not 0 < size <= self.max_outbound_frame_size
             or size > self.outbound_flow_control_window
             or size > stream.outbound_flow_control_window
-            or self.state_machine.state not in _OPEN_CONNECTION
-            or stream.state_machine.state not in _SENDING_STREAM
+            or not ((state := self.state_machine.state) is _SERVER_OPEN or state is _CLIENT_OPEN)
+            or not ((state := stream.state_machine.state) is _HALF_CLOSED_REMOTE or state is _OPEN)
         ):
             super().send_data(stream_id, data, end_stream, pad_length)
             return
