@@ -311,7 +311,7 @@ class LeanDecoder(HPACKDecoder):
             raise hpack.HPACKDecodingError("header fields are not UTF-8") from exc
 
 
-_FRAME_HEAD = struct.Struct(">HBBBL")  # hyperframe's: length (24 bits), type, flags, stream id
+FRAME_HEAD = struct.Struct(">HBBBL")  # hyperframe's: length (24 bits), type, flags, stream id
 # The states SEND_DATA keeps (compared by identity: an Enum's hash is a Python call)
 _SERVER_OPEN, _CLIENT_OPEN = ConnectionState.SERVER_OPEN, ConnectionState.CLIENT_OPEN
 _OPEN, _HALF_CLOSED_REMOTE = StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE
@@ -342,7 +342,7 @@ class LeanH2Connection(h2.connection.H2Connection):
             or not 0 < size <= self.max_outbound_frame_size
             or size > self.outbound_flow_control_window
             or size > stream.outbound_flow_control_window
-            or not ((state := self.state_machine.state) is _SERVER_OPEN or state is _CLIENT_OPEN)
+            or not ((conn_state := self.state_machine.state) is _SERVER_OPEN or conn_state is _CLIENT_OPEN)
             or not ((state := stream.state_machine.state) is _HALF_CLOSED_REMOTE or state is _OPEN)
         ):
             super().send_data(stream_id, data, end_stream, pad_length)
@@ -352,7 +352,7 @@ class LeanH2Connection(h2.connection.H2Connection):
             stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
             flags = END_STREAM_FLAG
         buffer = self._data_to_send
-        buffer += _FRAME_HEAD.pack(size >> 8, size & 0xFF, 0, flags, stream_id)
+        buffer += FRAME_HEAD.pack(size >> 8, size & 0xFF, 0, flags, stream_id)
         buffer += data
         stream.outbound_flow_control_window -= size
         self.outbound_flow_control_window -= size

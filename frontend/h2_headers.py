@@ -24,6 +24,13 @@ instructions``: with the outbound passes off for every block (an
 experiment) -2.1% of a streamed request's instructions; this checked
 version -0.2% to -1.6%, in runs whose spread is as large (bench/README.md,
 stop 40).
+
+A canonical response block on a stream that has sent no headers yet is
+framed here too (:meth:`CheckedWhenNeeded.send_headers`): the stream's
+state machine is driven as h2 drives it, the block encoded once by the
+connection's encoder and split into HEADERS and CONTINUATION frames as h2
+splits it, without h2's frame objects, its per-field byte conversion and
+its debug lines (~35 Python calls a response).
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ from typing import Any
 
 import h2.config
 import h2.connection
+from h2.connection import ConnectionState
+from h2.stream import StreamInputs, StreamState
 from h2.utilities import CONNECTION_HEADERS
 
-from backends.h2lite import LeanDecoder
+from backends.h2lite import END_STREAM_FLAG, FRAME_HEAD, LeanDecoder
 
 __all__ = ["CheckedWhenNeeded", "RequestCheckingDecoder", "canonical", "canonical_request"]
 
@@ -161,8 +170,17 @@ class CheckedWhenNeeded(h2.connection.H2Connection):
             decoder.checked_again()
 
     def send_headers(self, stream_id: int, headers: Any, *args: Any, **kwargs: Any) -> None:
-        if not canonical(headers):
+        stream = self.streams.get(stream_id)
+        if not canonical(headers) or (stream is not None and stream.state_machine.headers_sent):
+            # Anything else, and trailers (h2 refuses a pseudo-header there): h2's passes
             super().send_headers(stream_id, headers, *args, **kwargs)
+            return
+        if (
+            stream is not None
+            and not args
+            and kwargs.keys() <= {"end_stream"}
+            and self._frame_response(stream, headers, kwargs.get("end_stream", False))
+        ):
             return
         config = self.config
         validate, normalize = config.validate_outbound_headers, config.normalize_outbound_headers
@@ -171,3 +189,40 @@ class CheckedWhenNeeded(h2.connection.H2Connection):
             super().send_headers(stream_id, headers, *args, **kwargs)
         finally:
             config.validate_outbound_headers, config.normalize_outbound_headers = validate, normalize
+
+    def _frame_response(self, stream: Any, headers: Sequence[tuple[bytes, bytes]], end_stream: bool) -> bool:
+        """Send a :func:`canonical` block as ``stream``'s response headers, as
+        h2's ``send_headers`` would with its passes off, where that is all it
+        would do: the connection open, the stream open or half closed by the
+        request and without headers sent (not trailers), a final status
+        (not 1xx), no priority. False where not (nothing done)."""
+        if self.state_machine.state is not _SERVER_OPEN:
+            return False
+        machine = stream.state_machine
+        if machine.headers_sent or machine.client is not False or headers[0][1][:1] == b"1":
+            return False
+        if not (machine.state is _HALF_CLOSED_REMOTE or machine.state is _OPEN):
+            return False
+        machine.process_input(StreamInputs.SEND_HEADERS)  # before encoding, as h2: the response is sent
+        flags = 0
+        if end_stream:
+            machine.process_input(StreamInputs.SEND_END_STREAM)
+            flags = END_STREAM_FLAG
+        block = self.encoder.encode(headers)
+        size = self.max_outbound_frame_size
+        out = self._data_to_send
+        # HEADERS, then CONTINUATION frames, of at most a frame each; the last ends the headers
+        parts = [block[i : i + size] for i in range(0, len(block), size)]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            kind, frame_flags = (_HEADERS, flags) if i == 0 else (_CONTINUATION, 0)
+            if last:
+                frame_flags |= _END_HEADERS
+            out += FRAME_HEAD.pack(len(part) >> 8, len(part) & 0xFF, kind, frame_flags, stream.stream_id)
+            out += part
+        return True
+
+
+_HEADERS, _CONTINUATION, _END_HEADERS = 0x1, 0x9, 0x4
+_SERVER_OPEN = ConnectionState.SERVER_OPEN
+_OPEN, _HALF_CLOSED_REMOTE = StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE

@@ -16,7 +16,7 @@ import h2.events
 import httpx
 import pytest
 import trio
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backends.h2lite import LeanH2Connection
@@ -85,6 +85,88 @@ def test_the_wire_cannot_tell_a_patched_connection_from_h2s_own(
     """h2's own connection (HPACK's table carries over between blocks) and the
     one the ingress uses (frontend/hardening.py's, a stateless encoder)."""
     assert _send(_server(True, kind), blocks) == _send(_server(False, kind), blocks)
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from([1, 3, 5, 7, 9, 11]),  # 1, 3: requests read whole; 5: a body still coming; 7: reset; 9, 11: never opened
+        st.one_of(
+            _BLOCK,
+            st.sampled_from([[(b":status", b"103"), (b"link", b"</s.css>")], [(b":status", b"200"), (b"x-big", b"v" * 20_000)]]),
+        ),
+        st.booleans(),  # end_stream
+    ),
+    min_size=1, max_size=6,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS, st.sampled_from([h2.connection.H2Connection, LeanH2Connection]), st.booleans())
+@example([(1, [(b":status", b"200")], False), (1, [(b":status", b"200")], True)], LeanH2Connection, False)  # canonical trailers
+def test_responses_framed_in_place_leave_the_same_bytes_and_stream_states_as_h2(
+    ops: list[tuple[int, list[Any], bool]], kind: type[h2.connection.H2Connection], goaway: bool
+) -> None:
+    """Responses, trailers after them, informational heads, blocks past a
+    frame (CONTINUATION), with and without END_STREAM, on streams read
+    whole, still receiving, reset and never opened, a closed connection:
+    the patched connection (canonical responses framed in place) raises
+    what h2's raises, sends its bytes and leaves its streams as h2 does."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    request = [(":method", "POST"), (":path", "/"), (":scheme", "http"), (":authority", "x")]
+    for sid in (1, 3, 5, 7):
+        client.send_headers(sid, request, end_stream=sid != 5)
+    client.reset_stream(7)
+    wire = client.data_to_send()
+    servers = []
+    for patched in (True, False):
+        server = (type("Patched", (CheckedWhenNeeded, kind), {}) if patched else kind)(
+            config=h2.config.H2Configuration(client_side=False, header_encoding=None))  # fmt: skip
+        server.initiate_connection()
+        server.receive_data(wire)
+        if goaway:
+            server.close_connection()
+        server.data_to_send()
+        servers.append(server)
+
+    def state(server: h2.connection.H2Connection) -> object:
+        return {sid: (s.state_machine.state, s.state_machine.headers_sent, s.state_machine.trailers_sent,
+                      s.request_method) for sid, s in server.streams.items()}  # fmt: skip
+
+    for sid, block, end in ops:
+        outcomes = []
+        for server in servers:
+            try:
+                server.send_headers(sid, block, end_stream=end)
+            except Exception as exc:  # the same refusal, whichever it is
+                outcomes.append((type(exc).__name__, server.data_to_send()))
+            else:
+                outcomes.append(("sent", server.data_to_send()))
+        assert outcomes[0] == outcomes[1], (sid, block[:3], end)
+        assert state(servers[0]) == state(servers[1])
+
+
+def test_a_canonical_response_takes_the_short_path_and_a_client_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A canonical response never reaches h2's ``send_headers``, and a stock
+    client reads it back, END_STREAM and all."""
+    calls: list[int] = []
+    stock = h2.connection.H2Connection.send_headers
+    monkeypatch.setattr(h2.connection.H2Connection, "send_headers", lambda self, *a, **k: (calls.append(1), stock(self, *a, **k))[1])
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    server = type("Patched", (CheckedWhenNeeded, LeanH2Connection), {})(
+        config=h2.config.H2Configuration(client_side=False, header_encoding=None))  # fmt: skip
+    server.initiate_connection()
+    client.receive_data(server.data_to_send())
+    calls.clear()
+    client.send_headers(1, [(b":method", b"GET"), (b":path", b"/"), (b":scheme", b"http"), (b":authority", b"x")], end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(b":status", b"200"), (b"content-type", b"text/plain")], end_stream=True)
+    assert calls == [1]  # the client's request only
+    events = client.receive_data(server.data_to_send())
+    [response] = [e for e in events if isinstance(e, h2.events.ResponseReceived)]
+    assert response.headers == [(b":status", b"200"), (b"content-type", b"text/plain")]
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
 
 
 def test_canonical_is_a_response_block_of_plain_lowercase_fields() -> None:
