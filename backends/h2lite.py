@@ -152,6 +152,7 @@ class StatelessEncoder:
 
 
 _STATIC: tuple[tuple[bytes, bytes], ...] = HeaderTable.STATIC_TABLE
+_NSTATIC = len(_STATIC)
 
 
 class HPACKDecoder:
@@ -184,8 +185,12 @@ class HPACKDecoder:
         while pos < end:
             first = block[pos]
             if first & 0x80:  # indexed field
-                index, pos = _int(block, pos, 7)
-                field = self._entry(index)
+                index = first & 0x7F
+                if index == 0x7F:
+                    index, pos = _int(block, pos, 7)
+                else:  # a one-byte index (_int's common case, without the call)
+                    pos += 1
+                field = _STATIC[index - 1] if 0 < index <= _NSTATIC else self._entry(index)
             elif not first & 0x40 and first & 0x20:  # dynamic table size update
                 if out:
                     raise hpack.HPACKDecodingError("table size update after a field")
@@ -197,9 +202,14 @@ class HPACKDecoder:
                 continue
             else:
                 indexing = first & 0x40  # else without indexing / never indexed
-                index, pos = _int(block, pos, 6 if indexing else 4)
+                mask = 0x3F if indexing else 0x0F
+                index = first & mask
+                if index == mask:
+                    index, pos = _int(block, pos, 6 if indexing else 4)
+                else:
+                    pos += 1
                 if index:
-                    name = self._entry(index)[0]
+                    name = _STATIC[index - 1][0] if index <= _NSTATIC else self._entry(index)[0]
                 else:
                     name, pos = self._string(block, pos)
                 value, pos = self._string(block, pos)

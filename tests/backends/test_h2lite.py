@@ -290,3 +290,18 @@ def test_lean_send_data_frames_the_common_case_itself(monkeypatch: pytest.Monkey
     with pytest.raises(h2.exceptions.StreamClosedError):
         server.send_data(1, b"late")  # closed: h2's own refusal
     assert calls == [1]
+
+
+def test_indices_at_the_one_byte_edge_and_index_zero_read_as_hpack_reads_them() -> None:
+    """Indexed fields and indexed names one below, at and past the prefix's
+    one-byte limit (126, 127, 128 for a 7-bit prefix; 14, 15 for a 4-bit
+    one) read the same entries as hpack's decoder, over a dynamic table of
+    70 fields; index 0 is refused by both."""
+    table = b"".join(b"\x40" + bytes([2]) + b"n%d" % (i % 10) + bytes([2]) + b"%02d" % i for i in range(70))  # with indexing
+    reads = [b"\xfe", b"\xff\x00", b"\xff\x01", b"\x0e\x01v", b"\x0f\x00\x01v", b"\x7e\x01v", b"\x7f\x00\x01v"]
+    for read in reads:
+        ours, theirs = LeanDecoder(), Decoder()
+        assert _outcome(ours, table) == _outcome(theirs, table)
+        assert _outcome(ours, read) == _outcome(theirs, read) != "error", read
+    for zero in (b"\x80", b"\x80\x82"):
+        assert _outcome(LeanDecoder(), zero) == _outcome(Decoder(), zero) == "error"
