@@ -125,22 +125,27 @@ class RequestCheckingDecoder(LeanDecoder):
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__()
-        self.config = config
+        self.config: Any = config  # its options' storage is read below, past the descriptors
         self.armed = self.unchecked = False
+
+    # The two options are read and set where h2's descriptors keep them
+    # (``_BooleanConfigOption``: ``_`` and the name; checked by
+    # tests/frontend/test_h2_headers.py), not through the descriptors: each
+    # access was a Python call, six a request.
 
     def decode(self, block: bytes, raw: bool = False) -> list[tuple[bytes, bytes]]:
         headers = super().decode(block, raw)
         config = self.config
-        if (raw and self.armed and config.validate_inbound_headers and config.normalize_inbound_headers
-                and canonical_request(headers)):
-            config.validate_inbound_headers = config.normalize_inbound_headers = False
+        if (raw and self.armed and config._validate_inbound_headers and config._normalize_inbound_headers
+                and canonical_request(headers)):  # fmt: skip
+            config._validate_inbound_headers = config._normalize_inbound_headers = False
             self.unchecked = True
         return headers
 
     def checked_again(self) -> None:
         if self.unchecked:
             self.unchecked = False
-            self.config.validate_inbound_headers = self.config.normalize_inbound_headers = True
+            self.config._validate_inbound_headers = self.config._normalize_inbound_headers = True
 
 
 class CheckedWhenNeeded(h2.connection.H2Connection):

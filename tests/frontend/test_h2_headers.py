@@ -291,3 +291,14 @@ async def test_the_servers_requests_and_responses_take_the_short_path(
     async with httpx.AsyncClient() as client:
         assert (await client.get(f"{url}/health")).text == "ok"
     assert seen == {"canonical": [True, True], "canonical_request": [True, True]}
+
+
+def test_the_inbound_options_are_kept_where_the_decoder_sets_them() -> None:
+    """RequestCheckingDecoder reads and sets h2's two inbound options where
+    h2's descriptors keep them; if h2 moved them, this fails (and the
+    decoder would break or check nothing)."""
+    config = h2.config.H2Configuration(client_side=False)
+    for name in ("validate_inbound_headers", "normalize_inbound_headers"):
+        assert vars(h2.config.H2Configuration)[name].attr_name == f"_{name}"
+        setattr(config, f"_{name}", False)
+        assert getattr(config, name) is False
