@@ -22,7 +22,7 @@ time: a scrape sees a long stream's gaps at most that many tokens late.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -53,8 +53,11 @@ class GapBatch:
         self.sink = sink
         self.values: list[float] = []
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, zeros: int = 0) -> None:
+        """A gap, then ``zeros`` gaps of 0 (tokens that came with it)."""
         self.values.append(seconds)
+        if zeros:
+            self.values += [0.0] * zeros
         if len(self.values) >= GAP_BATCH:
             self.flush()
 
@@ -160,14 +163,22 @@ class _TimedStream:
         self.last: float | None = None
         self.gaps = GapBatch(partial(timer.itl.observe_many, labels))
 
-    def event(self, event: Event) -> None:
-        now = self.clock.of(event)
-        if self.last is None:
-            self.timer.ttft.observe(self.labels, now - self.arrival)
-            self.last = now
-        elif event.token_ids or event.text:
-            self.gaps.add(now - self.last)
-            self.last = now
+    def events(self, events: Sequence[Event]) -> None:
+        # One clock reading for the events of one read (shown together, or
+        # one at a time, ``more_ready``): the first token's gap is since the
+        # last read, the others' 0.
+        now = self.clock.of(events[-1])
+        last, tokens = self.last, 0
+        for event in events:
+            if last is None:
+                self.timer.ttft.observe(self.labels, now - self.arrival)
+                last = now
+            elif event.token_ids or event.text:
+                tokens += 1
+        if tokens and last is not None:  # (it is, once there are tokens)
+            self.gaps.add(now - last, tokens - 1)
+            last = now
+        self.last = last
 
     def end(self) -> None:
         self.gaps.flush()

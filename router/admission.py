@@ -153,13 +153,14 @@ class _Meter:
         self.on_tokens = on_tokens
         self.counted = self.pending = 0
 
-    def event(self, event: Event) -> None:
-        n = len(event.token_ids) or (1 if event.text else 0)
-        if event.usage is not None:  # the backend's own count is the truth
-            n = max(0, event.usage.completion_tokens - self.counted)
-        self.counted += n
-        self.pending += n
-        if self.pending and not event.more_ready:  # once a read's events: one charge
+    def events(self, events: Sequence[Event]) -> None:
+        for event in events:
+            n = len(event.token_ids) or (1 if event.text else 0)
+            if event.usage is not None:  # the backend's own count is the truth
+                n = max(0, event.usage.completion_tokens - self.counted)
+            self.counted += n
+            self.pending += n
+        if self.pending and not events[-1].more_ready:  # once a read's events: one charge
             self.on_tokens(self.pending)
             self.pending = 0
 

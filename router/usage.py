@@ -311,11 +311,12 @@ class _Seen:
         self.model = model
         self.usages: list[Usage] = []
 
-    def event(self, event: Event) -> None:
-        if event.model is not None:
-            self.model = event.model
-        if event.usage is not None and event.finish_reason is not None:
-            self.usages.append(event.usage)
+    def events(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if event.model is not None:
+                self.model = event.model
+            if event.usage is not None and event.finish_reason is not None:
+                self.usages.append(event.usage)
 
     def end(self) -> None:
         pass

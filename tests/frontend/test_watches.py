@@ -7,17 +7,18 @@ watch; the backend stream is closed whichever way."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
 
 import pytest
 import trio
+import trio.testing
 
 from backends.base import Event, GenerateRequest, Usage
 from backends.errors import UpstreamError
 from frontend.call import Call, prepare_call
 from frontend.context import RequestContext
-from tests.frontend.test_single_choice import ScriptedBackend
+from tests.frontend.test_single_choice import ScriptedBackend, _script
 
 
 class _Backend(ScriptedBackend):
@@ -46,8 +47,8 @@ class _Watch:
         self.name, self.log = name, log
         log.append(f"{name} start")
 
-    def event(self, event: Event) -> None:
-        self.log.append(f"{self.name} {event.token_ids[0]}")
+    def events(self, events: Sequence[Event]) -> None:
+        self.log.extend(f"{self.name} {event.token_ids[0]}" for event in events)
 
     def end(self) -> None:
         self.log.append(f"{self.name} end")
@@ -117,3 +118,69 @@ async def test_a_stream_that_fails_before_its_first_event_still_ends_its_watches
         await _stream(_call(_Backend(log, fail_at=0), log, stream=True))
     assert raised.group_contains(UpstreamError, match="went away")
     assert log == ["a start", "b start", "closed", "a end", "b end"]
+
+
+class _Batches:
+    """Logs what each ``events`` call got: the token ids, one list a call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def events(self, events: Sequence[Event]) -> None:
+        self.calls.append([event.token_ids[0] for event in events])
+
+    def end(self) -> None:
+        self.calls.append([])
+
+
+async def test_a_watch_is_shown_a_reads_events_in_one_call_and_the_first_alone() -> None:
+    """One ``events`` call a write (the events a read brought, ``more_ready``),
+    before it; the stream's first event alone, as soon as it is here."""
+    backend = ScriptedBackend(_script(True, True, False, True, False, False))
+    batches = _Batches()
+    raw = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    call = prepare_call("completion", raw, backend, RequestContext(request_id="r"), coalesce=True)
+    call.watch(lambda: batches)
+    writes: list[list[int]] = []
+
+    async def emit(chunk: bytes, last: bool = False) -> None:
+        writes.append([json.loads(line[6:])["choices"][0]["text"] for line in chunk.split(b"\n\n") if line.startswith(b"data: {")])
+        shown = [f" t{i}" for ids in batches.calls for i in ids]
+        assert all(text in shown for write in writes for text in write)  # the watch saw them first
+
+    async with AsyncExitStack() as defer, trio.open_nursery() as nursery:
+        produce = await call.start_stream(nursery, defer)
+        assert batches.calls == [[0]]
+        await produce(emit)
+    assert batches.calls == [[0], [1, 2], [3, 4], [5], []]
+    assert writes == [[" t0", " t1", " t2"], [" t3", " t4"], [" t5"], []]
+
+
+class _Hangs(ScriptedBackend):
+    """Its script, then a wait for ever."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        async for event in super().stream(request):
+            yield event
+        await trio.sleep_forever()
+
+
+async def test_events_pulled_but_not_yet_written_are_shown_when_the_stream_is_cancelled(autojump_clock: trio.testing.MockClock) -> None:
+    """A read's events wait for the rest of the read to be written together;
+    cancelled meanwhile, the watches still see what was pulled (the backend
+    generated it: the meters count it)."""
+    backend = _Hangs(_script(False, True, True))
+    backend.script[-1].finish_reason = None  # no end: the stream hangs after its third event
+    batches = _Batches()
+    raw = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    call = prepare_call("completion", raw, backend, RequestContext(request_id="r"), coalesce=True)
+    call.watch(lambda: batches)
+
+    async def emit(chunk: bytes, last: bool = False) -> None:
+        pass
+
+    with trio.move_on_after(1):
+        async with AsyncExitStack() as defer, trio.open_nursery() as nursery:
+            produce = await call.start_stream(nursery, defer)
+            await produce(emit)
+    assert batches.calls == [[0], [1, 2], []]
