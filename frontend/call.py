@@ -47,6 +47,13 @@ __all__ = ["DONE", "Call", "Emit", "Producer", "StreamWatch", "error_event", "pr
 
 log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
+# A token's choice as chunk_choice builds it and msgspec encodes it, around
+# its text (Call._chunk), ending the chunk's choices list and object too.
+_TOKEN_CHOICE = {"completion": b'{"index":%d,"text":', "chat": b'{"index":%d,"delta":{"content":'}
+_TOKEN_CHOICE_END = {
+    "completion": b',"logprobs":null,"finish_reason":null}]}\n\n',
+    "chat": b'},"logprobs":null,"finish_reason":null}]}\n\n',
+}
 
 # ``emit(chunk)``; ``emit(chunk, True)`` sends the body's last chunk (the
 # stream ends with it, in the same write).
@@ -406,6 +413,12 @@ class Call:
                 payload["finish_reason"] = event.finish_reason
                 payload["usage"] = usage_payload(state.usage)
             return sse(payload)
+        if event.finish_reason is None and not event.logprobs and not self.token_ids and (self.kind == "completion" or not first):
+            # A token's chunk (no finish, logprobs or ids; for chat, not the
+            # first, which names the role): chunk_choice's bytes, framed
+            # here without its dict (tests/frontend/test_call_chunks.py).
+            opening = _TOKEN_CHOICE[self.kind]
+            return b"".join((self._head(), opening % i, _encoder.encode(event.text), _TOKEN_CHOICE_END[self.kind]))
         choice = chunk_choice(self.kind, i, event, token_ids=self.token_ids, first=first, text_offset=offset)
         return self._head() + _encoder.encode(choice) + b"]}\n\n"
 

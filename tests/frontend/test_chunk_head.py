@@ -33,10 +33,10 @@ events = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(kind=st.sampled_from(["chat", "completion"]), ids=st.booleans(), batch=st.lists(events, min_size=1, max_size=6),
-       switch=st.integers(0, 6))
-def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list[Event], switch: int) -> None:
+       switch=st.integers(0, 6), index=st.integers(0, 12))
+def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list[Event], switch: int, index: int) -> None:
     body = {"model": "m", "stream": True, "return_token_ids": ids}
     body.update({"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"})
     call = prepare_call(kind, json.dumps(body).encode(), _Models(), RequestContext(request_id="r"))  # type: ignore[arg-type]
@@ -44,11 +44,11 @@ def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list
     for n, event in enumerate(batch):
         if n == switch:
             call.model = 'm"2\u00e9'  # a fallback model answered: the head follows
-        got = call._chunk(0, event, mine)
+        got = call._chunk(index, event, mine)
         first = theirs.events == 0
         offset = len(theirs.text)
         theirs.add(event)
-        choice = chunk_choice(call.kind, 0, event, token_ids=call.token_ids, first=first, text_offset=offset)
+        choice = chunk_choice(call.kind, index, event, token_ids=call.token_ids, first=first, text_offset=offset)
         assert got == sse(call._envelope([choice], None))
         assert json.loads(got[6:])["model"] == call.model
         assert mine.text_length == len(theirs.text) and mine.events == theirs.events
