@@ -590,7 +590,13 @@ class _Streamed(_Choice):
     def add(self, event: Event) -> None:
         self.events += 1
         self.text_length += len(event.text)
-        self._outcome(event)
+        # _outcome, inline (a call an event)
+        if event.model is not None:
+            self.model = event.model
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+        if event.usage is not None:
+            self.usage = event.usage
 
 
 def _total_usage(choices: Sequence[_Choice]) -> Usage:

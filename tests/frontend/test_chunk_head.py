@@ -11,7 +11,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.base import BackendInfo, Event, Logprob
+from backends.base import BackendInfo, Event, Logprob, Usage
 from frontend.call import _Choice, _Streamed, prepare_call, sse
 from frontend.context import RequestContext
 from frontend.wire import chunk_choice
@@ -28,6 +28,8 @@ events = st.builds(
     token_ids=st.lists(st.integers(0, 2**31), max_size=3),
     finish_reason=st.sampled_from([None, "stop", "length"]),
     seed=st.one_of(st.none(), st.integers(0, 2**31)),
+    model=st.one_of(st.none(), st.sampled_from(["m", "m2"])),
+    usage=st.one_of(st.none(), st.builds(Usage, st.integers(0, 9), st.integers(0, 9))),
     logprobs=st.one_of(st.none(), st.lists(st.builds(Logprob, token_id=st.integers(0, 99), logprob=st.just(-0.5),
                                                      token=st.text(max_size=3)), min_size=1, max_size=2)),
 )
@@ -52,3 +54,4 @@ def test_a_chunk_is_the_whole_envelope_encoded(kind: str, ids: bool, batch: list
         assert got == sse(call._envelope([choice], None))
         assert json.loads(got[6:])["model"] == call.model
         assert mine.text_length == len(theirs.text) and mine.events == theirs.events
+        assert (mine.model, mine.finish_reason, mine.usage) == (theirs.model, theirs.finish_reason, theirs.usage)
