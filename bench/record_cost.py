@@ -32,7 +32,7 @@ async def per_request(lines: bool, n: int) -> float:
     """Microseconds per request of the record path (what a request adds)."""
     metrics = RouterMetrics()
     journal = Journal()
-    log = RequestLog(breakdown=Breakdown(), observe_phase=metrics.phase_time, lines=lines)
+    log = RequestLog(breakdown=Breakdown(), observe_phases=metrics.phase_times, lines=lines)
     sub = GenerateRequest(prompt="x")
     clock = trio.current_time
     start = time.perf_counter()

@@ -204,7 +204,7 @@ class Router:
         self.journal = Journal(tracer=self.tracer, log_prompts=config.logging.log_prompts)
         self.breakdown = Breakdown()
         lines = config.logging.requests if config.logging.requests is not None else config.logging.format == "json"
-        self.request_log = RequestLog(breakdown=self.breakdown, observe_phase=self.metrics.phase_time, tracer=self.tracer, lines=lines)
+        self.request_log = RequestLog(breakdown=self.breakdown, observe_phases=self.metrics.phase_times, tracer=self.tracer, lines=lines)
         self.keys = PrefixKeys()
         b, retry = config.breaker, config.retry
         breakers: BreakerPolicy | None = create("breaker", b.policy, b.options) if b.enabled else None

@@ -208,11 +208,11 @@ class RequestLog:
         self,
         *,
         breakdown: Breakdown,
-        observe_phase: Callable[[str, str, float], None] | None = None,
+        observe_phases: Callable[[str, dict[str, float]], None] | None = None,
         tracer: Tracer | None = None,
         lines: bool = False,
     ) -> None:
-        self.breakdown, self.observe_phase, self.tracer, self.lines = breakdown, observe_phase, tracer, lines
+        self.breakdown, self.observe_phases, self.tracer, self.lines = breakdown, observe_phases, tracer, lines
 
     def finish(self, context: RequestContext, route: str, status: int) -> None:
         try:
@@ -228,10 +228,8 @@ class RequestLog:
         phases = phases_of(record) if record is not None else {}
         if record is not None:
             backend = record.backend or "none"
-            observe = self.observe_phase
-            if observe is not None:
-                for name, seconds in phases.items():
-                    observe(name, backend, seconds)
+            if self.observe_phases is not None:
+                self.observe_phases(backend, phases)
             self.breakdown.add(backend, now, phases, status >= 400 or record.error_code is not None)
             if record.spans is not None and self.tracer is not None and context.trace_id is not None:
                 self._export(record, route, status, now)
