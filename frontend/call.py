@@ -342,6 +342,7 @@ class Call:
             parts = [self._chunk(0, first, state)]
             more = first.more_ready
             seen: list[Event] = []  # pulled since the last write, not yet shown to the watches
+            failed: bytes | None = None  # the in-band error event that ends the body
             try:
                 while True:
                     if not more:
@@ -354,24 +355,20 @@ class Call:
                     except StopAsyncIteration:
                         break
                     except HeadraceError as exc:
-                        parts.append(error_event(exc))
-                        _show(watches, seen)
-                        seen = []
-                        await flush(emit, parts, True)
-                        return
+                        failed = error_event(exc)
+                        break
                     except Exception as exc:
-                        parts.append(error_event(_untranslated(0, exc)))
-                        _show(watches, seen)
-                        seen = []
-                        await flush(emit, parts, True)
-                        return
+                        failed = error_event(_untranslated(0, exc))
+                        break
                     seen.append(event)
                     parts.append(self._chunk(0, event, state))
                     more = event.more_ready
-                _show(watches, seen)
-                seen = []
             finally:
-                _show(watches, seen)  # pulled, then the stream or the client failed: still seen
+                _show(watches, seen)  # before the last write; pulled, then cancelled: still seen
+            if failed is not None:
+                parts.append(failed)
+                await flush(emit, parts, True)
+                return
             await flush(emit, self._ending(parts, [state]), True)
 
         return produce
@@ -416,7 +413,7 @@ class Call:
         if event.finish_reason is None and not event.logprobs and not self.token_ids and (self.kind == "completion" or not first):
             # A token's chunk (no finish, logprobs or ids; for chat, not the
             # first, which names the role): chunk_choice's bytes, framed
-            # here without its dict (tests/frontend/test_call_chunks.py).
+            # here without its dict (tests/frontend/test_chunk_head.py).
             opening = _TOKEN_CHOICE[self.kind]
             return b"".join((self._head(), opening % i, _encoder.encode(event.text), _TOKEN_CHOICE_END[self.kind]))
         choice = chunk_choice(self.kind, i, event, token_ids=self.token_ids, first=first, text_offset=offset)
@@ -590,13 +587,7 @@ class _Streamed(_Choice):
     def add(self, event: Event) -> None:
         self.events += 1
         self.text_length += len(event.text)
-        # _outcome, inline (a call an event)
-        if event.model is not None:
-            self.model = event.model
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-        if event.usage is not None:
-            self.usage = event.usage
+        self._outcome(event)
 
 
 def _total_usage(choices: Sequence[_Choice]) -> Usage:
