@@ -243,15 +243,14 @@ class Hold:
 
 class HeldStage:
     """A stage written as a :class:`Hold`: its ``_admit`` coroutine (entry,
-    then what leaving does), wrapped here as the stage's ``admit``."""
+    then what leaving does), which each subclass defines, wrapped here as
+    the stage's ``admit``."""
 
     __slots__ = ()
+    _admit: Callable[[RequestContext, Call], Awaitable[Leave | None]]
 
     def admit(self, context: RequestContext, call: Call) -> AbstractAsyncContextManager[None]:
         return Hold(self._admit(context, call))
-
-    async def _admit(self, context: RequestContext, call: Call) -> Leave | None:
-        raise NotImplementedError
 
 
 class _Through:
