@@ -123,8 +123,11 @@ async def test_two_workers_share_the_port_metrics_add_up_a_dead_worker_comes_bac
             assert set(per_worker) == {'{worker="0"}', '{worker="1"}'}, per_worker
             assert all(v > 0 for v in per_worker.values()), per_worker  # both workers served
             assert sum(per_worker.values()) == sum(samples(text, "headrace_requests_total").values())
-            # The actors' own counts reach the scrape by the mirror (at most 1 s old).
-            while sum(samples(text, "headrace_backend_requests_total").values()) < 40:
+            # The actors' own counts reach the scrape by the mirror (at most 1 s old;
+            # a request is counted when it starts, and leaves in-flight after its
+            # client has the answer: wait for both).
+            while (sum(samples(text, "headrace_backend_requests_total").values()) < 40
+                   or sum(samples(text, "headrace_backend_in_flight").values()) != 0):  # fmt: skip
                 await trio.sleep(0.2)
                 text = await scrape(admin)
             assert samples(text, "headrace_backend_requests_total") == {'{backend="mock-0"}': 40.0}
