@@ -113,6 +113,7 @@ class TPRunner:
         self.vocab_size = plan.vocab_size
         self.max_model_len = local.max_model_len
         self._procs = list(procs)
+        self._sentinels = [p.sentinel for p in self._procs]
         self._lock = threading.Lock()
         self._fail_lock = threading.Lock()
         # Every poll of a worker's exit status goes through this lock: a
@@ -162,6 +163,7 @@ class TPRunner:
         self, scheduled: Sequence[ScheduledSeq], logits_per_seq: Sequence[int] | None = None
     ) -> torch.Tensor:
         self.check()
+        self._check_workers()
         if not scheduled:
             return self.local.execute(scheduled, logits_per_seq)
         counts = (
@@ -216,6 +218,16 @@ class TPRunner:
         self.close()
 
     # -- failure handling -------------------------------------------------------------
+
+    def _check_workers(self) -> None:
+        """Raise :class:`RankFailure` if a worker has ended, before any collective
+        starts: the monitor thread may not have recorded it yet, and a collective
+        with a dead peer usually fails at once but can wait out the whole
+        collective timeout (gloo, seen in CI: 10 s). A poll of the sentinels,
+        ~10 us a step."""
+        if self._procs and mp_connection.wait(self._sentinels, timeout=0):
+            self._fail(self._exit_details(wait=1.0) or "a tensor-parallel worker exited")
+            raise RankFailure(self._failure or "a tensor-parallel worker exited")
 
     def _watch(self) -> None:
         mp_connection.wait([*(p.sentinel for p in self._procs), self._wake_r])

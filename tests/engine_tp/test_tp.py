@@ -159,6 +159,29 @@ def test_a_killed_worker_takes_rank0_down_with_a_clear_error() -> None:
         tp.close()
 
 
+def test_no_collective_starts_once_a_worker_is_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 itself sees a dead worker before a step's first collective, even
+    when the monitor thread has not recorded the death yet: a collective with
+    a dead peer usually fails at once, but once (CI) waited out the whole
+    10 s collective timeout."""
+    monkeypatch.setattr(TPRunner, "_watch", lambda self: None)  # a monitor that has not run yet
+    tp = _start(RandomModel(tiny_args()), 2)
+    try:
+        seqs = _seqs()
+        tp.execute([ScheduledSeq(seqs[1], 3)])
+        sent: list[object] = []
+        monkeypatch.setattr(tp.comm, "send", sent.append)  # a collective would start here
+        worker = tp.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        mp_connection.wait([worker.sentinel], 10)
+        with pytest.raises(RankFailure, match=r"rank 1 .* killed by SIGKILL"):
+            tp.execute([ScheduledSeq(seqs[2], 9)])
+        assert sent == []
+        assert tp.failure is not None and "SIGKILL" in tp.failure
+    finally:
+        tp.close()
+
+
 def test_a_worker_that_cannot_start_is_reported_with_its_error() -> None:
     model = RandomModel(tiny_args())()
     with pytest.raises(TensorParallelError, match=r"rank 1 failed to start(.|\n)*no such model"):
