@@ -98,6 +98,7 @@ from frontend.server import (
     Response,
     error_response,
     json_response,
+    without_body_writer,
 )
 from frontend.serving import ServeOptions, os_error_in, serve, wait_for_signal
 from frontend.wire import Kind, error_body, usage_payload
@@ -164,7 +165,7 @@ class FaultInjector:
             await _refuse(status, receive, send)
             return
         try:
-            await self.app(scope, receive, _FaultySend(send, self.faults))
+            await self.app(without_body_writer(scope), receive, _FaultySend(send, self.faults))
         except* _Cut:
             pass  # returning mid-body: hypercorn closes the connection / resets the stream
         except* _Stop:

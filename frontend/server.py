@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 import trio
@@ -309,7 +309,7 @@ class OpenAIServer:
                         except Exception:
                             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
                             response = json_response(error_body("internal error", "server_error", None, None), 500)
-                        await _send_response(send, response, exchange)
+                        await _send_response(send, response, exchange, scope.get("extensions", {}).get(BODY_WRITER))
                         cancel.cancel()  # the tasks of the response, if any
         finally:
             # Once per request, however it ended: the status actually sent,
@@ -409,10 +409,38 @@ class _Exchange:
 BODY_FOLLOWS = "headrace.body_follows"
 
 
-async def _send_response(send: Any, response: Response, exchange: _Exchange) -> None:
+# The key of a request scope's ``extensions`` under which frontend/serving.py
+# offers a :data:`BodyWriter` (over HTTP/2): ``writer(data)`` frames and writes
+# a body part of a response whose head has gone, without ending it, at once and
+# without a checkpoint, and says whether it did; where it did not (no window, a
+# busy connection, a closed stream), the part goes by ``send`` as before. A
+# streamed answer's parts after its first are ~25 Python calls each by
+# ``send`` (hypercorn's stream and protocol layers, ours around them) against
+# ~10 here: a write a token, from a backend that paces its tokens.
+# A middleware that wraps ``send`` to see or change the body must hide the
+# writer from the app it wraps (:func:`without_body_writer`), or the parts the
+# writer takes pass it by.
+BODY_WRITER = "headrace.body_writer"
+BodyWriter = Callable[[bytes], bool]
+_Scope = TypeVar("_Scope", bound=MutableMapping[str, Any])
+
+
+def without_body_writer(scope: _Scope) -> _Scope:
+    """``scope`` for an app whose ``send`` is wrapped: every body part then
+    goes by ``send`` (a copy without :data:`BODY_WRITER`; ``scope`` itself
+    when it offers none)."""
+    extensions = scope.get("extensions")
+    if not extensions or BODY_WRITER not in extensions:
+        return scope
+    return cast(_Scope, {**scope, "extensions": {k: v for k, v in extensions.items() if k != BODY_WRITER}})
+
+
+async def _send_response(send: Any, response: Response, exchange: _Exchange, writer: BodyWriter | None = None) -> None:
     """The start goes right before the first body, with :data:`BODY_FOLLOWS`
     (a stream's first chunk may be long in coming: its head waits with it),
-    so that frontend/serving.py writes the head and that body together."""
+    so that frontend/serving.py writes the head and that body together. A
+    stream's later parts, but its last, go by ``writer`` when the server
+    offers one (:data:`BODY_WRITER`) and it takes them."""
     exchange.status = response.status
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(k.encode(), v.encode()) for k, v in response.headers]
@@ -435,6 +463,8 @@ async def _send_response(send: Any, response: Response, exchange: _Exchange) -> 
         if not started:
             started = True
             await send(start)
+        elif not last and writer is not None and chunk and writer(chunk):
+            return
         await send({"type": "http.response.body", "body": chunk, "more_body": not last})
 
     try:

@@ -55,7 +55,7 @@ from hypercorn.utils import build_and_validate_headers, suppress_body
 from frontend import hardening
 from frontend.h2_scheduler import RoundRobinStreams
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
-from frontend.server import BODY_FOLLOWS, ON_DISCONNECT, DisconnectHook
+from frontend.server import BODY_FOLLOWS, BODY_WRITER, ON_DISCONNECT, DisconnectHook
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
 
 __all__ = ["Limits", "ServeOptions", "os_error_in", "reload_on_sighup", "reserve_port", "serve", "wait_for_signal"]
@@ -333,13 +333,24 @@ async def _send_directly(protocol: Any, event: Any) -> bool:
     no window, a closed stream) goes through the buffer, as before: whether
     it was sent is the answer."""
     sid = event.stream_id
+    end = not isinstance(event, Body)
+    if not _frame_directly(protocol, sid, b"" if isinstance(event, EndBody) else event.data, end):
+        return False
+    if end:
+        await _ended(protocol, sid, protocol.stream_buffers[sid])
+    _write_out(protocol)
+    return True
+
+
+def _frame_directly(protocol: Any, sid: int, data: bytes, end: bool) -> bool:
+    """Frame ``data`` (and the end of the stream, with ``end``) for
+    :func:`_send_directly` where it may go: True if framed, False (nothing
+    done) where not."""
     buffer = protocol.stream_buffers.get(sid)
     if not isinstance(buffer, hardening.StreamBuffer) or not buffer.empty or not protocol.priority.idle():
         return False
     if _free_socket(protocol) is None:
         return False
-    data = b"" if isinstance(event, EndBody) else event.data
-    end = not isinstance(event, Body)
     connection = protocol.connection
     try:
         if len(data) > _room(connection, sid):
@@ -350,10 +361,41 @@ async def _send_directly(protocol: Any, event: Any) -> bool:
             connection.end_stream(sid)
     except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
         return False
-    if end:
-        await _ended(protocol, sid, buffer)
-    _write_out(protocol)
     return True
+
+
+class _BodyWriter:
+    """An HTTP/2 stream's :data:`~frontend.server.BODY_WRITER`: a body part of
+    a response whose head has gone, not its last, framed and written from
+    the app's task as :func:`_send_directly` writes it, without the ASGI
+    message, hypercorn's ``app_send`` and ``stream_send`` around it (and so
+    without their checkpoint: the app's next wait is one). False, with
+    nothing done, where the part must go by ``send``: the head not sent yet
+    or the stream ended, a body the response may not have (HEAD, 204, 304),
+    or anything :func:`_send_directly` would refuse (then the part, and every
+    later one while it waits, goes through the stream's buffer, in order).
+
+    It holds the connection and the stream's id, not the stream: the stream
+    holds the scope that holds this, and the connection forgets the stream
+    when it closes, so nothing here outlives a request in a cycle."""
+
+    __slots__ = ("_bodied", "_protocol", "_sid")
+
+    def __init__(self, protocol: Any, sid: int) -> None:
+        self._protocol, self._sid = protocol, sid
+        self._bodied: bool | None = None  # whether the response may have a body, once it started
+
+    def __call__(self, data: bytes) -> bool:
+        protocol, sid = self._protocol, self._sid
+        stream = protocol.streams.get(sid)
+        if stream is None or stream.closed or stream.state is not ASGIHTTPState.RESPONSE:
+            return False
+        if self._bodied is None:
+            self._bodied = not suppress_body(stream.scope["method"], int(stream.response["status"]))
+        if not self._bodied or not _frame_directly(protocol, sid, data, False):
+            return False
+        _write_out(protocol)
+        return True
 
 
 def _room(connection: Any, sid: int) -> int:
@@ -443,8 +485,13 @@ def _call_the_app_back_on_disconnect() -> None:
                 hook()
         await handle(self, event)
         if isinstance(event, Request) and self.app_put is not None:
-            # The app's task is spawned, not yet run: it finds the hook.
-            self.scope["extensions"][ON_DISCONNECT] = DisconnectHook()
+            # The app's task is spawned, not yet run: it finds the hook (and
+            # over HTTP/2 the body writer).
+            extensions = self.scope["extensions"]
+            extensions[ON_DISCONNECT] = DisconnectHook()
+            protocol = getattr(self.send, "__self__", None)
+            if isinstance(protocol, hypercorn_h2.H2Protocol):
+                extensions[BODY_WRITER] = _BodyWriter(protocol, self.stream_id)
 
     HTTPStream.handle = hooked_handle  # type: ignore[method-assign]
 

@@ -32,6 +32,8 @@ import httpx
 import msgspec
 import trio
 
+from frontend.server import without_body_writer
+
 __all__ = ["FANOUT_HEADER", "PEERS_ENV", "FanOut", "publish_peer"]
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ class FanOut:
             else:
                 chunks.append(message)
 
-        await self.app(scope, replay, capture)
+        await self.app(without_body_writer(scope), replay, capture)
         if start is None:
             return
         extra: tuple[tuple[bytes, bytes], ...] = ()

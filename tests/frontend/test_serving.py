@@ -811,6 +811,155 @@ async def test_a_stream_that_fails_before_its_first_chunk_still_sends_its_head_f
         ("http.response.start", None, None), ("http.response.body", b"a", True), ("http.response.body", b"b", False)]
 
 
+async def test_a_streams_later_parts_but_its_last_go_by_the_servers_body_writer() -> None:
+    """frontend/server.py: a stream's first part goes with its head by
+    ``send``, its last by ``send`` (it ends the response), the parts between
+    by the server's body writer where it offers one and takes them; a part
+    the writer refuses goes by ``send``, in its place."""
+    from frontend.server import Response, _Exchange, _send_response
+
+    sent: list[tuple[str, bytes | None]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append((message["type"], message.get("body")))
+
+    def writer(data: bytes) -> bool:
+        sent.append(("writer", data))
+        return data != b"refused"
+
+    async def parts(emit: Any) -> None:
+        for part in (b"head's", b"middle", b"refused", b"more"):
+            await emit(part)
+        await emit(b"last", True)
+
+    await _send_response(send, Response(stream=parts), _Exchange(), writer)
+    assert sent == [
+        ("http.response.start", None), ("http.response.body", b"head's"), ("writer", b"middle"),
+        ("writer", b"refused"), ("http.response.body", b"refused"), ("writer", b"more"),
+        ("http.response.body", b"last"),
+    ]
+
+
+async def test_an_h2_stream_offers_a_body_writer_that_writes_parts_after_the_head_at_once(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP/2 a request's scope offers a body writer
+    (serving.BODY_WRITER): after the head, each part it takes leaves in a
+    socket write of its own, without an ASGI message through hypercorn's
+    stream; it refuses (nothing sent) before the head, for a body the
+    response may not have (HEAD), and once the stream has ended. HTTP/1.1
+    offers none."""
+    from frontend.server import BODY_WRITER
+
+    seen: dict[str, list[Any]] = {}
+    messages: list[dict[str, Any]] = []
+    app_send = HTTPStream.app_send
+
+    async def counted_app_send(self: Any, message: Any) -> None:
+        messages.append(message)
+        await app_send(self, message)
+
+    monkeypatch.setattr(HTTPStream, "app_send", counted_app_send)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        writer = scope["extensions"].get(BODY_WRITER)
+        said = seen[scope["method"] + " " + scope["http_version"]] = [writer is not None]
+        if writer is None:
+            await health_app(scope, receive, send)
+            return
+        said.append(writer(b"too early"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first;", "more_body": True})
+        for i in range(3):
+            said.append(writer(b"part-%d;" % i))
+            await trio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b"last"})
+        said.append(writer(b"too late"))
+
+    url = await nursery.start(serve, app, ServeOptions())
+    port = int(url.rsplit(":", 1)[1])
+    writes = _writes_to_clients_of(port, monkeypatch)
+    with trio.fail_after(10):
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url + "/h1")).text == "ok"
+        sock = await trio.open_tcp_stream("127.0.0.1", port)
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        await sock.send_all(conn.data_to_send())
+        body = await _h2_read(sock, conn, 1, "/stream")
+        conn.send_headers(3, [(":method", "HEAD"), (":path", "/head"), (":scheme", "http"), (":authority", "x")], end_stream=True)
+        await sock.send_all(conn.data_to_send())
+        ended = False
+        while not ended:
+            events = conn.receive_data(await sock.receive_some(65536))
+            assert not any(isinstance(e, h2.events.DataReceived) and e.data for e in events), events
+            ended = any(isinstance(e, h2.events.StreamEnded) for e in events)
+        await sock.aclose()
+    assert body == b"first;part-0;part-1;part-2;last"
+    assert seen["GET 1.1"] == [False]
+    assert seen["GET 2"] == [True, False, True, True, True, False]
+    assert seen["HEAD 2"] == [True, False, False, False, False, False]
+    for i in range(3):  # each its own write: a DATA frame of stream 1 without END_STREAM
+        [write] = [w for w in writes if b"part-%d;" % i in w]
+        assert len(write) == 9 + 7 and write[3] == 0 and not write[4] & 0x1 and int.from_bytes(write[5:9], "big") == 1
+    bodies = [m.get("body") for m in messages if m is not None and m["type"] == "http.response.body"]
+    assert not any(b and b.startswith(b"part-") for b in bodies), bodies
+
+
+def test_a_middleware_that_wraps_send_hides_the_body_writer_from_its_app() -> None:
+    """without_body_writer: a copy of the scope without the writer (the
+    server's scope untouched, its other extensions kept); a scope that
+    offers none is passed as it is."""
+    from frontend.server import BODY_WRITER, ON_DISCONNECT, without_body_writer
+
+    hook, writer = object(), object()
+    scope = {"type": "http", "extensions": {ON_DISCONNECT: hook, BODY_WRITER: writer}}
+    hidden = without_body_writer(scope)
+    assert hidden["extensions"] == {ON_DISCONNECT: hook} and hidden["type"] == "http"
+    assert scope["extensions"] == {ON_DISCONNECT: hook, BODY_WRITER: writer}
+    plain = {"type": "http", "extensions": {ON_DISCONNECT: hook}}
+    assert without_body_writer(plain) is plain
+
+
+async def test_parts_the_body_writer_cannot_send_at_once_go_through_the_buffer_in_order(nursery: trio.Nursery) -> None:
+    """A client whose stream window is smaller than the parts: the writer
+    refuses each part it has no window for (nothing framed), the app sends
+    it instead (as frontend/server.py does), and every part arrives, in
+    order, as the client opens its window."""
+    from frontend.server import BODY_WRITER
+
+    taken: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        writer = scope["extensions"][BODY_WRITER]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"<", "more_body": True})
+        for i in range(30):
+            part = b"%02d" % i * (1 + i % 7)
+            taken.append(writer(part))
+            if not taken[-1]:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b">"})
+
+    url = await nursery.start(serve, app, ServeOptions())
+    sock = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 8})
+    await sock.send_all(conn.data_to_send())
+    with trio.fail_after(10):
+        body = await _h2_read(sock, conn, 1, "/small-window")
+    await sock.aclose()
+    assert body == b"<" + b"".join(b"%02d" % i * (1 + i % 7) for i in range(30)) + b">"
+    assert True in taken and False in taken, taken
+
+
 async def test_an_answer_given_once_content_length_bytes_are_in_keeps_the_connection(nursery: trio.Nursery) -> None:
     """frontend/server.py answers as soon as ``content-length`` body bytes
     are in, which can be before hypercorn takes the request's end from h11;
