@@ -88,6 +88,7 @@ translated here; callers catch only::
 from __future__ import annotations
 
 import errno
+import math
 import os
 import ssl
 from collections.abc import Iterable, Mapping
@@ -214,7 +215,7 @@ class _Stream:
     """The state one request's task and the connection's reader share."""
 
     __slots__ = (
-        "chunks", "credit", "ended", "error", "flag", "flow_pending",
+        "chunks", "credit", "deadline", "ended", "error", "expired", "flag", "flow_pending",
         "headers", "sent_end", "sid", "status", "task",
     )  # fmt: skip
 
@@ -230,6 +231,8 @@ class _Stream:
         self.error: H2Error | None = None
         self.flag = False  # news since the task last looked
         self.task: trio.lowlevel.Task | None = None  # parked, waiting for news
+        self.deadline = math.inf  # when its consumer gives up waiting (H2Response.next_within)
+        self.expired = False  # that deadline passed while it waited
 
     @property
     def buffered(self) -> int:
@@ -254,6 +257,7 @@ class H2Connection:
         self._parked: set[_Stream] = set()
         self._senders: set[_Stream] = set()  # waiting for send window
         self._reading = False
+        self._read_scope: trio.CancelScope | None = None  # the reader's, while it waits with a deadline
         self._writing = False
         self._settled = False  # the server's first SETTINGS arrived
         self._conn_credit = 0
@@ -355,6 +359,9 @@ class H2Connection:
         if self._reading:
             s.task = trio.lowlevel.current_task()
             self._parked.add(s)
+            scope = self._read_scope
+            if scope is not None and s.deadline < scope.deadline:
+                scope.deadline = s.deadline  # the reader wakes in time to expire us
             try:
                 await trio.lowlevel.wait_task_rescheduled(s.abort)
             finally:
@@ -363,7 +370,7 @@ class H2Connection:
         self._reading = True
         try:
             while not s.flag and self.error is None:
-                await self._read_round()
+                await self._read_round(s)
         finally:
             self._reading = False
             if self._parked:  # hand the reader role to a parked task
@@ -377,13 +384,28 @@ class H2Connection:
             self._parked.discard(s)
             trio.lowlevel.reschedule(task)
 
-    async def _read_round(self, *, first: bool = False) -> None:
-        """One read from the socket, dispatched; then our replies flushed."""
+    async def _read_round(self, reader: _Stream | None = None, *, first: bool = False) -> None:
+        """One read from the socket, dispatched; then our replies flushed.
+        ``reader``: the stream whose consumer reads. Where it or a parked
+        stream has a deadline, the read waits until the earliest (in a
+        cancel scope a parked consumer may bring forward), and every stream
+        whose deadline has passed is then expired: its consumer wakes with
+        :attr:`_Stream.expired` (the reader's own stops reading)."""
+        deadline = math.inf
+        if reader is not None:
+            deadline = reader.deadline
+            for p in self._parked:
+                if p.deadline < deadline:
+                    deadline = p.deadline
         try:
-            data = await read_some(self._transport, _READ_SIZE)
+            data = await (read_some(self._transport, _READ_SIZE) if deadline == math.inf else self._read_by(deadline))
         except _TRANSPORT_ERRORS as exc:
             self.fail(ConnectionLost, f"connection lost: {exc!r}")
             return
+        if deadline != math.inf:
+            self._expire(reader)
+        if data is None:
+            return  # a deadline came first
         if not data:
             self.fail(ConnectionLost, "the server closed the connection")
             return
@@ -400,6 +422,34 @@ class H2Connection:
             self._h2.window_update(self._conn_credit)
             self._conn_credit = 0
         await self._flush()
+
+    async def _read_by(self, deadline: float) -> bytes | None:
+        """:func:`read_some`, or None once ``deadline`` (or an earlier one a
+        parked consumer sets on :attr:`_read_scope`) has passed. What the
+        socket holds already is read without a cancel scope: the scope is
+        for the wait, and a read that cannot wait needs none (~45 Python
+        calls a scope, one a token where a backend paces its tokens)."""
+        data = read_now(self._transport, _READ_SIZE)
+        if data is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # as read_some's: a read is a checkpoint
+            return data
+        with trio.CancelScope(deadline=deadline) as scope:
+            self._read_scope = scope
+            try:
+                return await read_some(self._transport, _READ_SIZE)
+            finally:
+                self._read_scope = None
+        return None  # cancelled by the deadline: a cancelled read loses nothing (see read_some)
+
+    def _expire(self, reader: _Stream | None) -> None:
+        """Expire every waiting stream whose deadline has passed: a parked
+        consumer is woken, the reader's own stops its reading."""
+        now = trio.current_time()
+        if reader is not None and reader.deadline <= now:
+            reader.expired = reader.flag = True
+        for p in [p for p in self._parked if p.deadline <= now]:
+            p.expired = True
+            self._wake(p)
 
     def _dispatch(self, events: list[h2wire.Event]) -> None:
         streams = self._streams
@@ -734,6 +784,39 @@ class H2Response:
             await conn._flush()
         return data
 
+    async def next_within(self, deadline: float) -> bytes | None:
+        """:meth:`__anext__`, or None if nothing has come by ``deadline``
+        (``trio.current_time()``'s clock). For a caller that times the
+        peer's silences: where ``move_on_at(deadline)`` around
+        :meth:`__anext__` enters a cancel scope for every wait, this enters
+        one only where the connection's reader has to wait on the socket
+        (a parked consumer's deadline is kept by the reader: see
+        :meth:`H2Connection._read_round`)."""
+        s, conn = self._s, self._conn
+        if s is None:
+            raise RuntimeError("use the response inside 'async with pool.stream(...)'")
+        chunks = s.chunks
+        s.expired = False
+        while not chunks:
+            if s.ended or conn is None:
+                raise StopAsyncIteration
+            if s.error is not None:
+                raise s.error
+            if s.expired:
+                s.expired = False
+                return None
+            s.deadline = deadline
+            try:
+                await conn.wait(s)
+            finally:
+                s.deadline = math.inf
+        s.expired = False
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if conn is not None and conn.credit(s):
+            await conn._flush()
+        return data
+
     async def read(self, limit: int | None = None) -> bytes:
         """The body (its first ``limit`` bytes when given; the rest is dropped)."""
         parts: list[bytes] = []
@@ -1025,6 +1108,19 @@ def write_now(stream: object, data: bytes) -> int:
 
 
 _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})  # trio's: the socket was closed here
+
+
+def read_now(stream: object, max_bytes: int) -> bytes | None:
+    """What a plain TCP stream's socket holds, read without waiting (EOF:
+    ``b""``); None when it holds nothing yet, or for any other stream (TLS
+    frames its own reads). Errors are left to the read that follows. The
+    caller must be the stream's only reader."""
+    if type(stream) is not trio.SocketStream:
+        return None
+    try:
+        return os.read(stream.socket.fileno(), max_bytes)
+    except OSError:  # BlockingIOError: nothing yet; anything else: read_some says it
+        return None
 
 
 async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:

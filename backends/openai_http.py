@@ -128,12 +128,16 @@ class HTTPBackendStatistics(msgspec.Struct, frozen=True):
 class _Reply:
     """A response head and its body chunks, whichever transport carried it."""
 
-    __slots__ = ("chunks", "headers", "ready", "status")
+    __slots__ = ("chunks", "headers", "ready", "status", "within")
 
     def __init__(self, status: int, headers: Any, chunks: AsyncIterator[bytes],
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None,
+                 within: Callable[[float], Awaitable[bytes | None]] | None = None) -> None:
         self.status, self.headers, self.chunks = status, headers, chunks
         self.ready = ready  # True when the next chunk needs no wait (None: unknown, always time it)
+        # The next chunk, or None if none by the deadline given (trio's clock),
+        # timed by the transport itself (None: time it with a cancel scope)
+        self.within = within
 
 
 class _H2:
@@ -192,7 +196,7 @@ class _H2Opened:
 
     async def __aenter__(self) -> _Reply:
         response = self._response = await _resend_if_refused(self._start)
-        return _Reply(response.status, response.headers, response, response.ready)
+        return _Reply(response.status, response.headers, response, response.ready, response.next_within)
 
     async def __aexit__(self, *exc_info: object) -> None:
         response, self._response = self._response, None
@@ -626,7 +630,7 @@ class OpenAIHTTPBackend:
                             f"expected an SSE stream, got {content_type or 'no content type'!r}"
                         )
                     decoder = SSEParser(strict=True)
-                    chunks, ready = reply.chunks, reply.ready
+                    chunks, ready, within = reply.chunks, reply.ready, reply.within
                     grace = 0.0  # more time for this silence: the router's own loop ran late
                     while not parser.done:  # after [DONE], the server may be slow to end
                         limit = stall if parser.events else self.first_token_timeout
@@ -636,6 +640,8 @@ class OpenAIHTTPBackend:
                                 # Already here: no silence to time, so no cancel
                                 # scope (~6 us each on a slow core, one a read).
                                 chunk = await chunks.__anext__()
+                            elif within is not None:  # HTTP/2: the connection's reader keeps the time
+                                chunk = await within(trio.current_time() + (grace or limit))
                             else:
                                 with trio.move_on_after(grace or limit):
                                     chunk = await chunks.__anext__()

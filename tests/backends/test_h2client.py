@@ -804,6 +804,121 @@ async def test_ready_says_when_the_next_chunk_needs_no_wait(nursery: trio.Nurser
                 await resp.__anext__()
 
 
+# ---------------------------------------------------------------- silences timed by the reader
+
+
+async def test_next_within_gives_up_at_its_deadline_and_the_stream_goes_on(nursery: trio.Nursery) -> None:
+    """``next_within(deadline)``: None once the deadline passes with nothing
+    come (the stream still open: a later call gets what comes), a chunk as
+    soon as one comes, StopAsyncIteration at the end."""
+    go = trio.Event()
+
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        await go.wait()
+        await conn.send(sid, b"late", end=True)
+
+    server = await ScriptedServer(handler).start(nursery)
+    with trio.fail_after(5):
+        async with server.pool() as pool, pool.stream("GET", "/") as resp:
+            start = trio.current_time()
+            assert await resp.next_within(start + 0.2) is None
+            assert 0.2 <= trio.current_time() - start < 1.0
+            go.set()
+            assert await resp.next_within(trio.current_time() + 5) == b"late"
+            with pytest.raises(StopAsyncIteration):
+                await resp.next_within(trio.current_time() + 5)
+
+
+@pytest.mark.parametrize("reader", ["silent", "flowing"])
+async def test_a_parked_consumers_deadline_is_kept_while_another_reads(nursery: trio.Nursery, reader: str) -> None:
+    """Two streams on one connection: the first consumer waits with a long
+    deadline (the connection's reader), the second with a short one
+    (parked behind it). The second gives up on time whether the reader
+    waits on a silent socket (it brings the reader's deadline forward) or
+    keeps receiving its own stream's chunks (checked after each read); the
+    first is not disturbed, and a chunk that comes for the second is still
+    delivered after."""
+    go = trio.Event()
+
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        if headers[b":path"] == b"/first":
+            if reader == "flowing":
+                for i in range(60):
+                    await conn.send(sid, b"%d," % i)
+                    await trio.sleep(0.01)
+            await go.wait()
+            await conn.send(sid, b"end", end=True)
+        else:
+            await go.wait()
+            await conn.send(sid, b"second", end=True)
+
+    server = await ScriptedServer(handler).start(nursery)
+    firsts: list[bytes] = []
+    gave_up: list[float] = []
+    with trio.fail_after(10):
+        async with server.pool() as pool, pool.stream("GET", "/first") as first, pool.stream("GET", "/second") as second:
+
+            async def read_first() -> None:
+                while True:
+                    try:
+                        chunk = await first.next_within(trio.current_time() + 5)
+                    except StopAsyncIteration:
+                        return
+                    assert chunk is not None
+                    firsts.append(chunk)
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(read_first)
+                await trio.sleep(0.05)  # the first consumer reads (or waits on the socket) now
+                start = trio.current_time()
+                assert await second.next_within(start + 0.25) is None
+                gave_up.append(trio.current_time() - start)
+                go.set()
+                assert await second.next_within(trio.current_time() + 5) == b"second"
+            assert pool.statistics().connections_opened == 1
+    assert 0.25 <= gave_up[0] < 1.0, gave_up
+    assert b"".join(firsts).endswith(b"end")
+    if reader == "flowing":
+        assert b"".join(firsts) == b"".join(b"%d," % i for i in range(60)) + b"end"
+
+
+async def test_a_read_the_socket_already_holds_enters_no_cancel_scope(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader waits under a cancel scope only where the socket has
+    nothing yet: bytes already there are read with none."""
+    first, sent = trio.Event(), trio.Event()
+
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        await first.wait()
+        await conn.send(sid, b"waited")
+        await sent.wait()
+        await conn.send(sid, b"there", end=True)
+
+    entered: list[int] = []
+    enter = trio.CancelScope.__enter__
+
+    def counted(self: trio.CancelScope) -> trio.CancelScope:
+        entered.append(1)
+        return enter(self)
+
+    server = await ScriptedServer(handler).start(nursery)
+    with trio.fail_after(5):
+        async with server.pool() as pool, pool.stream("GET", "/") as resp:
+            monkeypatch.setattr(trio.CancelScope, "__enter__", counted)
+            assert await resp.next_within(trio.current_time() + 0.1) is None  # a silence: timed in a scope
+            assert entered
+            first.set()
+            assert await resp.next_within(trio.current_time() + 5) == b"waited"
+            sent.set()
+            await trio.sleep(0.1)  # "there" sits in the socket, unread
+            entered.clear()
+            assert await resp.next_within(trio.current_time() + 5) == b"there"
+            monkeypatch.undo()
+    assert entered == []
+
+
 # ---------------------------------------------------------------- the lean socket read
 
 
