@@ -436,7 +436,7 @@ class H2Connection:
         with trio.CancelScope(deadline=deadline) as scope:
             self._read_scope = scope
             try:
-                return await read_some(self._transport, _READ_SIZE)
+                return await read_some(self._transport, _READ_SIZE, wait_first=True)
             finally:
                 self._read_scope = None
         return None  # cancelled by the deadline: a cancelled read loses nothing (see read_some)
@@ -1123,25 +1123,28 @@ def read_now(stream: object, max_bytes: int) -> bytes | None:
         return None
 
 
-async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
+async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int, *, wait_first: bool = False) -> bytes:
     """``stream.receive_some(max_bytes)``: for a plain TCP stream, the same
     read, checkpoints and errors without trio's layers around it (a context
     manager for the errors, a conflict detector, the socket wrapper's
     helpers: ~2% of a streamed request's instructions for the router's two
-    reads a request). The caller must be the stream's only reader."""
+    reads a request). The caller must be the stream's only reader.
+    ``wait_first``: the caller has just found the socket empty
+    (:func:`read_now`): wait for it before reading."""
     if type(stream) is not trio.SocketStream:
         data = await stream.receive_some(max_bytes)
         return data if type(data) is bytes else bytes(data)
     sock = stream.socket
-    await trio.lowlevel.checkpoint_if_cancelled()
     try:
-        try:
-            data = os.read(sock.fileno(), max_bytes)
-        except BlockingIOError:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's: a read is a checkpoint
-            return data
+        if not wait_first:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                data = os.read(sock.fileno(), max_bytes)
+            except BlockingIOError:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()  # as trio's: a read is a checkpoint
+                return data
         while True:
             await trio.lowlevel.wait_readable(sock)
             try:

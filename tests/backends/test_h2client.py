@@ -957,8 +957,14 @@ async def test_read_some_reads_waits_and_fails_as_trios_receive_some() -> None:
             sent.set()
 
         nursery.start_soon(later)
-        assert await h2client.read_some(client, 100) == b"late"  # waited for it
+        assert h2client.read_now(client, 100) is None  # nothing there yet: no wait, no read
+        assert await h2client.read_some(client, 100, wait_first=True) == b"late"  # waited for it
         await sent.wait()
+        await server.send_all(b"now")
+        with trio.fail_after(2):
+            while (now := h2client.read_now(client, 100)) is None:
+                await trio.sleep(0.01)
+        assert now == b"now"  # what is there, at once, without a checkpoint
         await server.send_eof()
         assert await h2client.read_some(client, 100) == b""
 
