@@ -957,7 +957,7 @@ async def test_parts_the_body_writer_cannot_send_at_once_go_through_the_buffer_i
         body = await _h2_read(sock, conn, 1, "/small-window")
     await sock.aclose()
     assert body == b"<" + b"".join(b"%02d" % i * (1 + i % 7) for i in range(30)) + b">"
-    assert True in taken and False in taken, taken
+    assert any(taken) and not all(taken), taken  # some parts by the writer, some by send
 
 
 async def test_an_answer_given_once_content_length_bytes_are_in_keeps_the_connection(nursery: trio.Nursery) -> None:
