@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--half-rounds", type=int, default=3,
                    help="router/direct pairs at half the router's highest rate (alternating which goes "
                         "first); the added TTFT is the median over them")
+    p.add_argument("--added-at", type=float, metavar="RPS",
+                   help="judge the added TTFT at this rate instead of half the router's highest (which "
+                        "moves between runs with the search: a fixed rate compares runs and builds)")
     p.add_argument("--no-open-loop", action="store_true")
     p.add_argument("--max-outstanding", type=int, default=512)
     p.add_argument("--workers", type=int, default=1, help="router processes (headrace serve --workers)")
@@ -98,10 +101,10 @@ def _parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     bad = [args.concurrency < 1, args.duration <= 0, args.open_duration <= 0,
            args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1,
-           args.half_rounds < 1]
+           args.half_rounds < 1, args.added_at is not None and args.added_at <= 0]
     if any(bad):
-        raise ClientError("--concurrency, --duration, --open-*, --max-tokens, --workers and "
-                          "--half-rounds must be positive")
+        raise ClientError("--concurrency, --duration, --open-*, --max-tokens, --workers, "
+                          "--half-rounds and --added-at must be positive")
     check_client(args.client)
 
 
@@ -311,7 +314,8 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
         out[f"{name}_max_rate"] = await search_max_rate(url, name, spec, runs=out["runs"],
                                                         **common)
     tried = [r["rate"] for r in out["runs"] if r["label"] == "router"]
-    half = 0.5 * (out["router_max_rate"] or min(tried))
+    half = judged_rate(args.added_at, out["router_max_rate"], tried)
+    out["added_at"] = "fixed" if args.added_at else "half the router's highest rate"
     targets = [("router", bed.router.url), ("direct", bed.mocks[0].url)]
     rounds = []
     for i in range(args.half_rounds):
@@ -331,6 +335,15 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
     out["at_half_rounds"] = rounds
     out["added_ttft_median_ms"] = added_medians(rounds)
     out["client_bound"] = client_bound(out)
+
+
+def judged_rate(fixed: float | None, router_max: float | None, tried: list[float]) -> float:
+    """The rate the added TTFT is judged at: ``fixed`` (``--added-at``) when
+    given, else half the router's highest passing rate (half the lowest
+    tried when none passed)."""
+    if fixed:
+        return fixed
+    return 0.5 * (router_max or min(tried))
 
 
 def added_medians(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -467,7 +480,8 @@ def _format_open(loop: dict[str, Any] | None) -> list[str]:
         median = loop.get("added_ttft_median_ms") or added_medians(rounds)
         each = ", ".join(f"{_fmt(r['added']['ttft_ms']['p50']['delta'], '+.2f')} / "
                          f"{_fmt(r['added']['ttft_ms']['p99']['delta'], '+.2f')}" for r in rounds)
-        lines.append(f"  router added TTFT at {rounds[0]['rate']:g} req/s, median of {len(rounds)} "
+        at = " (fixed: --added-at)" if loop.get("added_at") == "fixed" else ""
+        lines.append(f"  router added TTFT at {rounds[0]['rate']:g} req/s{at}, median of {len(rounds)} "
                      f"round(s): p50 {_fmt(median['p50'], '+.2f')} ms, p99 {_fmt(median['p99'], '+.2f')} ms "
                      f"(each round p50 / p99: {each})")
     if loop.get("client_bound"):

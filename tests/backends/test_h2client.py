@@ -31,6 +31,7 @@ from backends.h2client import (
     ConnectError,
     ConnectionLost,
     H2Pool,
+    H2Response,
     H2Unsupported,
     PoolClosed,
     PoolTimeout,
@@ -882,6 +883,52 @@ async def test_a_parked_consumers_deadline_is_kept_while_another_reads(nursery: 
     assert b"".join(firsts).endswith(b"end")
     if reader == "flowing":
         assert b"".join(firsts) == b"".join(b"%d," % i for i in range(60)) + b"end"
+
+
+async def test_timed_readers_cancelled_by_turns_hand_over_and_the_others_time_nothing_out(
+    nursery: trio.Nursery,
+) -> None:
+    """As the test above with ``next_within``: 40 streams read one connection
+    by turns, each timing its silences (short deadlines for the 20 that are
+    cancelled after about five chunks, often holding the reader role and its
+    scope); the other 20 get every chunk and never a spurious silence."""
+    host, port = await serve_app(nursery, App())
+    complete: list[bytes] = []
+    silences: list[int] = []
+
+    async def read_all(resp: H2Response, wait: float) -> bytes:
+        out = b""
+        while True:
+            try:
+                chunk = await resp.next_within(trio.current_time() + wait)
+            except StopAsyncIteration:
+                return out
+            if chunk is None:
+                silences.append(1)
+                continue
+            out += chunk
+
+    async def one_cancelled(pool: H2Pool) -> None:
+        with trio.move_on_after(0.05) as scope:
+            async with pool.stream("GET", "/slow?1000") as resp:
+                await read_all(resp, 0.5)
+        assert scope.cancelled_caught
+
+    async def one_complete(pool: H2Pool) -> None:
+        async with pool.stream("GET", "/slow?20") as resp:
+            complete.append(await read_all(resp, 5.0))
+
+    with trio.fail_after(5):
+        async with H2Pool(host, port) as pool:
+            async with trio.open_nursery() as inner:
+                for _ in range(20):
+                    inner.start_soon(one_cancelled, pool)
+                    inner.start_soon(one_complete, pool)
+            assert complete == [b"".join(b"x%d," % i for i in range(20))] * 20
+            stats = pool.statistics()
+            assert stats.connections_opened == 1 and stats.streams_cancelled == 20
+            assert stats.connections[0].streams == 0
+    assert silences == []
 
 
 async def test_a_read_the_socket_already_holds_enters_no_cancel_scope(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,3 +113,13 @@ def test_the_added_ttft_is_the_median_over_the_rounds() -> None:
 
     rounds = [round_(2.0, 7.0), round_(1.5, 18.0), round_(None, 4.0)]
     assert router_bench.added_medians(rounds) == {"p50": 1.75, "p99": 7.0}  # an unknown p50 is left out
+
+
+def test_the_added_ttft_is_judged_at_a_fixed_rate_when_given_else_at_half_the_maximum(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert router_bench.judged_rate(450.0, 1100.0, [100.0, 200.0]) == 450.0
+    assert router_bench.judged_rate(None, 1100.0, [100.0, 200.0]) == 550.0
+    assert router_bench.judged_rate(None, None, [200.0, 100.0]) == 50.0  # none passed: half the lowest tried
+    assert bench_main(["router", "--added-at", "0", "--vllm-router", "none"]) == 2  # refused before anything starts
+    assert "--added-at must be positive" in capsys.readouterr().err
