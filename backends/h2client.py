@@ -768,24 +768,13 @@ class H2Response:
         return s is None or self._conn is None or bool(s.chunks) or s.ended or s.error is not None
 
     async def __anext__(self) -> bytes:
-        s, conn = self._s, self._conn
-        if s is None:
-            raise RuntimeError("use the response inside 'async with pool.stream(...)'")
-        chunks = s.chunks
-        while not chunks:
-            if s.ended or conn is None:
-                raise StopAsyncIteration
-            if s.error is not None:
-                raise s.error
-            await conn.wait(s)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        if conn is not None and conn.credit(s):
-            await conn._flush()
+        data = await self.next_within(math.inf)  # no deadline: never None
+        assert data is not None
         return data
 
     async def next_within(self, deadline: float) -> bytes | None:
-        """:meth:`__anext__`, or None if nothing has come by ``deadline``
+        """The next chunk (everything buffered, as one bytes object: no copy
+        when it is one frame), or None if nothing has come by ``deadline``
         (``trio.current_time()``'s clock). For a caller that times the
         peer's silences: where ``move_on_at(deadline)`` around
         :meth:`__anext__` enters a cancel scope for every wait, this enters

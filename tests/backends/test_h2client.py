@@ -426,6 +426,23 @@ async def test_an_idle_connection_past_idle_timeout_is_replaced(nursery: trio.Nu
             assert len(pool.statistics().connections) == 1
 
 
+async def _by_turns(host: str, port: int, one_cancelled: Callable[[H2Pool], Awaitable[None]],
+                    one_complete: Callable[[H2Pool], Awaitable[None]], complete: list[bytes]) -> None:
+    """20 streams that are cancelled and 20 that complete (``/slow?20``,
+    appending their bodies to ``complete``) on one connection: every
+    complete one got every chunk, and nothing is left open."""
+    with trio.fail_after(5):
+        async with H2Pool(host, port) as pool:
+            async with trio.open_nursery() as inner:
+                for _ in range(20):
+                    inner.start_soon(one_cancelled, pool)
+                    inner.start_soon(one_complete, pool)
+            assert complete == [b"".join(b"x%d," % i for i in range(20))] * 20
+            stats = pool.statistics()
+            assert stats.connections_opened == 1 and stats.streams_cancelled == 20
+            assert stats.connections[0].streams == 0
+
+
 async def test_many_streams_share_one_connection_while_readers_are_cancelled(
     nursery: trio.Nursery,
 ) -> None:
@@ -447,16 +464,7 @@ async def test_many_streams_share_one_connection_while_readers_are_cancelled(
         async with pool.stream("GET", "/slow?20") as resp:
             complete.append(await resp.read())
 
-    with trio.fail_after(5):
-        async with H2Pool(host, port) as pool:
-            async with trio.open_nursery() as inner:
-                for _ in range(20):
-                    inner.start_soon(one_cancelled, pool)
-                    inner.start_soon(one_complete, pool)
-            assert complete == [b"".join(b"x%d," % i for i in range(20))] * 20
-            stats = pool.statistics()
-            assert stats.connections_opened == 1 and stats.streams_cancelled == 20
-            assert stats.connections[0].streams == 0
+    await _by_turns(host, port, one_cancelled, one_complete, complete)
 
 
 # ---------------------------------------------------------------- spreading over connections
@@ -918,16 +926,7 @@ async def test_timed_readers_cancelled_by_turns_hand_over_and_the_others_time_no
         async with pool.stream("GET", "/slow?20") as resp:
             complete.append(await read_all(resp, 5.0))
 
-    with trio.fail_after(5):
-        async with H2Pool(host, port) as pool:
-            async with trio.open_nursery() as inner:
-                for _ in range(20):
-                    inner.start_soon(one_cancelled, pool)
-                    inner.start_soon(one_complete, pool)
-            assert complete == [b"".join(b"x%d," % i for i in range(20))] * 20
-            stats = pool.statistics()
-            assert stats.connections_opened == 1 and stats.streams_cancelled == 20
-            assert stats.connections[0].streams == 0
+    await _by_turns(host, port, one_cancelled, one_complete, complete)
     assert silences == []
 
 
