@@ -40,6 +40,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h11
+import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, RawData, Updated
@@ -54,6 +55,7 @@ from hypercorn.utils import build_and_validate_headers, suppress_body
 
 from frontend import hardening
 from frontend.h2_scheduler import RoundRobinStreams
+from frontend.lean_h2 import lean_h2_protocol
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
 from frontend.server import BODY_FOLLOWS, BODY_WRITER, ON_DISCONNECT, DisconnectHook
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
@@ -66,6 +68,8 @@ log = logging.getLogger(__name__)
 # How long closing a connection waits for a send in progress to finish before
 # it closes the socket anyway (a peer that stopped reading must not keep it).
 CLOSE_SEND_WAIT = 5.0
+# ServeOptions' HTTP/2 ingress when none is named ("hypercorn" or "lean").
+DEFAULT_H2_INGRESS = "hypercorn"
 # Draining, how long after a connection's last byte its GOAWAY follows (see _goaway_if_drained).
 GOAWAY_DELAY = 0.1
 
@@ -761,6 +765,9 @@ _end_stream_with_the_last_data()
 _release_buffers_when_the_connection_closes()
 hardening.install()  # after the patches above: its wrappers go outside theirs
 hardening.protect_secrets_in_library_logs()
+# ``h2_ingress="lean"``: cleartext HTTP/2 connections get frontend/lean_h2.py's
+# protocol (hypercorn's ProtocolWrapper builds H2Protocol by this name).
+hypercorn_protocol.H2Protocol = lean_h2_protocol(hypercorn_h2.H2Protocol)  # type: ignore[attr-defined]
 
 
 class _Config(HypercornConfig):
@@ -775,6 +782,7 @@ class _Config(HypercornConfig):
     headrace_limits: Limits = DEFAULT_LIMITS
     headrace_connections: ConnectionLedger | None = None
     headrace_tls: Certificates | None = None  # the live context, reloaded in place
+    headrace_h2_ingress = "hypercorn"  # "lean": cleartext HTTP/2 on frontend/lean_h2.py
 
     def create_ssl_context(self) -> ssl.SSLContext | None:
         if self.headrace_tls is not None:
@@ -804,6 +812,9 @@ class ServeOptions:
     kept. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
     processes may serve the same port. ``limits``: streams, buffering,
     write stalls, budgets and connection caps (frontend/hardening.py).
+    ``h2_ingress``: ``"lean"`` serves cleartext HTTP/2 with
+    frontend/lean_h2.py's protocol instead of hypercorn's (TLS and HTTP/1.1
+    stay hypercorn's); None: :data:`DEFAULT_H2_INGRESS`.
     ``certfile`` and ``keyfile``: TLS (frontend/tls.py), loaded when serving
     starts; :meth:`reload_certificates` re-reads them."""
 
@@ -820,7 +831,12 @@ class ServeOptions:
         access_log: bool = False,
         reuse_port: bool = False,
         limits: Limits = DEFAULT_LIMITS,
+        h2_ingress: str | None = None,
     ) -> None:
+        h2_ingress = DEFAULT_H2_INGRESS if h2_ingress is None else h2_ingress
+        if h2_ingress not in ("hypercorn", "lean"):
+            raise ValueError(f"h2_ingress: 'hypercorn' or 'lean', not {h2_ingress!r}")
+        self.h2_ingress = h2_ingress
         self.host = host
         self.port = port
         self.certfile = certfile
@@ -872,6 +888,7 @@ class ServeOptions:
         )
         config.accesslog = "-" if self.access_log else None
         config.errorlog = "-"
+        config.headrace_h2_ingress = self.h2_ingress
         return config
 
 

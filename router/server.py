@@ -170,6 +170,7 @@ def options_for(config: RouterConfig, *, reuse_port: bool = False) -> ServeOptio
         access_log=s.access_log,
         reuse_port=reuse_port,
         limits=_limits(config),
+        h2_ingress=s.h2_ingress,
     )
 
 

@@ -9,16 +9,24 @@ hundreds of ``router``, ``mock`` and ``engine`` processes, and where
 ``PYTHONDONTWRITEBYTECODE`` is set none of them writes its ``__pycache__``,
 so each compiled every module it imports again (~0.5 s of a router's
 1.2 s start on the 2-core box). Sources newer than their ``.pyc`` are
-compiled again, so an edit never runs stale code."""
+compiled again, so an edit never runs stale code.
+
+``HEADRACE_H2_INGRESS=lean``: every server a test starts in its own process
+(``frontend.serving.ServeOptions`` without ``h2_ingress``), and the router
+processes tests/hardening's harness starts, serve cleartext HTTP/2 on
+frontend/lean_h2.py."""
 
 from __future__ import annotations
 
 import compileall
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from frontend import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("frontend", "router", "backends", "policies", "conformance", "bench", "sim", "tests")
@@ -35,3 +43,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def h2_ingress(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The HTTP/2 ingress of the test's servers: its parameter where a
+    conftest parametrizes it (tests/hardening/conftest.py), else
+    ``HEADRACE_H2_INGRESS``, else the default."""
+    ingress = getattr(request, "param", None) or os.environ.get("HEADRACE_H2_INGRESS")
+    if ingress:
+        monkeypatch.setattr(serving, "DEFAULT_H2_INGRESS", ingress)
+        monkeypatch.setenv("HEADRACE_H2_INGRESS", ingress)  # for the processes a test starts
+    return ingress

@@ -109,6 +109,8 @@ async def start_router(
         command += ["--backend", url]
     if os.environ.get("HEADRACE_HARDENING_BEFORE"):  # measuring a checkout without the new settings
         settings = {}
+    if os.environ.get("HEADRACE_H2_INGRESS"):  # the battery against another HTTP/2 ingress (conftest.py)
+        settings = {"server.h2_ingress": os.environ["HEADRACE_H2_INGRESS"], **(settings or {})}
     for key, value in (settings or {}).items():
         command += ["--set", f"{key}={_toml(value)}"]
     if nofile is not None:
