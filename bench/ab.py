@@ -31,6 +31,7 @@ Latencies are then not measured (the native clients report none).
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import tempfile
@@ -69,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--a", type=Path, default=None, metavar="DIR",
                    help="side A's source checkout (default: this one)")
     p.add_argument("--b", type=Path, required=True, metavar="DIR",
-                   help="side B's source checkout, e.g. a git worktree of an older commit")
+                   help="side B's source checkout, e.g. a git worktree of an older commit (or . with "
+                        "--b-serve-args: this checkout, configured otherwise)")
+    p.add_argument("--a-serve-args", default="", metavar="ARGS",
+                   help="more `headrace serve` arguments for side A, e.g. '--set server.h2_ingress=\"lean\"'")
+    p.add_argument("--b-serve-args", default="", metavar="ARGS", help="more `headrace serve` arguments for side B")
     p.add_argument("--rps", type=float, default=150.0, help="offered requests per second, to each side")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per round")
     p.add_argument("--rounds", type=int, default=4)
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"rps": args.rps, "duration": args.duration, "rounds": args.rounds, "tpot_ms": args.tpot_ms,
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "seed": args.seed,
                    "closed": args.closed, "http": args.http if args.closed else "2"},
-        "sides": {"A": _side(args.a or REPO), "B": _side(args.b)},
+        "sides": {"A": {**_side(args.a or REPO), "serve_args": args.a_serve_args},
+                  "B": {**_side(args.b), "serve_args": args.b_serve_args}},
         "rounds": [],
     }
 
@@ -122,9 +128,10 @@ async def one_round(args: argparse.Namespace, i: int, logdir: Path) -> dict[str,
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=60.0)
     async with AsyncExitStack() as stack:
         routers = {}
+        extra = {"A": shlex.split(args.a_serve_args), "B": shlex.split(args.b_serve_args)}
         for side, src in zip(SIDES, (args.a, args.b), strict=True):
             mocks = await _start_all(stack, logdir, [(f"{side}{i}-mock0", mock), (f"{side}{i}-mock1", mock)])
-            (routers[side],) = await _start_all(stack, logdir, [(f"{side}{i}-router", serve_argv(mocks))],
+            (routers[side],) = await _start_all(stack, logdir, [(f"{side}{i}-router", serve_argv(mocks) + extra[side])],
                                                 cwd={f"{side}{i}-router": src})
             await _ready(routers[side].url, "/ready")
         cpu = {side: r.cpu_seconds() for side, r in routers.items()}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -87,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--router-src", type=Path, metavar="DIR",
                    help="run the router from this source checkout (e.g. a git worktree of an older "
                         "commit) for a before/after comparison in one run of the same bed")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more `headrace serve` arguments for the router, e.g. '--set server.h2_ingress=\"lean\"'")
     p.add_argument("--tpot-ms", type=float, default=0.0, help="the mocks' time per token")
     p.add_argument("--max-tokens", type=int, default=20, help="chunks per answer")
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -504,7 +507,7 @@ async def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
         logdir = Path(tmp)
         async with AsyncExitStack() as stack:
             print("starting 2 mocks, the router and the bare app...", file=sys.stderr)
-            bed = await start_bed(args, logdir, stack)
+            bed = await start_bed(args, logdir, stack, serve_args=shlex.split(args.serve_args))
             assert bed.router is not None and bed.bare is not None
             doc["servers"] = {s.name: s.url for s in (*bed.mocks, bed.router, bed.bare)}
             rows: list[dict[str, Any]] = doc.setdefault("closed_loop", [])
@@ -533,7 +536,8 @@ def main(argv: list[str]) -> int:
                    "http": args.http, "client": args.client, "open_duration_s": args.open_duration,
                    "p99_limit_ms": args.p99_ms, "tpot_ms": args.tpot_ms,
                    "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-                   "workers": args.workers, "router_src": _source(args.router_src)},
+                   "workers": args.workers, "router_src": _source(args.router_src),
+                   "serve_args": args.serve_args},
     }
     return run_reported(run, args, doc, _finish, name="headrace bench router")
 

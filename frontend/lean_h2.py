@@ -1,4 +1,5 @@
-"""A lean HTTP/2 protocol for the ingress: ``[server] h2_ingress = "lean"``.
+"""A lean HTTP/2 protocol for the ingress: ``[server] h2_ingress = "lean"``
+(the default; ``"hypercorn"`` serves with hypercorn's own, patched).
 
 hypercorn's ``H2Protocol`` hands every request to an ``HTTPStream``, every
 ASGI message to an event object, every body to a queue for the app and
@@ -295,8 +296,10 @@ class LeanH2Protocol:
         lock = self._lock
         stream = getattr(self._tcp, "stream", None)
         sent = hardening._write_now(stream, data) if lock is not None and not lock.locked() else 0
-        if sent == len(data) or self.closed:
+        if self.closed or (sent == len(data) and not self._ready):
             return
+        # The rest, or parts left unframed at OUT_HIGH: the flush task frames
+        # and writes on until none is left.
         self._out = data[sent:]
         self._writing = True
         try:

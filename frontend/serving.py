@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 # it closes the socket anyway (a peer that stopped reading must not keep it).
 CLOSE_SEND_WAIT = 5.0
 # ServeOptions' HTTP/2 ingress when none is named ("hypercorn" or "lean").
-DEFAULT_H2_INGRESS = "hypercorn"
+DEFAULT_H2_INGRESS = "lean"
 # Draining, how long after a connection's last byte its GOAWAY follows (see _goaway_if_drained).
 GOAWAY_DELAY = 0.1
 
@@ -782,7 +782,7 @@ class _Config(HypercornConfig):
     headrace_limits: Limits = DEFAULT_LIMITS
     headrace_connections: ConnectionLedger | None = None
     headrace_tls: Certificates | None = None  # the live context, reloaded in place
-    headrace_h2_ingress = "hypercorn"  # "lean": cleartext HTTP/2 on frontend/lean_h2.py
+    headrace_h2_ingress = "lean"  # cleartext HTTP/2 on frontend/lean_h2.py; "hypercorn": on hypercorn's H2Protocol
 
     def create_ssl_context(self) -> ssl.SSLContext | None:
         if self.headrace_tls is not None:
@@ -813,8 +813,9 @@ class ServeOptions:
     processes may serve the same port. ``limits``: streams, buffering,
     write stalls, budgets and connection caps (frontend/hardening.py).
     ``h2_ingress``: ``"lean"`` serves cleartext HTTP/2 with
-    frontend/lean_h2.py's protocol instead of hypercorn's (TLS and HTTP/1.1
-    stay hypercorn's); None: :data:`DEFAULT_H2_INGRESS`.
+    frontend/lean_h2.py's protocol, ``"hypercorn"`` with hypercorn's
+    (patched here); TLS and HTTP/1.1 are hypercorn's either way. None:
+    :data:`DEFAULT_H2_INGRESS` (lean).
     ``certfile`` and ``keyfile``: TLS (frontend/tls.py), loaded when serving
     starts; :meth:`reload_certificates` re-reads them."""
 

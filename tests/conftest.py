@@ -11,7 +11,7 @@ so each compiled every module it imports again (~0.5 s of a router's
 1.2 s start on the 2-core box). Sources newer than their ``.pyc`` are
 compiled again, so an edit never runs stale code.
 
-``HEADRACE_H2_INGRESS=lean``: every server a test starts in its own process
+``HEADRACE_H2_INGRESS=hypercorn`` (or ``lean``, the default): every server a test starts in its own process
 (``frontend.serving.ServeOptions`` without ``h2_ingress``), and the router
 processes tests/hardening's harness starts, serve cleartext HTTP/2 on
 frontend/lean_h2.py."""

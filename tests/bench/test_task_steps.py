@@ -20,7 +20,8 @@ def test_a_short_run_counts_the_routers_steps_and_writes_the_json(tmp_path: Path
     assert all(n >= 3 for n in doc["steps"]) and doc["steps_min"] == min(doc["steps"])
     tasks = doc["last_round_by_task"]
     assert sum(tasks.values()) == doc["steps"][-1] == len(doc["last_round_steps"])
-    assert any("task_group._handle" in name for name in tasks) and any("_run_handler" in name for name in tasks)
+    # the app's task (frontend/lean_h2.py's, the default ingress) and the connection's
+    assert any("LeanH2Protocol._run" in name for name in tasks) and any("_run_handler" in name for name in tasks)
     assert "main" not in " ".join(tasks)  # the client's own steps are not counted
     printed = capsys.readouterr().out
     assert "router task steps to the first byte: median" in printed and f"wrote {out}" in printed

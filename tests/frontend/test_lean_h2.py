@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import h2.config
+import h2.connection
 import h2.errors
 import h2.events
 import httpx
@@ -294,3 +296,76 @@ async def test_the_body_writer_sends_parts_between_the_first_and_the_last(nurser
     async with _client(port) as client:
         assert (await client.get("/")).text == "abcd"
     assert taken == [False, True, True, False]
+
+
+async def test_an_h2c_upgrade_is_served_on_the_lean_protocol(nursery: trio.Nursery) -> None:
+    seen: list[tuple[str, str, type]] = []
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        seen.append((scope["http_version"], scope["path"], type(scope["extensions"].get(BODY_WRITER))))
+        await _read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"upgraded"})
+
+    port = await _start(nursery, app)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    settings = conn.initiate_upgrade_connection()
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    await sock.send_all(b"GET /up HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                        b"HTTP2-Settings: " + settings + b"\r\n\r\n")
+    data = b""
+    with trio.fail_after(10):
+        while b"\r\n\r\n" not in data:
+            data += await sock.receive_some(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101")
+        await sock.send_all(conn.data_to_send())  # the client's preface
+        events = conn.receive_data(rest) if rest else []
+        while not any(isinstance(e, h2.events.StreamEnded) for e in events):
+            events += conn.receive_data(await sock.receive_some(65536))
+    assert _body(events, 1) == b"upgraded"
+    assert seen == [("2", "/up", lean_h2._BodyWriter)]
+    await sock.aclose()
+
+
+async def test_an_access_log_line_for_each_request(nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]) -> None:
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        await _read_body(receive)
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = await _start(nursery, app, access_log=True)
+    async with _client(port) as client:
+        assert (await client.get("/logged")).status_code == 201
+    out = ""
+    with trio.fail_after(5):
+        while "/logged" not in out:
+            await trio.sleep(0.01)
+            out += capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "/logged" in x]
+    assert '"GET /logged 2" 201 ' in line
+
+
+async def test_parts_left_unframed_at_the_output_bound_go_on_without_another_event(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Windows so large that the client never sends a WINDOW_UPDATE, and an
+    # output bound (a frame) that the socket always takes at once: a 1 MB
+    # part must not wait for an event that never comes.
+    monkeypatch.setattr(lean_h2, "OUT_HIGH", 1)
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        await _read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"w" * 1_000_000, "more_body": True})
+        await send({"type": "http.response.body", "body": b"end"})
+
+    port = await _start(nursery, app)
+    client = await RawH2.open(port, window=2**31 - 1)
+    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    await client.flush()
+    await client.read_until(lambda ev: bool(of(ev, h2.events.SettingsAcknowledged)), 5)  # the stream's window too
+    client.request(1, "/")
+    await client.flush()
+    events = await client.read_until(_ended(1), 10)
+    assert _body(events, 1) == b"w" * 1_000_000 + b"end"
+    await client.aclose()

@@ -1,8 +1,8 @@
-"""The battery's HTTP/2 attacks run against both HTTP/2 ingresses: hypercorn's
-protocol (patched, the default) and frontend/lean_h2.py (``[server]
-h2_ingress = "lean"``). The other modules attack HTTP/1.1, TLS or the
-router's own checks, which do not depend on it (``HEADRACE_H2_INGRESS=lean``
-runs them all on the lean one)."""
+"""The battery's HTTP/2 attacks run against both HTTP/2 ingresses:
+frontend/lean_h2.py (``[server] h2_ingress = "lean"``, the default) and
+hypercorn's protocol (patched, ``"hypercorn"``). The other modules attack
+HTTP/1.1, TLS or the router's own checks, which do not depend on it
+(``HEADRACE_H2_INGRESS=hypercorn`` runs them all on hypercorn's)."""
 
 from __future__ import annotations
 
