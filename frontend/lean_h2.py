@@ -173,6 +173,8 @@ class LeanH2Protocol:
 
     async def _open(self, sid: int, raw: list[tuple[bytes, bytes]], *, ended: bool) -> None:
         connection = self.connection
+        if self.closed:  # closed during the turn after the read's previous request
+            return
         if self._retiring():
             # Draining, or past keep_alive_max_requests: refused (the client
             # may retry it elsewhere), and no more wanted; GOAWAY follows

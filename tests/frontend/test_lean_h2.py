@@ -174,13 +174,18 @@ async def test_a_tiny_window_gets_every_part_in_order(nursery: trio.Nursery) -> 
     await client.aclose()
 
 
+async def _hooked_head(scope: Scope, receive: Any, send: Any, disconnected: trio.Event) -> None:
+    """``disconnected`` set by the stream's disconnect hook; the body read, the head sent."""
+    scope["extensions"][ON_DISCONNECT].then(disconnected.set)
+    await _read_body(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+
+
 async def test_a_client_that_credits_nothing_has_its_stream_given_up(nursery: trio.Nursery) -> None:
     disconnected = trio.Event()
 
     async def app(scope: Scope, receive: Any, send: Any) -> None:
-        scope["extensions"][ON_DISCONNECT].then(disconnected.set)
-        await _read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await _hooked_head(scope, receive, send, disconnected)
         while not disconnected.is_set():
             await send({"type": "http.response.body", "body": b"x" * 1000, "more_body": True})
 
@@ -200,9 +205,7 @@ async def test_a_reset_by_the_client_calls_the_disconnect_hook(nursery: trio.Nur
     disconnected = trio.Event()
 
     async def app(scope: Scope, receive: Any, send: Any) -> None:
-        scope["extensions"][ON_DISCONNECT].then(disconnected.set)
-        await _read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await _hooked_head(scope, receive, send, disconnected)
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
         await trio.sleep_forever()
 
