@@ -78,14 +78,16 @@ def test_an_unknown_ingress_is_refused() -> None:
         ServeOptions(h2_ingress="nginx")
 
 
+async def _length_app(scope: Scope, receive: Any, send: Any) -> None:
+    """Answers the length of the body it read."""
+    body = await _read_body(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"%d" % len(body)})
+
+
 async def test_a_body_past_the_windows_is_credited_as_the_app_reads_it(nursery: trio.Nursery) -> None:
     # 300 KB against windows of 64 KiB: only credit given as the app reads lets it through.
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        body = await _read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"%d" % len(body)})
-
-    port = await _start(nursery, app)
+    port = await _start(nursery, _length_app)
     async with _client(port) as client:
         with trio.fail_after(10):
             for _ in range(2):
@@ -101,9 +103,7 @@ async def test_bodies_the_app_never_reads_are_credited_when_their_streams_close(
             await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
             return
-        body = await _read_body(receive)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"%d" % len(body)})
+        await _length_app(scope, receive, send)
 
     port = await _start(nursery, app)
     async with _client(port) as client:
