@@ -99,6 +99,7 @@ __all__ = [
     "install",
     "protect_secrets_in_library_logs",
     "reserve_gate",
+    "reset_stalled",
 ]
 
 log = logging.getLogger(__name__)
@@ -409,18 +410,26 @@ def _guard_of(protocol: Any) -> _Guard:
     return guard
 
 
+def reset_stalled(connection: h2.connection.H2Connection, client: object, stream_id: int, limits: Limits,
+                  stalled: int) -> None:
+    """RST_STREAM(CANCEL) for a stream whose client read nothing for the
+    write-stall timeout, the ``stalled``-th on its connection: logged as a
+    warning the first time, at debug after (one slow client, one warning)."""
+    level = logging.WARNING if stalled == 1 else logging.DEBUG
+    log.log(level, "HTTP/2 client %s read nothing of stream %d for %.0f s: stream reset (%d on this connection)",
+            client, stream_id, limits.write_stall_timeout, stalled)
+    try:
+        connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+    except h2.exceptions.ProtocolError:
+        pass
+
+
 async def _give_up(protocol: Any, stream_id: int) -> None:
     """A stream's client read nothing for the write-stall timeout: reset the
     stream and tell the app it is gone (its backend request is cancelled)."""
     guard = _guard_of(protocol)
     guard.stalled += 1
-    level = logging.WARNING if guard.stalled == 1 else logging.DEBUG
-    log.log(level, "HTTP/2 client %s read nothing of stream %d for %.0f s: stream reset (%d on this connection)",
-            protocol.client, stream_id, guard.limits.write_stall_timeout, guard.stalled)
-    try:
-        protocol.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
-    except h2.exceptions.ProtocolError:
-        pass
+    reset_stalled(protocol.connection, protocol.client, stream_id, guard.limits, guard.stalled)
     # Flushed first: once the app is told, it is cancelled, flush and all.
     await protocol._flush()
     buffer = protocol.stream_buffers.get(stream_id)

@@ -40,7 +40,6 @@ that body and leaves with it.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from time import time
 from typing import Any
@@ -57,21 +56,21 @@ from hypercorn.protocol.http_stream import ASGIHTTPState
 from hypercorn.utils import UnexpectedMessageError, build_and_validate_headers, suppress_body
 
 from frontend import hardening
-from frontend.hardening import GuardedH2Connection
+from frontend.hardening import GuardedH2Connection, reset_stalled
 from frontend.limits import DEFAULT_LIMITS, Limits
 from frontend.server import BODY_FOLLOWS, BODY_WRITER, ON_DISCONNECT, DisconnectHook
 
 __all__ = ["LeanH2Protocol"]
 
-log = logging.getLogger(__name__)
 
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
 _DISCONNECT = {"type": "http.disconnect"}
 # Bytes framed but not yet written, past which a part waits in its stream's
 # buffer instead (a client not reading its socket must not grow this).
 OUT_HIGH = 64 * 1024
-GOAWAY_DELAY = 0.1  # as frontend/serving.py's: the GOAWAY goes in a later read than the last stream's end
-_STREAM_GONE = (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError)
+# Draining, how long after a connection's last byte its GOAWAY follows (hypercorn's
+# protocol too, frontend/serving.py): it goes in a later read than the last stream's end.
+GOAWAY_DELAY = 0.1
 
 
 class LeanH2Protocol:
@@ -108,7 +107,7 @@ class LeanH2Protocol:
         self._idle = True  # as the server counts it: idle from the start
         tcp = getattr(send, "__self__", None)  # hypercorn's TCPServer: its socket and send lock
         self._lock: trio.Lock | None = getattr(tcp, "send_lock", None)
-        self._tcp = tcp
+        self._socket = getattr(tcp, "stream", None)  # the same for the connection's life
 
     @property
     def idle(self) -> bool:
@@ -302,8 +301,7 @@ class LeanH2Protocol:
             self._out += data
             return
         lock = self._lock
-        stream = getattr(self._tcp, "stream", None)
-        sent = hardening._write_now(stream, data) if lock is not None and not lock.locked() else 0
+        sent = hardening._write_now(self._socket, data) if lock is not None and not lock.locked() else 0
         if self.closed or (sent == len(data) and not self._ready):
             return
         # The rest, or parts left unframed at OUT_HIGH: the flush task frames
@@ -343,7 +341,7 @@ class LeanH2Protocol:
             sid = stream.sid
             try:
                 room = min(connection.local_flow_control_window(sid), connection.max_outbound_frame_size)
-            except _STREAM_GONE:
+            except h2.exceptions.ProtocolError:  # the stream or the connection is closed
                 self._close(stream)
                 continue
             pending = stream.pending
@@ -358,7 +356,7 @@ class LeanH2Protocol:
                     connection.send_data(sid, chunk, end_stream=end)
                 elif end:
                     connection.end_stream(sid)
-            except _STREAM_GONE:
+            except h2.exceptions.ProtocolError:  # the stream or the connection is closed
                 self._close(stream)
                 continue
             stream.taken(len(chunk))
@@ -417,13 +415,7 @@ class LeanH2Protocol:
         """The client took none of the stream's output for the write-stall
         timeout: reset it, and the app hears ``http.disconnect``."""
         self.stalled += 1
-        level = logging.WARNING if self.stalled == 1 else logging.DEBUG
-        log.log(level, "HTTP/2 client %s read nothing of stream %d for %.0f s: stream reset (%d on this connection)",
-                self.client, stream.sid, self.limits.write_stall_timeout, self.stalled)
-        try:
-            self.connection.reset_stream(stream.sid, h2.errors.ErrorCodes.CANCEL)
-        except h2.exceptions.ProtocolError:
-            pass
+        reset_stalled(self.connection, self.client, stream.sid, self.limits, self.stalled)
         self._close(stream)
         self._write()
 
@@ -499,7 +491,7 @@ class _Stream:
         try:
             connection.send_headers(self.sid, [(b":status", b"%d" % status), (b"content-length", b"0")], end_stream=True)
         except h2.exceptions.ProtocolError:
-            return
+            pass  # the client reset it meanwhile
 
     # -------- receive
 
@@ -566,7 +558,7 @@ class _Stream:
             protocol.connection.send_headers(
                 self.sid, [(b":status", b"%d" % self.status), *head, *protocol.config.response_headers("h2")],
                 end_stream=end)
-        except _STREAM_GONE:
+        except h2.exceptions.ProtocolError:  # the stream or the connection is closed
             protocol._close(self)
             return False
         return True
@@ -585,7 +577,7 @@ class _Stream:
                 connection.send_data(self.sid, data, end_stream=end)
             elif end:
                 connection.end_stream(self.sid)
-        except _STREAM_GONE:
+        except h2.exceptions.ProtocolError:  # the stream or the connection is closed
             return False
         return True
 

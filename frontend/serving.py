@@ -55,7 +55,7 @@ from hypercorn.utils import build_and_validate_headers, suppress_body
 
 from frontend import hardening
 from frontend.h2_scheduler import RoundRobinStreams
-from frontend.lean_h2 import lean_h2_protocol
+from frontend.lean_h2 import GOAWAY_DELAY, lean_h2_protocol
 from frontend.limits import DEFAULT_LIMITS, ConnectionLedger, Limits
 from frontend.server import BODY_FOLLOWS, BODY_WRITER, ON_DISCONNECT, DisconnectHook
 from frontend.tls import HANDSHAKE_TIMEOUT, Certificates
@@ -70,8 +70,6 @@ log = logging.getLogger(__name__)
 CLOSE_SEND_WAIT = 5.0
 # ServeOptions' HTTP/2 ingress when none is named ("hypercorn" or "lean").
 DEFAULT_H2_INGRESS = "lean"
-# Draining, how long after a connection's last byte its GOAWAY follows (see _goaway_if_drained).
-GOAWAY_DELAY = 0.1
 
 
 def _patch_hypercorn() -> None:
