@@ -283,8 +283,10 @@ def next_rate(rate: float, ok: bool, best: float | None, worst: float | None) ->
 async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: float,
                           steps: int, duration: float, p99_ms: float, seed: int,
                           prompt_tokens: int, max_outstanding: int,
-                          runs: list[dict[str, Any]]) -> float | None:
-    """The highest rate tried that passes (appending each run's summary to ``runs``)."""
+                          runs: list[dict[str, Any]],
+                          server: Server | None = None) -> float | None:
+    """The highest rate tried that passes (appending each run's summary to ``runs``,
+    with the ``server``'s CPU share when given: see :func:`timed_run`)."""
     best: float | None = None
     worst: float | None = None
     rate: float | None = start
@@ -294,8 +296,7 @@ async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: flo
         rate = float(f"{rate:.3g}")
         config = LoadConfig(rate=rate, duration=duration, seed=seed, prompt_tokens=prompt_tokens,
                             max_outstanding=max_outstanding)
-        run = await run_rate(url, "2", spec, config, label=f"{label} {rate:g} rps", lean=True)
-        summary = summarize_run(run, label=label)
+        summary = await timed_run(url, spec, config, label, f"{label} {rate:g} rps", server)
         runs.append(summary)
         ok = passes(summary, p99_ms)
         if ok:
@@ -306,6 +307,36 @@ async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: flo
     return best
 
 
+async def timed_run(url: str, spec: RequestSpec, config: LoadConfig, label: str, title: str,
+                    server: Server | None) -> dict[str, Any]:
+    """One open-loop run's summary; with ``server``, its CPU seconds over the
+    run's wall time (``server_cpu_share``: 1.0 is one core busy throughout)
+    and a request (``server_cpu_ms_per_request``).
+
+    Half the highest rate is not half the router's load: a request costs it
+    more CPU at the lower rate (fewer requests share each wake-up, and its
+    caches are colder), so the share at the judged rate says how close to
+    busy it ran there."""
+    before = server.cpu_seconds() if server is not None else 0.0
+    run = await run_rate(url, "2", spec, config, label=title, lean=True)
+    summary = summarize_run(run, label=label)
+    if server is not None:
+        cpu = server.cpu_seconds() - before
+        summary["server_cpu_share"] = cpu / run.wall if run.wall > 0 else None
+        summary["server_cpu_ms_per_request"] = _per_request(cpu, summary["counts"]["ok"])
+    return summary
+
+
+def cpu_shares(loop: dict[str, Any]) -> dict[str, float | None]:
+    """The router's CPU share at its highest passing rate and, the median over
+    the rounds, at the judged rate (None where not measured)."""
+    best = loop.get("router_max_rate")
+    at_max = [r.get("server_cpu_share") for r in loop["runs"] if r["label"] == "router" and r["rate"] == best]
+    judged = [s for r in loop.get("at_half_rounds", []) if (s := r["router"].get("server_cpu_share")) is not None]
+    return {"at_max": at_max[0] if at_max else None,
+            "at_judged": statistics.median(judged) if judged else None}
+
+
 async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> None:
     assert bed.router is not None
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
@@ -313,9 +344,9 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
               "p99_ms": args.p99_ms, "seed": args.seed, "prompt_tokens": args.prompt_tokens,
               "max_outstanding": args.max_outstanding}
     out.update(p99_limit_ms=args.p99_ms, http="2", runs=[])
-    for name, url in (("router", bed.router.url), ("direct", bed.mocks[0].url)):
+    for name, url, server in (("router", bed.router.url, bed.router), ("direct", bed.mocks[0].url, None)):
         out[f"{name}_max_rate"] = await search_max_rate(url, name, spec, runs=out["runs"],
-                                                        **common)
+                                                        server=server, **common)
     tried = [r["rate"] for r in out["runs"] if r["label"] == "router"]
     half = judged_rate(args.added_at, out["router_max_rate"], tried)
     out["added_at"] = "fixed" if args.added_at else "half the router's highest rate"
@@ -328,15 +359,16 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
                             prompt_tokens=args.prompt_tokens, max_outstanding=args.max_outstanding)
         pair = {}
         for name, url in (targets if i % 2 == 0 else targets[::-1]):
-            run = await run_rate(url, "2", spec, config, lean=True,
-                                 label=f"{name} {half:g} rps (half, round {i + 1}/{args.half_rounds})")
-            pair[name] = summarize_run(run, label=name)
+            pair[name] = await timed_run(url, spec, config, name,
+                                         f"{name} {half:g} rps (half, round {i + 1}/{args.half_rounds})",
+                                         bed.router if name == "router" else None)
         rounds.append({"rate": half, "router": pair["router"], "direct": pair["direct"],
                        "first": "router" if i % 2 == 0 else "direct",
                        "added": compare(pair["router"], pair["direct"])})
     out["at_half"] = rounds[0]  # the first round, as runs before --half-rounds reported it
     out["at_half_rounds"] = rounds
     out["added_ttft_median_ms"] = added_medians(rounds)
+    out["router_cpu_share"] = cpu_shares(out)
     out["client_bound"] = client_bound(out)
 
 
@@ -487,6 +519,10 @@ def _format_open(loop: dict[str, Any] | None) -> list[str]:
         lines.append(f"  router added TTFT at {rounds[0]['rate']:g} req/s{at}, median of {len(rounds)} "
                      f"round(s): p50 {_fmt(median['p50'], '+.2f')} ms, p99 {_fmt(median['p99'], '+.2f')} ms "
                      f"(each round p50 / p99: {each})")
+    share = loop.get("router_cpu_share") or {}
+    if share.get("at_judged") is not None:
+        lines.append(f"  router CPU share (1.0: a core busy): {_fmt(share.get('at_max'), '.2f')} at its "
+                     f"highest rate, {_fmt(share['at_judged'], '.2f')} at {rounds[0]['rate']:g} req/s")
     if loop.get("client_bound"):
         lines.append(f"  warning: {loop['client_bound']}")
     return [*lines, ""]

@@ -83,10 +83,16 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     rounds = loop["at_half_rounds"]
     assert [r["first"] for r in rounds] == ["router", "direct"] and loop["at_half"] == rounds[0]
     assert loop["added_ttft_median_ms"] == router_bench.added_medians(rounds)
+    for r in rounds:  # the router's CPU is measured over its runs, not the direct ones'
+        assert 0 < r["router"]["server_cpu_share"] < 4 and r["router"]["server_cpu_ms_per_request"] > 0
+        assert "server_cpu_share" not in r["direct"]
+    assert all("server_cpu_share" in r for r in loop["runs"] if r["label"] == "router")
+    assert loop["router_cpu_share"] == router_bench.cpu_shares(loop) and loop["router_cpu_share"]["at_judged"] > 0
     assert "skipped" in doc["vllm_router"]
     assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
     assert "router CPU per request / bare hypercorn app's" in table and "open loop" in table
+    assert "router CPU share (1.0: a core busy)" in table
 
 
 def test_the_bare_app_runs_on_stock_hypercorn_and_refuses_our_patches() -> None:
@@ -113,6 +119,19 @@ def test_the_added_ttft_is_the_median_over_the_rounds() -> None:
 
     rounds = [round_(2.0, 7.0), round_(1.5, 18.0), round_(None, 4.0)]
     assert router_bench.added_medians(rounds) == {"p50": 1.75, "p99": 7.0}  # an unknown p50 is left out
+
+
+def test_the_router_cpu_share_is_read_at_its_highest_rate_and_over_the_judged_rounds() -> None:
+    def run(label: str, rate: float, share: float | None = None) -> dict[str, object]:
+        return {"label": label, "rate": rate, **({} if share is None else {"server_cpu_share": share})}
+
+    loop = {"router_max_rate": 800.0,
+            "runs": [run("router", 400.0, 0.31), run("router", 800.0, 0.88), run("router", 1600.0, 1.0),
+                     run("direct", 800.0)],
+            "at_half_rounds": [{"router": {"server_cpu_share": s}} for s in (0.62, 0.71, 0.55)]}
+    assert router_bench.cpu_shares(loop) == {"at_max": 0.88, "at_judged": 0.62}
+    assert router_bench.cpu_shares({"router_max_rate": None, "runs": [run("router", 100.0, 0.9)]}) == {
+        "at_max": None, "at_judged": None}  # nothing passed, no rounds
 
 
 def test_the_added_ttft_is_judged_at_a_fixed_rate_when_given_else_at_half_the_maximum(
