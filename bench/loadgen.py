@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 
 import httpx
 import msgspec
@@ -166,19 +166,29 @@ async def run_open_loop(config: LoadConfig, send: Sender, *,
 async def run_rate(url: str, http: str, spec: RequestSpec, config: LoadConfig, *,
                    api_key: str | None = None, label: str = "bench",
                    results: list[RequestResult] | None = None,
-                   lean: bool = False) -> RunResult:
+                   lean: bool = False, connections: int = 1) -> RunResult:
     """:func:`run_open_loop` against a real server at ``url``; ``lean`` (HTTP/2
-    only): with the lean client, ~4x less client CPU a request than httpx."""
+    only): with the lean client, ~4x less client CPU a request than httpx,
+    its requests taken in turn by ``connections`` connections (one multiplexes
+    them all, so that a server with several worker processes on one port sees
+    them all in one worker: a population of clients comes on many)."""
+    if connections < 1 or (connections > 1 and not (lean and http == "2")):
+        raise BadRequest("connections must be >= 1, and more than one only for the lean HTTP/2 client",
+                         param="connections")
     limit = config.max_outstanding
-    client: httpx.AsyncClient | H2Pool
+    clients: list[httpx.AsyncClient | H2Pool]
     if lean and http == "2":
-        client = make_pool(url, max_connections=8, api_key=api_key, timeout=spec.timeout)
+        clients = [make_pool(url, max_connections=8, api_key=api_key, timeout=spec.timeout)
+                   for _ in range(connections)]
     else:
-        client = make_client(url, "2" if http == "2" else "1.1", max_connections=limit,
-                             api_key=api_key, timeout=spec.timeout)
-    async with client:
+        clients = [make_client(url, "2" if http == "2" else "1.1", max_connections=limit,
+                               api_key=api_key, timeout=spec.timeout)]
+    async with AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(client)
+
         async def send(index: int, prompt: str, planned: float, run_start: float) -> RequestResult:
-            return await send_request(client, spec, prompt, index=index, start=planned,
-                                      run_start=run_start)
+            return await send_request(clients[index % len(clients)], spec, prompt, index=index,
+                                      start=planned, run_start=run_start)
 
         return await run_open_loop(config, send, progress=ProgressBar(label), results=results)

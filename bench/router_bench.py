@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                         "moves between runs with the search: a fixed rate compares runs and builds)")
     p.add_argument("--no-open-loop", action="store_true")
     p.add_argument("--max-outstanding", type=int, default=512)
+    p.add_argument("--open-connections", type=int, default=1,
+                   help="the open loop's HTTP/2 connections, its requests taken in turn (one multiplexes "
+                        "them all: with --workers N, one worker would see them all)")
     p.add_argument("--workers", type=int, default=1, help="router processes (headrace serve --workers)")
     p.add_argument("--router-src", type=Path, metavar="DIR",
                    help="run the router from this source checkout (e.g. a git worktree of an older "
@@ -104,10 +107,11 @@ def _parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     bad = [args.concurrency < 1, args.duration <= 0, args.open_duration <= 0,
            args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1,
-           args.half_rounds < 1, args.added_at is not None and args.added_at <= 0]
+           args.half_rounds < 1, args.added_at is not None and args.added_at <= 0,
+           args.open_connections < 1]
     if any(bad):
         raise ClientError("--concurrency, --duration, --open-*, --max-tokens, --workers, "
-                          "--half-rounds and --added-at must be positive")
+                          "--half-rounds, --added-at and --open-connections must be positive")
     check_client(args.client)
 
 
@@ -284,7 +288,7 @@ async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: flo
                           steps: int, duration: float, p99_ms: float, seed: int,
                           prompt_tokens: int, max_outstanding: int,
                           runs: list[dict[str, Any]],
-                          server: Server | None = None) -> float | None:
+                          server: Server | None = None, connections: int = 1) -> float | None:
     """The highest rate tried that passes (appending each run's summary to ``runs``,
     with the ``server``'s CPU share when given: see :func:`timed_run`)."""
     best: float | None = None
@@ -296,7 +300,7 @@ async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: flo
         rate = float(f"{rate:.3g}")
         config = LoadConfig(rate=rate, duration=duration, seed=seed, prompt_tokens=prompt_tokens,
                             max_outstanding=max_outstanding)
-        summary = await timed_run(url, spec, config, label, f"{label} {rate:g} rps", server)
+        summary = await timed_run(url, spec, config, label, f"{label} {rate:g} rps", server, connections)
         runs.append(summary)
         ok = passes(summary, p99_ms)
         if ok:
@@ -308,7 +312,7 @@ async def search_max_rate(url: str, label: str, spec: RequestSpec, *, start: flo
 
 
 async def timed_run(url: str, spec: RequestSpec, config: LoadConfig, label: str, title: str,
-                    server: Server | None) -> dict[str, Any]:
+                    server: Server | None, connections: int = 1) -> dict[str, Any]:
     """One open-loop run's summary; with ``server``, its CPU seconds over the
     run's wall time (``server_cpu_share``: 1.0 is one core busy throughout)
     and a request (``server_cpu_ms_per_request``).
@@ -318,7 +322,7 @@ async def timed_run(url: str, spec: RequestSpec, config: LoadConfig, label: str,
     caches are colder), so the share at the judged rate says how close to
     busy it ran there."""
     before = server.cpu_seconds() if server is not None else 0.0
-    run = await run_rate(url, "2", spec, config, label=title, lean=True)
+    run = await run_rate(url, "2", spec, config, label=title, lean=True, connections=connections)
     summary = summarize_run(run, label=label)
     if server is not None:
         cpu = server.cpu_seconds() - before
@@ -342,8 +346,8 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
     spec = RequestSpec(model="mock", max_tokens=args.max_tokens, timeout=30.0)
     common = {"start": args.open_start, "steps": args.open_steps, "duration": args.open_duration,
               "p99_ms": args.p99_ms, "seed": args.seed, "prompt_tokens": args.prompt_tokens,
-              "max_outstanding": args.max_outstanding}
-    out.update(p99_limit_ms=args.p99_ms, http="2", runs=[])
+              "max_outstanding": args.max_outstanding, "connections": args.open_connections}
+    out.update(p99_limit_ms=args.p99_ms, http="2", connections=args.open_connections, runs=[])
     for name, url, server in (("router", bed.router.url, bed.router), ("direct", bed.mocks[0].url, None)):
         out[f"{name}_max_rate"] = await search_max_rate(url, name, spec, runs=out["runs"],
                                                         server=server, **common)
@@ -361,7 +365,7 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
         for name, url in (targets if i % 2 == 0 else targets[::-1]):
             pair[name] = await timed_run(url, spec, config, name,
                                          f"{name} {half:g} rps (half, round {i + 1}/{args.half_rounds})",
-                                         bed.router if name == "router" else None)
+                                         bed.router if name == "router" else None, args.open_connections)
         rounds.append({"rate": half, "router": pair["router"], "direct": pair["direct"],
                        "first": "router" if i % 2 == 0 else "direct",
                        "added": compare(pair["router"], pair["direct"])})
@@ -500,7 +504,9 @@ def format_report(doc: dict[str, Any]) -> str:
 def _format_open(loop: dict[str, Any] | None) -> list[str]:
     if not loop or "runs" not in loop:
         return []
-    lines = [f"open loop (Poisson, h2c): highest rate with e2e p99 < {loop['p99_limit_ms']:g} ms "
+    conns = loop.get("connections", 1)
+    over = f", {conns} connections" if conns > 1 else ""
+    lines = [f"open loop (Poisson, h2c{over}): highest rate with e2e p99 < {loop['p99_limit_ms']:g} ms "
              "and no errors"]
     for name in ("router", "direct"):
         tried = ", ".join(

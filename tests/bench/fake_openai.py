@@ -27,6 +27,7 @@ class FakeOpenAI:
         self.ttft, self.gap, self.model = ttft, gap, model
         self.requests = 0
         self.bodies: list[dict[str, Any]] = []
+        self.clients: list[tuple[str, int] | None] = []  # each request's connection (its peer address)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -44,6 +45,8 @@ class FakeOpenAI:
             if not msg.get("more_body"):
                 break
         self.requests += 1
+        client = scope.get("client")
+        self.clients.append(tuple(client) if client else None)  # type: ignore[arg-type]
         request = json.loads(body)
         self.bodies.append(request)
         await self._complete(scope["path"], request, send)

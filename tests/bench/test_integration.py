@@ -36,6 +36,27 @@ async def test_a_short_open_loop_run_times_every_streamed_request_over_h2() -> N
     assert all(b["stream_options"] == {"include_usage": True} for b in app.bodies)
 
 
+async def test_the_lean_client_takes_its_requests_in_turn_over_several_connections() -> None:
+    from collections import Counter
+
+    from backends.errors import BadRequest
+
+    app = FakeOpenAI(ttft=0.01, gap=0.001)
+    spec = RequestSpec(model="tiny", max_tokens=3)
+    config = LoadConfig(rate=30.0, duration=1.0, seed=2)
+    async with trio.open_nursery() as nursery:
+        url, stop = await serve(nursery, app)
+        run = await run_rate(url, "2", spec, config, lean=True, connections=3)
+        with pytest.raises(BadRequest, match="only for the lean HTTP/2 client"):
+            await run_rate(url, "1.1", spec, config, connections=2)
+        stop.set()
+    n = len(poisson_schedule(30.0, 1.0, seed=2))
+    assert len(run.results) == n and all(r.ok for r in run.results)
+    per_connection = Counter(app.clients)
+    assert len(per_connection) == 3 and None not in per_connection
+    assert sorted(per_connection.values()) == sorted(len(range(i, n, 3)) for i in range(3))
+
+
 async def test_an_unreachable_target_is_reported_as_unavailable() -> None:
     from backends.errors import BackendUnavailable
 

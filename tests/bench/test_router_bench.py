@@ -64,7 +64,7 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     out = tmp_path / "router.json"
     rc = bench_main(["router", "--client", "python", "--concurrency", "2", "--duration", "1",
                      "--open-duration", "0.5", "--open-steps", "2", "--open-start", "20",
-                     "--half-rounds", "2", "--vllm-router", "none", "--json", str(out), "--plot",
+                     "--half-rounds", "2", "--open-connections", "2", "--vllm-router", "none", "--json", str(out), "--plot",
                      str(tmp_path / "router.png")])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -93,6 +93,7 @@ def test_a_tiny_router_bench_run_writes_the_json_with_cpu_per_request(
     table = capsys.readouterr().out
     assert "router CPU per request / bare hypercorn app's" in table and "open loop" in table
     assert "router CPU share (1.0: a core busy)" in table
+    assert loop["connections"] == 2 and "open loop (Poisson, h2c, 2 connections)" in table
 
 
 def test_the_bare_app_runs_on_stock_hypercorn_and_refuses_our_patches() -> None:
@@ -141,4 +142,4 @@ def test_the_added_ttft_is_judged_at_a_fixed_rate_when_given_else_at_half_the_ma
     assert router_bench.judged_rate(None, 1100.0, [100.0, 200.0]) == 550.0
     assert router_bench.judged_rate(None, None, [200.0, 100.0]) == 50.0  # none passed: half the lowest tried
     assert bench_main(["router", "--added-at", "0", "--vllm-router", "none"]) == 2  # refused before anything starts
-    assert "--added-at must be positive" in capsys.readouterr().err
+    assert "--added-at and --open-connections must be positive" in capsys.readouterr().err
