@@ -117,11 +117,11 @@ def no_full_collections() -> Iterator[None]:
     millisecond then queues the thirty that follow (10 s runs through the
     router at 700 req/s: the slowest 1% of a run came in two or three
     clusters, one of them the 30 ms after the client's full collection,
-    with up to 30 of the 70 requests). So: collect
-    once before the run, and let only the young generations be collected
-    during it (what a request leaves in a cycle dies young: the httpx client
-    leaves ~40 objects a request, the lean client none); the oldest
-    generation's threshold comes back after the run."""
+    with up to 30 of the 70 requests). So: collect once before the run, and
+    let only the young generations be collected during it (what a request
+    leaves in a cycle dies young: the httpx client leaves ~40 objects a
+    request, the lean client none); the oldest generation's threshold comes
+    back after the run."""
     global _timed_runs, _oldest
     if _timed_runs == 0:
         gc.collect()

@@ -15,7 +15,8 @@ It starts its own bed on 127.0.0.1 (issue 12's), then measures::
     (b) open loop (Poisson, bench/loadgen.py, the lean HTTP/2 client), h2c: the highest rate with e2e
         p99 < --p99-ms and no errors, through the router and straight to one
         mock; then both at half the router's rate, --half-rounds times (which
-        goes first alternating): the TTFT the router adds, median over the rounds
+        goes first alternating): the TTFT the router adds, median over the rounds,
+        and the router's CPU share (a core's fraction) at each rate
     (c) vllm-router through the same closed loop, quoted as ratios
 
 Prints a table, writes JSON (and a PNG of p99 against offered rate) under
@@ -318,9 +319,9 @@ async def timed_run(url: str, spec: RequestSpec, config: LoadConfig, label: str,
     and a request (``server_cpu_ms_per_request``).
 
     Half the highest rate is not half the router's load: a request costs it
-    more CPU at the lower rate (fewer requests share each wake-up, and its
-    caches are colder), so the share at the judged rate says how close to
-    busy it ran there."""
+    more CPU at the lower rate (the same work, each request waking the
+    process alone), so the share at the judged rate says how close to busy
+    it ran there (bench/README.md, stop 45)."""
     before = server.cpu_seconds() if server is not None else 0.0
     run = await run_rate(url, "2", spec, config, label=title, lean=True, connections=connections)
     summary = summarize_run(run, label=label)
