@@ -30,6 +30,7 @@ cores competes with the servers for CPU (then req/s is a floor).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import shutil
@@ -83,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--added-at", type=float, metavar="RPS",
                    help="judge the added TTFT at this rate instead of half the router's highest (which "
                         "moves between runs with the search: a fixed rate compares runs and builds)")
+    p.add_argument("--added-at-share", type=float, metavar="SHARE",
+                   help="judge the added TTFT at the rate where the router's CPU share was SHARE (0-1, "
+                        "e.g. 0.5: half a core busy), interpolated over the search's runs: a rate that "
+                        "moves with the box's speed, which --added-at's does not")
     p.add_argument("--no-open-loop", action="store_true")
     p.add_argument("--max-outstanding", type=int, default=512)
     p.add_argument("--open-connections", type=int, default=1,
@@ -110,6 +115,10 @@ def _check(args: argparse.Namespace) -> None:
            args.open_start <= 0, args.open_steps < 1, args.max_tokens < 1, args.workers < 1,
            args.half_rounds < 1, args.added_at is not None and args.added_at <= 0,
            args.open_connections < 1]
+    if args.added_at_share is not None and not 0 < args.added_at_share < 1:
+        raise ClientError("--added-at-share must be between 0 and 1")
+    if args.added_at is not None and args.added_at_share is not None:
+        raise ClientError("--added-at and --added-at-share: one or the other")
     if any(bad):
         raise ClientError("--concurrency, --duration, --open-*, --max-tokens, --workers, "
                           "--half-rounds, --added-at and --open-connections must be positive")
@@ -353,8 +362,12 @@ async def open_loop(args: argparse.Namespace, bed: Bed, out: dict[str, Any]) -> 
         out[f"{name}_max_rate"] = await search_max_rate(url, name, spec, runs=out["runs"],
                                                         server=server, **common)
     tried = [r["rate"] for r in out["runs"] if r["label"] == "router"]
-    half = judged_rate(args.added_at, out["router_max_rate"], tried)
-    out["added_at"] = "fixed" if args.added_at else "half the router's highest rate"
+    at_share = None
+    if args.added_at_share is not None:
+        at_share = rate_at_share(out["runs"], args.added_at_share, out["router_max_rate"])
+    half = judged_rate(args.added_at or at_share, out["router_max_rate"], tried)
+    out["added_at"] = ("fixed" if args.added_at else f"share {args.added_at_share:g}" if at_share
+                       else "half the router's highest rate")
     targets = [("router", bed.router.url), ("direct", bed.mocks[0].url)]
     rounds = []
     for i in range(args.half_rounds):
@@ -384,6 +397,27 @@ def judged_rate(fixed: float | None, router_max: float | None, tried: list[float
     if fixed:
         return fixed
     return 0.5 * (router_max or min(tried))
+
+
+def rate_at_share(runs: list[dict[str, Any]], share: float, router_max: float | None) -> float | None:
+    """The rate at which the router's CPU share was ``share``: interpolated
+    between the passing router runs around it (rounded to 3 figures), scaled
+    down from the lowest when all were busier; None when none passed, or
+    all passing runs were below ``share`` (the router never got that busy
+    within the p99 limit)."""
+    if router_max is None:
+        return None
+    points = sorted((r["rate"], r["server_cpu_share"]) for r in runs
+                    if r["label"] == "router" and r["rate"] <= router_max and r.get("server_cpu_share"))
+    if not points or points[-1][1] < share:
+        return None
+    low_rate, low_share = points[0]
+    if share <= low_share:
+        return float(f"{low_rate * share / low_share:.3g}")
+    for (r1, s1), (r2, s2) in itertools.pairwise(points):
+        if s1 <= share <= s2:
+            return float(f"{r1 + (r2 - r1) * (share - s1) / (s2 - s1) if s2 > s1 else r1:.3g}")
+    return None
 
 
 def added_medians(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -522,7 +556,9 @@ def _format_open(loop: dict[str, Any] | None) -> list[str]:
         median = loop.get("added_ttft_median_ms") or added_medians(rounds)
         each = ", ".join(f"{_fmt(r['added']['ttft_ms']['p50']['delta'], '+.2f')} / "
                          f"{_fmt(r['added']['ttft_ms']['p99']['delta'], '+.2f')}" for r in rounds)
-        at = " (fixed: --added-at)" if loop.get("added_at") == "fixed" else ""
+        how = str(loop.get("added_at", ""))
+        at = (" (fixed: --added-at)" if how == "fixed" else
+              f" (the router at CPU {how} in the search: --added-at-share)" if how.startswith("share") else "")
         lines.append(f"  router added TTFT at {rounds[0]['rate']:g} req/s{at}, median of {len(rounds)} "
                      f"round(s): p50 {_fmt(median['p50'], '+.2f')} ms, p99 {_fmt(median['p99'], '+.2f')} ms "
                      f"(each round p50 / p99: {each})")

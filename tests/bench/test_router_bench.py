@@ -135,6 +135,27 @@ def test_the_router_cpu_share_is_read_at_its_highest_rate_and_over_the_judged_ro
         "at_max": None, "at_judged": None}  # nothing passed, no rounds
 
 
+def test_the_rate_at_a_cpu_share_is_interpolated_over_the_passing_router_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def run(rate: float, share: float, label: str = "router") -> dict[str, object]:
+        return {"label": label, "rate": rate, "server_cpu_share": share}
+
+    runs = [run(100.0, 0.1), run(400.0, 0.3), run(800.0, 0.7), run(1600.0, 1.0), run(1200.0, 0.99),
+            run(800.0, 0.05, "direct")]
+    at = router_bench.rate_at_share
+    assert at(runs, 0.5, 1200.0) == 600.0  # halfway between 400 (0.3) and 800 (0.7)
+    assert at(runs, 0.05, 1200.0) == 50.0  # below the lowest: scaled down from it
+    assert at(runs, 0.99, 1200.0) == 1200.0
+    assert at(runs, 0.995, 1200.0) is None  # not that busy within the p99 limit (1600 failed)
+    assert at(runs, 0.5, None) is None  # nothing passed
+    assert router_bench.judged_rate(at(runs, 0.5, 1200.0), 1200.0, [100.0]) == 600.0
+    assert bench_main(["router", "--added-at-share", "1.5", "--vllm-router", "none"]) == 2
+    assert "--added-at-share must be between 0 and 1" in capsys.readouterr().err
+    assert bench_main(["router", "--added-at", "450", "--added-at-share", "0.5", "--vllm-router", "none"]) == 2
+    assert "one or the other" in capsys.readouterr().err
+
+
 def test_the_added_ttft_is_judged_at_a_fixed_rate_when_given_else_at_half_the_maximum(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
