@@ -409,7 +409,7 @@ def rate_at_share(runs: list[dict[str, Any]], share: float, router_max: float | 
         return None
     points = sorted((r["rate"], r["server_cpu_share"]) for r in runs
                     if r["label"] == "router" and r["rate"] <= router_max and r.get("server_cpu_share"))
-    if not points or points[-1][1] < share:
+    if not points:
         return None
     low_rate, low_share = points[0]
     if share <= low_share:

@@ -12,6 +12,7 @@ import pytest
 from bench import router_bench
 from bench.cli import main as bench_main
 from bench.drivers import parse_h2load, parse_wrk
+from bench.loadgen import LoadConfig
 from bench.router_bench import next_rate, passes
 
 WRK = """Running 3s test @ http://127.0.0.1:1/v1/completions
@@ -154,6 +155,35 @@ def test_the_rate_at_a_cpu_share_is_interpolated_over_the_passing_router_runs(
     assert "--added-at-share must be between 0 and 1" in capsys.readouterr().err
     assert bench_main(["router", "--added-at", "450", "--added-at-share", "0.5", "--vllm-router", "none"]) == 2
     assert "one or the other" in capsys.readouterr().err
+
+
+async def test_the_open_loop_judges_at_the_rate_of_the_share_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring from --added-at-share to the rounds' rate (the search and
+    the runs faked: a router whose CPU share is its rate / 1,000)."""
+    from types import SimpleNamespace
+
+    from bench.client import RequestResult
+    from bench.loadgen import RunResult
+    from bench.report import summarize_run
+
+    async def search(url: str, label: str, spec: object, *, runs: list[dict[str, object]], **_: object) -> float:
+        if label == "router":
+            runs.extend({"label": "router", "rate": r, "server_cpu_share": r / 1000} for r in (100.0, 400.0, 800.0))
+        return 800.0 if label == "router" else 4000.0
+
+    async def timed(url: str, spec: object, config: LoadConfig, label: str, *_: object) -> dict[str, object]:
+        result = RequestResult(index=0, scheduled=0.0, ttft=0.002, e2e=0.003, output_tokens=2)
+        summary = summarize_run(RunResult(config=config, wall=1.0, results=[result]), label=label)
+        return {**summary, "server_cpu_share": config.rate / 1000} if label == "router" else summary
+
+    monkeypatch.setattr(router_bench, "search_max_rate", search)
+    monkeypatch.setattr(router_bench, "timed_run", timed)
+    bed = SimpleNamespace(router=SimpleNamespace(url="http://r"), mocks=[SimpleNamespace(url="http://m")])
+    for argv, rate, how in ((["--added-at-share", "0.5"], 500.0, "share 0.5"),
+                            ([], 400.0, "half the router's highest rate")):
+        out: dict[str, object] = {}
+        await router_bench.open_loop(router_bench._parser().parse_args([*argv, "--half-rounds", "1"]), bed, out)  # type: ignore[arg-type]
+        assert out["at_half"]["rate"] == rate and out["added_at"] == how  # type: ignore[index]
 
 
 def test_the_added_ttft_is_judged_at_a_fixed_rate_when_given_else_at_half_the_maximum(
