@@ -123,27 +123,25 @@ def test_the_added_ttft_is_the_median_over_the_rounds() -> None:
     assert router_bench.added_medians(rounds) == {"p50": 1.75, "p99": 7.0}  # an unknown p50 is left out
 
 
-def test_the_router_cpu_share_is_read_at_its_highest_rate_and_over_the_judged_rounds() -> None:
-    def run(label: str, rate: float, share: float | None = None) -> dict[str, object]:
-        return {"label": label, "rate": rate, **({} if share is None else {"server_cpu_share": share})}
+def _run(rate: float, share: float | None = None, label: str = "router") -> dict[str, object]:
+    """An open-loop run's summary as far as the CPU share goes."""
+    return {"label": label, "rate": rate, **({} if share is None else {"server_cpu_share": share})}
 
+
+def test_the_router_cpu_share_is_read_at_its_highest_rate_and_over_the_judged_rounds() -> None:
     loop = {"router_max_rate": 800.0,
-            "runs": [run("router", 400.0, 0.31), run("router", 800.0, 0.88), run("router", 1600.0, 1.0),
-                     run("direct", 800.0)],
+            "runs": [_run(400.0, 0.31), _run(800.0, 0.88), _run(1600.0, 1.0), _run(800.0, label="direct")],
             "at_half_rounds": [{"router": {"server_cpu_share": s}} for s in (0.62, 0.71, 0.55)]}
     assert router_bench.cpu_shares(loop) == {"at_max": 0.88, "at_judged": 0.62}
-    assert router_bench.cpu_shares({"router_max_rate": None, "runs": [run("router", 100.0, 0.9)]}) == {
+    assert router_bench.cpu_shares({"router_max_rate": None, "runs": [_run(100.0, 0.9)]}) == {
         "at_max": None, "at_judged": None}  # nothing passed, no rounds
 
 
 def test_the_rate_at_a_cpu_share_is_interpolated_over_the_passing_router_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    def run(rate: float, share: float, label: str = "router") -> dict[str, object]:
-        return {"label": label, "rate": rate, "server_cpu_share": share}
-
-    runs = [run(100.0, 0.1), run(400.0, 0.3), run(800.0, 0.7), run(1600.0, 1.0), run(1200.0, 0.99),
-            run(800.0, 0.05, "direct")]
+    runs = [_run(100.0, 0.1), _run(400.0, 0.3), _run(800.0, 0.7), _run(1600.0, 1.0), _run(1200.0, 0.99),
+            _run(800.0, 0.05, "direct")]
     at = router_bench.rate_at_share
     assert at(runs, 0.5, 1200.0) == 600.0  # halfway between 400 (0.3) and 800 (0.7)
     assert at(runs, 0.05, 1200.0) == 50.0  # below the lowest: scaled down from it
@@ -168,7 +166,7 @@ async def test_the_open_loop_judges_at_the_rate_of_the_share_asked_for(monkeypat
 
     async def search(url: str, label: str, spec: object, *, runs: list[dict[str, object]], **_: object) -> float:
         if label == "router":
-            runs.extend({"label": "router", "rate": r, "server_cpu_share": r / 1000} for r in (100.0, 400.0, 800.0))
+            runs.extend(_run(r, r / 1000) for r in (100.0, 400.0, 800.0))
         return 800.0 if label == "router" else 4000.0
 
     async def timed(url: str, spec: object, config: LoadConfig, label: str, *_: object) -> dict[str, object]:
