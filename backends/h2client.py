@@ -254,7 +254,9 @@ class H2Connection:
         self._transport = transport
         self._h2 = ClientConnection(stream_window=pool.stream_window, connection_window=pool.connection_window)
         self._streams: dict[int, _Stream] = {}
-        self._parked: set[_Stream] = set()
+        # Parked consumers, oldest first (a dict as an ordered set): the
+        # reader role goes to the one that has waited longest.
+        self._parked: dict[_Stream, None] = {}
         self._senders: set[_Stream] = set()  # waiting for send window
         self._reading = False
         self._read_scope: trio.CancelScope | None = None  # the reader's, while it waits with a deadline
@@ -358,14 +360,14 @@ class H2Connection:
             return
         if self._reading:
             s.task = trio.lowlevel.current_task()
-            self._parked.add(s)
+            self._parked[s] = None
             scope = self._read_scope
             if scope is not None and s.deadline < scope.deadline:
                 scope.deadline = s.deadline  # the reader wakes in time to expire us
             try:
                 await trio.lowlevel.wait_task_rescheduled(s.abort)
             finally:
-                self._parked.discard(s)
+                self._parked.pop(s, None)
             return
         self._reading = True
         try:
@@ -373,15 +375,28 @@ class H2Connection:
                 await self._read_round(s)
         finally:
             self._reading = False
-            if self._parked:  # hand the reader role to a parked task
-                self._wake(self._parked.pop())
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the reader role to the longest-parked task still waiting. A
+        parked stream whose task is None was cancelled (its ``abort`` ran)
+        and has not run yet: it leaves without reading, so waking it would
+        leave the others parked with nobody reading; it is skipped (its own
+        ``finally`` would drop it from the set anyway)."""
+        parked = self._parked
+        while parked:
+            s = next(iter(parked))
+            del parked[s]
+            if s.task is not None:
+                self._wake(s)
+                return
 
     def _wake(self, s: _Stream) -> None:
         s.flag = True
         task = s.task
         if task is not None:
             s.task = None
-            self._parked.discard(s)
+            self._parked.pop(s, None)
             trio.lowlevel.reschedule(task)
 
     async def _read_round(self, reader: _Stream | None = None, *, first: bool = False) -> None:

@@ -931,6 +931,59 @@ async def test_timed_readers_cancelled_by_turns_hand_over_and_the_others_time_no
     assert silences == []
 
 
+async def test_the_reader_role_skips_parked_tasks_cancelled_before_they_ran(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's stream ends in the same turn as four parked consumers
+    are cancelled (their aborts ran, they have not): the role goes to the
+    consumer parked after them, not to a cancelled one, which would leave
+    without reading and strand the rest (the by-turns tests above hung on
+    this about once in four)."""
+    go = {b"/reader": trio.Event(), b"/survivor": trio.Event(), b"/cancelled": trio.Event()}
+
+    async def handler(conn: ServerConn, sid: int, headers: dict[bytes, bytes]) -> None:
+        await conn.respond(sid)
+        await go[headers[b":path"]].wait()
+        await conn.send(sid, b"news", end=True)
+
+    scopes = [trio.CancelScope() for _ in range(4)]
+    armed: list[int] = []
+    real_read_some = h2client.read_some
+
+    async def read_then_cancel(*args: Any, **kwargs: Any) -> bytes:
+        data = await real_read_some(*args, **kwargs)
+        if armed:  # in the reader's turn, before the parked tasks can run
+            armed.clear()
+            for scope in scopes:
+                scope.cancel()
+        return data
+
+    monkeypatch.setattr(h2client, "read_some", read_then_cancel)
+    server = await ScriptedServer(handler).start(nursery)
+    got: list[bytes] = []
+
+    async def consume(path: str, scope: trio.CancelScope) -> None:
+        with scope:
+            async with pool.stream("GET", path) as resp:
+                got.append(await resp.read())
+
+    with trio.fail_after(5):
+        async with server.pool() as pool, trio.open_nursery() as inner:
+            inner.start_soon(consume, "/reader", trio.CancelScope())
+            await trio.testing.wait_all_tasks_blocked()  # reads the socket
+            for scope in scopes:
+                inner.start_soon(consume, "/cancelled", scope)
+                await trio.testing.wait_all_tasks_blocked()  # parked, in turn
+            inner.start_soon(consume, "/survivor", trio.CancelScope())
+            await trio.testing.wait_all_tasks_blocked()  # parked last
+            armed.append(1)
+            go[b"/reader"].set()  # its last news: it leaves the role as the four are cancelled
+            await trio.testing.wait_all_tasks_blocked()
+            go[b"/survivor"].set()  # only a reader hands it its news
+    assert got == [b"news", b"news"]
+    assert all(scope.cancelled_caught for scope in scopes)
+
+
 async def test_a_read_the_socket_already_holds_enters_no_cancel_scope(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader waits under a cancel scope only where the socket has
     nothing yet: bytes already there are read with none."""
