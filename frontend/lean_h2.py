@@ -133,18 +133,26 @@ class LeanH2Protocol:
                 await self.send(Closed())
                 return
             terminated = False
+            opened = False  # a request of this read's, its task not yet given a turn
             for e in events:
                 kind = type(e)
                 if kind is h2.events.DataReceived:
                     self._data(e)
                 elif kind is h2.events.RequestReceived:
+                    if opened:
+                        # A turn for the others (the new requests' tasks among
+                        # them) before the next request of this read, as
+                        # hypercorn's queue to the app gave one. Without it the
+                        # added TTFT p99 at 450 req/s was worse in 3 of 3
+                        # alternated pairs (+3.95 / +3.09 / +4.79 ms against
+                        # +3.19 / +2.79 / +4.21 with it). Not before the
+                        # request's own body and end, which usually follow its
+                        # headers in the same read: its task then finds the
+                        # whole body on its first turn, instead of waiting for
+                        # it (a cancel scope, a park and one more turn).
+                        await trio.lowlevel.checkpoint()
                     await self._open(e.stream_id, e.headers, ended=e.stream_ended is not None)
-                    # A turn for the others (the new request's task among them)
-                    # before the next request of this read, as hypercorn's queue
-                    # to the app gave one. Without it the added TTFT p99 at 450
-                    # req/s was worse in 3 of 3 alternated pairs (+3.95 / +3.09 /
-                    # +4.79 ms against +3.19 / +2.79 / +4.21 with it).
-                    await trio.lowlevel.checkpoint()
+                    opened = True
                 elif kind is h2.events.StreamEnded:
                     stream = self.streams.get(e.stream_id)
                     if stream is not None:
@@ -496,27 +504,34 @@ class _Stream:
     # -------- receive
 
     async def receive(self) -> dict[str, Any]:
-        while True:
-            if self.body:
-                chunks, self.body = self.body, []
-                if self.unacked:
-                    unacked, self.unacked = self.unacked, 0
-                    protocol = self.protocol
-                    try:
-                        protocol.connection.acknowledge_received_data(unacked, self.sid)
-                    except h2.exceptions.ProtocolError:
-                        pass
-                    protocol._write()
-                more = not self.body_done
-                self.delivered = not more
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": more}
-            if self.body_done and not self.delivered:
-                self.delivered = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            if self.closed:
-                return _DISCONNECT
+        while (message := self.receive_ready()) is None:
             event = self._received = trio.Event()
             await event.wait()
+        return message
+
+    def receive_ready(self) -> dict[str, Any] | None:
+        """The message :meth:`receive` would return without waiting, or
+        None where it would wait (frontend/server.py's ``_queued``: a body
+        already here is read without a cancel scope for its timeout)."""
+        if self.body:
+            chunks, self.body = self.body, []
+            if self.unacked:
+                unacked, self.unacked = self.unacked, 0
+                protocol = self.protocol
+                try:
+                    protocol.connection.acknowledge_received_data(unacked, self.sid)
+                except h2.exceptions.ProtocolError:
+                    pass
+                protocol._write()
+            more = not self.body_done
+            self.delivered = not more
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": more}
+        if self.body_done and not self.delivered:
+            self.delivered = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        if self.closed:
+            return _DISCONNECT
+        return None
 
     # -------- send
 

@@ -487,9 +487,14 @@ def _queued(receive: Any) -> Callable[[], dict[str, Any] | None]:
     yet). hypercorn's trio worker passes a memory channel's ``receive``,
     which checkpoints even when a message is there: each message read was
     a trip to the back of the scheduler's queue, behind every other runnable
-    task (under load, one batch of them each: milliseconds). Any other
-    ``receive`` always answers None, so the caller awaits it."""
+    task (under load, one batch of them each: milliseconds). The lean
+    HTTP/2 ingress's streams say it themselves (``receive_ready``), so that
+    a body already here is read without a cancel scope for its timeout.
+    Any other ``receive`` always answers None, so the caller awaits it."""
     channel = getattr(receive, "__self__", None)
+    ready: Callable[[], dict[str, Any] | None] | None = getattr(channel, "receive_ready", None)
+    if ready is not None:
+        return ready
     if not isinstance(channel, trio.MemoryReceiveChannel):
         return lambda: None
 

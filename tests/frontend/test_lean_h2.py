@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from frontend import lean_h2, serving
+from frontend import lean_h2, server, serving
 from frontend.server import BODY_WRITER, ON_DISCONNECT
 from frontend.serving import Limits, ServeOptions, serve
 from tests.hardening.harness import RawH2, of
@@ -171,6 +171,35 @@ async def test_a_tiny_window_gets_every_part_in_order(nursery: trio.Nursery) -> 
     events = await client.read_until(lambda ev: all(_ended(s)(ev) for s in (1, 3, 5)), 10)
     for sid in (1, 3, 5):
         assert _body(events, sid) == b"".join(parts) + b"end"
+    await client.aclose()
+
+
+async def test_requests_whose_bodies_came_with_their_headers_find_them_on_their_first_turn(nursery: trio.Nursery) -> None:
+    """Eight requests, each HEADERS then DATA with END_STREAM, in one write:
+    each app task's first turn finds its whole body ready (what
+    frontend/server.py's ``_read_body`` takes without a cancel scope or a
+    wait), as the reader handles a request's body and end before it gives
+    the others a turn (after the request's headers, the new task ran first
+    in about half the turns: one of eight requests at least)."""
+    firsts: list[dict[str, Any] | None] = []
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        first = server._queued(receive)()  # taken: read the rest only where it was not all
+        firsts.append(first)
+        if first is None or first["more_body"]:
+            await _read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = await _start(nursery, app)
+    client = await RawH2.open(port)
+    sids = range(1, 17, 2)
+    for sid in sids:
+        client.request(sid, "/", b"body of %02d" % sid)
+    await client.flush()
+    events = await client.read_until(lambda ev: all(_ended(s)(ev) for s in sids), 10)
+    assert [_body(events, sid) for sid in sids] == [b"ok"] * 8
+    assert sorted(firsts, key=str) == [{"type": "http.request", "body": b"body of %02d" % sid, "more_body": False} for sid in sids]
     await client.aclose()
 
 
