@@ -962,19 +962,19 @@ async def test_the_reader_role_skips_parked_tasks_cancelled_before_they_ran(
     server = await ScriptedServer(handler).start(nursery)
     got: list[bytes] = []
 
-    async def consume(path: str, scope: trio.CancelScope) -> None:
+    async def consume(pool: H2Pool, path: str, scope: trio.CancelScope) -> None:
         with scope:
             async with pool.stream("GET", path) as resp:
                 got.append(await resp.read())
 
     with trio.fail_after(5):
         async with server.pool() as pool, trio.open_nursery() as inner:
-            inner.start_soon(consume, "/reader", trio.CancelScope())
+            inner.start_soon(consume, pool, "/reader", trio.CancelScope())
             await trio.testing.wait_all_tasks_blocked()  # reads the socket
             for scope in scopes:
-                inner.start_soon(consume, "/cancelled", scope)
+                inner.start_soon(consume, pool, "/cancelled", scope)
                 await trio.testing.wait_all_tasks_blocked()  # parked, in turn
-            inner.start_soon(consume, "/survivor", trio.CancelScope())
+            inner.start_soon(consume, pool, "/survivor", trio.CancelScope())
             await trio.testing.wait_all_tasks_blocked()  # parked last
             armed.append(1)
             go[b"/reader"].set()  # its last news: it leaves the role as the four are cancelled
