@@ -52,7 +52,7 @@ streams x MIN_SHARE), 1.6 MiB at 100 streams, whether the client stalls
 its streams or the whole socket.
 
 The limits, budgets and ledger are plain objects in frontend/limits.py.
-frontend/lean_h2.py, the default protocol for cleartext HTTP/2, reads with
+frontend/lean_h2.py, the default protocol for HTTP/2, reads with
 :class:`GuardedH2Connection` and bounds its output by the same limits
 itself (no StreamBuffer there); the TCPServer patches here serve it as well.
 """

@@ -7,8 +7,8 @@ every response part to a buffer that the connection's send task drains on
 its turn; frontend/serving.py patches most of those paths to go around
 themselves (a whole response in one write, a part written from the app's
 task, a body writer). This protocol is those shortcuts as the design, in
-hypercorn's place for cleartext HTTP/2 connections (TLS and HTTP/1.1 keep
-hypercorn's protocols): hypercorn's ``TCPServer`` still accepts, reads,
+hypercorn's place for HTTP/2 connections, cleartext and TLS (HTTP/1.1
+keeps hypercorn's protocol): hypercorn's ``TCPServer`` still accepts, reads,
 writes under its send lock and times out idle connections, with
 frontend/hardening.py's patches on it (connection caps and the reserve, the
 write stall, the idle deadline), and h2 still parses and frames, as
@@ -20,6 +20,10 @@ reset streams, RFC 9113's error codes)::
                                                      └─ window: streams waiting for it framed
     the app's send ─> framed by h2 ─> _write(): the socket takes what it can now (no checkpoint);
                       the rest, and parts that do not fit, go out from one flush task
+
+Over TLS the socket cannot be written around the ``SSLStream`` that frames
+its records: every write goes out from the flush task, under the same send
+lock and write stall.
 
 What a stream holds unsent is bounded as frontend/hardening.py bounds it
 (``stream_buffer_bytes``, and its share of ``connection_buffer_bytes``);
@@ -74,7 +78,7 @@ GOAWAY_DELAY = 0.1
 
 
 class LeanH2Protocol:
-    """One cleartext HTTP/2 connection, for hypercorn's ``ProtocolWrapper``
+    """One HTTP/2 connection, for hypercorn's ``ProtocolWrapper``
     (the same constructor, ``initiate`` and ``handle`` as ``H2Protocol``)."""
 
     def __init__(self, app: Any, config: Any, context: Any, task_group: Any, connection_state: Any,
@@ -649,8 +653,11 @@ class _Stream:
 
     def finish(self) -> None:
         """The app returned: answer 500 if it sent nothing, reset a response
-        it left unfinished (INTERNAL_ERROR: parts still waiting for the
-        client's window go with it), and close."""
+        it left unfinished (INTERNAL_ERROR), and close. What the app sent
+        before it failed goes first, as far as the client's window takes it
+        now (parts held only behind a write in flight, as every part is over
+        TLS while the flush task writes); what waits for the window goes
+        with the stream."""
         protocol = self.protocol
         if self.closed:
             return
@@ -660,20 +667,33 @@ class _Stream:
             self.refuse(500)
         elif not self.end_framed:
             try:
+                self._frame_what_fits()
                 connection.reset_stream(self.sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
             except h2.exceptions.ProtocolError:
                 pass
         protocol._close(self)
 
+    def _frame_what_fits(self) -> None:
+        pending, connection, sid = self.pending, self.protocol.connection, self.sid
+        while pending:
+            room = min(connection.local_flow_control_window(sid), connection.max_outbound_frame_size)
+            if room <= 0:
+                return
+            chunk = bytes(pending[:room])
+            del pending[:room]
+            connection.send_data(sid, chunk)
+            self.taken(len(chunk))
+
 
 def lean_h2_protocol(factory: Any) -> Any:
     """hypercorn's ``H2Protocol`` constructor, replaced by one that builds a
-    :class:`LeanH2Protocol` for a cleartext connection whose server asked
-    for it (``config.headrace_h2_ingress == "lean"``)."""
+    :class:`LeanH2Protocol` for a connection whose server asked for it
+    (``config.headrace_h2_ingress == "lean"``): cleartext (prior knowledge
+    or the h2c Upgrade) and TLS (ALPN ``h2``) alike."""
 
     def build(app: Any, config: Any, context: Any, task_group: Any, state: Any, ssl: bool,
               client: Any, server: Any, send: Any) -> Any:
-        if not ssl and getattr(config, "headrace_h2_ingress", "hypercorn") == "lean":
+        if getattr(config, "headrace_h2_ingress", "hypercorn") == "lean":
             return LeanH2Protocol(app, config, context, task_group, state, ssl, client, server, send)
         return factory(app, config, context, task_group, state, ssl, client, server, send)
 

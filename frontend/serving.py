@@ -763,8 +763,8 @@ _end_stream_with_the_last_data()
 _release_buffers_when_the_connection_closes()
 hardening.install()  # after the patches above: its wrappers go outside theirs
 hardening.protect_secrets_in_library_logs()
-# ``h2_ingress="lean"``: cleartext HTTP/2 connections get frontend/lean_h2.py's
-# protocol (hypercorn's ProtocolWrapper builds H2Protocol by this name).
+# ``h2_ingress="lean"``: HTTP/2 connections (cleartext and TLS) get
+# frontend/lean_h2.py's protocol (hypercorn's ProtocolWrapper builds H2Protocol by this name).
 hypercorn_protocol.H2Protocol = lean_h2_protocol(hypercorn_h2.H2Protocol)  # type: ignore[attr-defined]
 
 
@@ -780,7 +780,7 @@ class _Config(HypercornConfig):
     headrace_limits: Limits = DEFAULT_LIMITS
     headrace_connections: ConnectionLedger | None = None
     headrace_tls: Certificates | None = None  # the live context, reloaded in place
-    headrace_h2_ingress = "lean"  # cleartext HTTP/2 on frontend/lean_h2.py; "hypercorn": on hypercorn's H2Protocol
+    headrace_h2_ingress = "lean"  # HTTP/2 on frontend/lean_h2.py; "hypercorn": on hypercorn's H2Protocol
 
     def create_ssl_context(self) -> ssl.SSLContext | None:
         if self.headrace_tls is not None:
@@ -810,9 +810,9 @@ class ServeOptions:
     kept. ``reuse_port``: bind with ``SO_REUSEPORT``, so that other
     processes may serve the same port. ``limits``: streams, buffering,
     write stalls, budgets and connection caps (frontend/hardening.py).
-    ``h2_ingress``: ``"lean"`` serves cleartext HTTP/2 with
+    ``h2_ingress``: ``"lean"`` serves HTTP/2 (cleartext and TLS) with
     frontend/lean_h2.py's protocol, ``"hypercorn"`` with hypercorn's
-    (patched here); TLS and HTTP/1.1 are hypercorn's either way. None:
+    (patched here); HTTP/1.1 is hypercorn's either way. None:
     :data:`DEFAULT_H2_INGRESS` (lean).
     ``certfile`` and ``keyfile``: TLS (frontend/tls.py), loaded when serving
     starts; :meth:`reload_certificates` re-reads them."""

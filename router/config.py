@@ -168,8 +168,8 @@ class ServerConfig(_Base, frozen=True, kw_only=True, forbid_unknown_fields=True)
     # needs [auth] admin_sha256 (startup refuses it otherwise).
     admin_host: str = "127.0.0.1"
     admin_port: Port | None = None  # None: port + 1 (a free port when port is 0)
-    # Cleartext HTTP/2 on frontend/lean_h2.py's protocol, or on hypercorn's
-    # (TLS and HTTP/1.1 are hypercorn's either way).
+    # HTTP/2 (cleartext and TLS) on frontend/lean_h2.py's protocol, or on
+    # hypercorn's (HTTP/1.1 is hypercorn's either way).
     h2_ingress: Literal["hypercorn", "lean"] = "lean"
 
 

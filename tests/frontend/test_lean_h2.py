@@ -273,6 +273,35 @@ async def test_app_errors_give_a_500_before_the_head_and_a_reset_after_it(nurser
     await client.aclose()
 
 
+async def test_what_an_app_sent_before_it_failed_goes_before_the_reset(nursery: trio.Nursery) -> None:
+    """Parts held behind a write in flight (the socket took part of the
+    first, the flush task writes the rest) are not the client's to lose
+    when the app then fails: they go out, then the reset. Over TLS every
+    part after the first waits so (tests/backends/test_openai_http.py's
+    cut mid-stream over TLS)."""
+    big = bytes(range(256)) * 4096  # 1 MiB: more than the socket takes at once
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        await _read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": big, "more_body": True})
+        await send({"type": "http.response.body", "body": b"tail", "more_body": True})
+        raise RuntimeError("mid-body")
+
+    port = await _start(nursery, app, limits=Limits(stream_buffer_bytes=4 << 20, connection_buffer_bytes=8 << 20))
+    client = await RawH2.open(port, window=2**31 - 1)
+    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    await client.flush()
+    await client.read_until(lambda ev: bool(of(ev, h2.events.SettingsAcknowledged)), 5)  # the stream's window too
+    client.request(1, "/")
+    await client.flush()
+    events = await client.read_until(lambda ev: bool(of(ev, h2.events.StreamReset)), 10)
+    (reset,) = of(events, h2.events.StreamReset)
+    assert (reset.stream_id, reset.error_code) == (1, h2.errors.ErrorCodes.INTERNAL_ERROR)
+    assert _body(events, 1) == big + b"tail"
+    await client.aclose()
+
+
 async def test_connect_is_refused(nursery: trio.Nursery) -> None:
     called = []
 

@@ -7,7 +7,9 @@ address caps never count it with the attacker)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -164,15 +166,20 @@ def completion(max_tokens: int, *, stream: bool = True, prompt: str = "x") -> by
 class RawH2:
     """A raw HTTP/2 client: one socket, one h2 state machine, no reader task."""
 
-    def __init__(self, sock: trio.SocketStream, conn: h2.connection.H2Connection) -> None:
-        self.sock, self.conn = sock, conn
+    def __init__(self, sock: trio.abc.Stream, conn: h2.connection.H2Connection, scheme: str = "http") -> None:
+        self.sock, self.conn, self.scheme = sock, conn, scheme
         self.events: list[h2.events.Event] = []
         self.closed = False
 
     @classmethod
     async def open(cls, port: int, *, window: int | None = None, validate: bool = True,
-                   local_address: str | None = None) -> RawH2:  # fmt: skip
-        sock = await trio.open_tcp_stream("127.0.0.1", port, local_address=local_address)
+                   local_address: str | None = None, tls: ssl.SSLContext | None = None) -> RawH2:  # fmt: skip
+        """``tls``: over TLS with this context (its ALPN should offer ``h2``)."""
+        sock: trio.abc.Stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=local_address)
+        if tls is not None:
+            sock = trio.SSLStream(sock, tls, server_hostname="127.0.0.1", https_compatible=True)
+            await sock.do_handshake()
+            assert sock.selected_alpn_protocol() == "h2", sock.selected_alpn_protocol()
         config = h2.config.H2Configuration(client_side=True, validate_outbound_headers=validate,
                                            normalize_outbound_headers=validate)  # fmt: skip
         conn = h2.connection.H2Connection(config)
@@ -181,7 +188,7 @@ class RawH2:
                 client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
             )
         conn.initiate_connection()
-        client = cls(sock, conn)
+        client = cls(sock, conn, "http" if tls is None else "https")
         await client.flush()
         return client
 
@@ -192,7 +199,7 @@ class RawH2:
 
     def headers(self, path: str = "/v1/completions", body: bytes = b"", extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
         method = "POST" if body else "GET"
-        base = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "router")]
+        base = [(":method", method), (":path", path), (":scheme", self.scheme), (":authority", "router")]
         if body:
             base += [("content-type", "application/json"), ("content-length", str(len(body)))]
         return base + list(extra)
@@ -221,7 +228,11 @@ class RawH2:
                     if ack and isinstance(event, h2.events.DataReceived):
                         self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 try:
-                    await self.flush()
+                    # A TLS stream's write cut short is a broken stream: over TLS
+                    # the read's time limit waits for the write (bounded itself).
+                    tls = self.scheme == "https"
+                    with trio.CancelScope(shield=tls, deadline=trio.current_time() + 10 if tls else math.inf):
+                        await self.flush()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     self.closed = True
         self.events += got

@@ -6,20 +6,26 @@ service."""
 
 from __future__ import annotations
 
+import json
 import signal
 import ssl
 from pathlib import Path
+from typing import Any
 
+import h2.errors
+import h2.events
 import pytest
 import trio
 import trustme
 from cryptography import x509
 
-from backends.mock import MockBackend
+from backends.mock import MockBackend, MockConfig
+from frontend import lean_h2
+from frontend.limits import Limits
 from frontend.server import OpenAIServer
 from frontend.serving import ServeOptions, serve
 from frontend.tls import server_context
-from tests.hardening.harness import start_mocks, start_router
+from tests.hardening.harness import RawH2, completion, of, start_mocks, start_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,10 +45,10 @@ class Files:
         serial: int = x509.load_pem_x509_certificate(cert.cert_chain_pems[0].bytes()).serial_number
         return serial
 
-    def client(self, **versions: ssl.TLSVersion) -> ssl.SSLContext:
+    def client(self, alpn: str = "http/1.1", **versions: ssl.TLSVersion) -> ssl.SSLContext:
         context = ssl.create_default_context()
         self.ca.configure_trust(context)
-        context.set_alpn_protocols(["http/1.1"])
+        context.set_alpn_protocols([alpn])
         for name, value in versions.items():
             setattr(context, name, value)
         return context
@@ -188,3 +194,121 @@ async def test_sighup_without_tls_leaves_the_router_serving(nursery: trio.Nurser
             await stream.aclose()
             assert head.startswith(b"HTTP/1.1 200 "), head
     assert router.process.returncode is None
+
+
+def _lean_connections(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each connection frontend/lean_h2.py's protocol serves from now on: its ``ssl`` flag."""
+    built: list[bool] = []
+    real = lean_h2.LeanH2Protocol.__init__
+
+    def spy(self: lean_h2.LeanH2Protocol, *args: Any) -> None:
+        built.append(args[5])  # (app, config, context, task_group, state, ssl, ...)
+        real(self, *args)
+
+    monkeypatch.setattr(lean_h2.LeanH2Protocol, "__init__", spy)
+    return built
+
+
+def _bodies(client: RawH2) -> dict[int, bytes]:
+    bodies: dict[int, bytes] = {}
+    for e in of(client.events, h2.events.DataReceived):
+        bodies[e.stream_id] = bodies.get(e.stream_id, b"") + e.data
+    return bodies
+
+
+@pytest.mark.parametrize("ingress", ["lean", "hypercorn"])
+async def test_http2_over_tls_answers_whole_streams_through_a_small_window(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ingress: str
+) -> None:
+    """ALPN ``h2`` is served by the HTTP/2 ingress ``h2_ingress`` names, the
+    lean one by default, as cleartext HTTP/2 is. Eight streamed answers on
+    one connection through a 1 KiB window the client credits as it reads:
+    most of each answer waits for the window and leaves from the flush task
+    through the TLS stream, yet every answer arrives whole and in order."""
+    built = _lean_connections(monkeypatch)
+    files = Files(tmp_path)
+    files.install()
+    options = ServeOptions(certfile=str(files.certfile), keyfile=str(files.keyfile), graceful_timeout=0.1, h2_ingress=ingress)
+    port = int((await nursery.start(serve, OpenAIServer(MockBackend()), options)).rsplit(":", 1)[1])
+    client = await RawH2.open(port, window=1024, tls=files.client("h2"))
+    sids = [1 + 2 * i for i in range(8)]
+    for sid in sids:
+        client.request(sid, body=completion(120))
+    await client.flush()
+    await client.read_until(lambda events: len(of(events, h2.events.StreamEnded)) == len(sids), 30)
+    assert not of(client.events, h2.events.StreamReset)
+    bodies = _bodies(client)
+    assert sorted(bodies) == sids
+    for sid in sids:
+        body = bodies[sid]
+        assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+        events = [json.loads(part[len(b"data: "):]) for part in body.split(b"\n\n")[:-2]]
+        assert len(events) == 120 and all(len(e["choices"]) == 1 for e in events)  # every chunk whole JSON, in order
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(body) > 16 * 1024  # sixteen windows' worth and more
+    assert built == ([True] if ingress == "lean" else [])
+    await client.aclose()
+
+
+async def test_a_tls_client_with_a_closed_window_has_its_streams_reset_at_the_write_stall(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lean ingress over TLS bounds a client that credits nothing as it
+    does over cleartext (tests/hardening/test_slow_readers.py): after
+    ``write_stall_timeout`` its streams are reset (CANCEL), and the server
+    goes on answering other connections."""
+    built = _lean_connections(monkeypatch)
+    files = Files(tmp_path)
+    files.install()
+    options = ServeOptions(certfile=str(files.certfile), keyfile=str(files.keyfile), graceful_timeout=0.1,
+                           limits=Limits(write_stall_timeout=1.0))  # fmt: skip
+    port = int((await nursery.start(serve, OpenAIServer(MockBackend()), options)).rsplit(":", 1)[1])
+    stalled = await RawH2.open(port, window=0, tls=files.client("h2"))
+    for sid in (1, 3):
+        stalled.request(sid, body=completion(100))
+    await stalled.flush()
+    started = trio.current_time()
+    await stalled.read_until(lambda events: len(of(events, h2.events.StreamReset)) == 2, 10)
+    waited = trio.current_time() - started
+    assert {e.error_code for e in of(stalled.events, h2.events.StreamReset)} == {h2.errors.ErrorCodes.CANCEL}
+    assert 0.9 <= waited < 6, waited
+    assert not of(stalled.events, h2.events.DataReceived)  # a closed window: nothing got through
+    other = await RawH2.open(port, tls=files.client("h2"))
+    other.request(1, body=completion(5))
+    await other.flush()
+    await other.read_until(lambda events: bool(of(events, h2.events.StreamEnded)), 10)
+    assert _bodies(other)[1].endswith(b"data: [DONE]\n\n")
+    assert built == [True, True]
+    for client in (stalled, other):
+        await client.aclose()
+
+
+@pytest.mark.parametrize("ingress", ["lean", "hypercorn"])
+async def test_a_tls_client_that_stops_reading_the_socket_is_cut_off(nursery: trio.Nursery, tmp_path: Path, ingress: str) -> None:
+    """A client whose window is wide open but who reads nothing from its
+    TLS connection: the server's write blocks inside the TLS stream, and
+    ``write_stall_timeout`` later the connection is closed (the client then
+    reads what the sockets held, and an end); other connections are served."""
+    files = Files(tmp_path)
+    files.install()
+    options = ServeOptions(certfile=str(files.certfile), keyfile=str(files.keyfile), graceful_timeout=0.1,
+                           limits=Limits(write_stall_timeout=1.0), h2_ingress=ingress)  # fmt: skip
+    backend = MockBackend(MockConfig(max_tokens=100_000, max_context=200_000))
+    port = int((await nursery.start(serve, OpenAIServer(backend), options)).rsplit(":", 1)[1])
+    stalled = await RawH2.open(port, window=2**31 - 1, tls=files.client("h2"))
+    stalled.conn.increment_flow_control_window(2**30)
+    for i in range(8):
+        stalled.request(1 + 2 * i, body=completion(20_000))
+    await stalled.flush()
+    await trio.sleep(4)  # the sockets fill, then the write stalls past its timeout
+    other = await RawH2.open(port, tls=files.client("h2"))
+    other.request(1, body=completion(5))
+    await other.flush()
+    await other.read_until(lambda events: bool(of(events, h2.events.StreamEnded)), 10)
+    assert _bodies(other)[1].endswith(b"data: [DONE]\n\n")
+    await stalled.read(15)  # what the sockets held, then the end
+    assert stalled.closed, "the stalled connection was not closed"
+    answered = {e.stream_id for e in of(stalled.events, h2.events.StreamEnded)}
+    assert len(answered) < 8, "every answer fitted in the sockets: nothing stalled"
+    for client in (stalled, other):
+        await client.aclose()
