@@ -51,6 +51,19 @@ async def _read_body(receive: Any) -> bytes:
             return body
 
 
+async def _wide_open_request(port: int) -> RawH2:
+    """A client whose windows are so large that it never sends a
+    WINDOW_UPDATE (the stream's too: its SETTINGS acknowledged first), with
+    ``GET /`` sent on stream 1."""
+    client = await RawH2.open(port, window=2**31 - 1)
+    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
+    await client.flush()
+    await client.read_until(lambda ev: bool(of(ev, h2.events.SettingsAcknowledged)), 5)
+    client.request(1, "/")
+    await client.flush()
+    return client
+
+
 def _client(port: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(http1=False, http2=True, base_url=f"http://127.0.0.1:{port}", timeout=10)
 
@@ -289,12 +302,7 @@ async def test_what_an_app_sent_before_it_failed_goes_before_the_reset(nursery: 
         raise RuntimeError("mid-body")
 
     port = await _start(nursery, app, limits=Limits(stream_buffer_bytes=4 << 20, connection_buffer_bytes=8 << 20))
-    client = await RawH2.open(port, window=2**31 - 1)
-    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
-    await client.flush()
-    await client.read_until(lambda ev: bool(of(ev, h2.events.SettingsAcknowledged)), 5)  # the stream's window too
-    client.request(1, "/")
-    await client.flush()
+    client = await _wide_open_request(port)
     events = await client.read_until(lambda ev: bool(of(ev, h2.events.StreamReset)), 10)
     (reset,) = of(events, h2.events.StreamReset)
     assert (reset.stream_id, reset.error_code) == (1, h2.errors.ErrorCodes.INTERNAL_ERROR)
@@ -421,12 +429,7 @@ async def test_parts_left_unframed_at_the_output_bound_go_on_without_another_eve
         await send({"type": "http.response.body", "body": b"end"})
 
     port = await _start(nursery, app)
-    client = await RawH2.open(port, window=2**31 - 1)
-    client.conn.increment_flow_control_window(2**31 - 1 - 65535)
-    await client.flush()
-    await client.read_until(lambda ev: bool(of(ev, h2.events.SettingsAcknowledged)), 5)  # the stream's window too
-    client.request(1, "/")
-    await client.flush()
+    client = await _wide_open_request(port)
     events = await client.read_until(_ended(1), 10)
     assert _body(events, 1) == b"w" * 1_000_000 + b"end"
     await client.aclose()
