@@ -18,7 +18,7 @@ import trio
 from frontend import lean_h2, server, serving
 from frontend.server import BODY_WRITER, ON_DISCONNECT
 from frontend.serving import Limits, ServeOptions, serve
-from tests.hardening.harness import RawH2, of
+from tests.hardening.harness import RawH2, body_of, of
 
 Scope = dict[str, Any]
 
@@ -135,10 +135,6 @@ async def _parts_app(scope: Scope, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"end"})
 
 
-def _body(events: list[h2.events.Event], sid: int) -> bytes:
-    return b"".join(e.data for e in of(events, h2.events.DataReceived) if e.stream_id == sid)
-
-
 def _ended(sid: int) -> Any:
     return lambda events: any(e.stream_id == sid for e in of(events, h2.events.StreamEnded))
 
@@ -154,7 +150,7 @@ async def test_past_keep_alive_max_requests_the_goaway_waits_for_the_streams_in_
     client.request(3, "/")
     await client.flush()
     events = await client.read_until(lambda ev: bool(of(ev, h2.events.ConnectionTerminated)), 10)
-    assert _body(events, 1) == b"part0;part1;part2;part3;part4;end"
+    assert body_of(events, 1) == b"part0;part1;part2;part3;part4;end"
     (refused,) = of(events, h2.events.StreamReset)
     assert (refused.stream_id, refused.error_code) == (3, h2.errors.ErrorCodes.REFUSED_STREAM)
     (goaway,) = of(events, h2.events.ConnectionTerminated)
@@ -183,7 +179,7 @@ async def test_a_tiny_window_gets_every_part_in_order(nursery: trio.Nursery) -> 
     await client.flush()
     events = await client.read_until(lambda ev: all(_ended(s)(ev) for s in (1, 3, 5)), 10)
     for sid in (1, 3, 5):
-        assert _body(events, sid) == b"".join(parts) + b"end"
+        assert body_of(events, sid) == b"".join(parts) + b"end"
     await client.aclose()
 
 
@@ -211,7 +207,7 @@ async def test_requests_whose_bodies_came_with_their_headers_find_them_on_their_
         client.request(sid, "/", b"body of %02d" % sid)
     await client.flush()
     events = await client.read_until(lambda ev: all(_ended(s)(ev) for s in sids), 10)
-    assert [_body(events, sid) for sid in sids] == [b"ok"] * 8
+    assert [body_of(events, sid) for sid in sids] == [b"ok"] * 8
     assert sorted(firsts, key=str) == [{"type": "http.request", "body": b"body of %02d" % sid, "more_body": False} for sid in sids]
     await client.aclose()
 
@@ -282,7 +278,7 @@ async def test_app_errors_give_a_500_before_the_head_and_a_reset_after_it(nurser
     assert statuses == {1: b"500", 3: b"200"}
     (reset,) = of(events, h2.events.StreamReset)
     assert (reset.stream_id, reset.error_code) == (3, h2.errors.ErrorCodes.INTERNAL_ERROR)
-    assert _body(events, 3) == b"half"  # what the app handed over went first
+    assert body_of(events, 3) == b"half"  # what the app handed over went first
     await client.aclose()
 
 
@@ -306,7 +302,7 @@ async def test_what_an_app_sent_before_it_failed_goes_before_the_reset(nursery: 
     events = await client.read_until(lambda ev: bool(of(ev, h2.events.StreamReset)), 10)
     (reset,) = of(events, h2.events.StreamReset)
     assert (reset.stream_id, reset.error_code) == (1, h2.errors.ErrorCodes.INTERNAL_ERROR)
-    assert _body(events, 1) == big + b"tail"
+    assert body_of(events, 1) == big + b"tail"
     await client.aclose()
 
 
@@ -337,7 +333,7 @@ async def test_draining_says_goaway_after_the_last_stream_has_ended(nursery: tri
     await client.read_until(lambda ev: bool(of(ev, h2.events.DataReceived)), 10)
     shutdown.set()
     events = await client.read_until(lambda ev: bool(of(ev, h2.events.ConnectionTerminated)), 10)
-    assert _body(events, 1) == b"part0;part1;part2;part3;part4;end"
+    assert body_of(events, 1) == b"part0;part1;part2;part3;part4;end"
     kinds = [type(e) for e in events]
     assert kinds.index(h2.events.StreamEnded) < kinds.index(h2.events.ConnectionTerminated)
     await client.aclose()
@@ -392,7 +388,7 @@ async def test_an_h2c_upgrade_is_served_on_the_lean_protocol(nursery: trio.Nurse
         events = conn.receive_data(rest) if rest else []
         while not any(isinstance(e, h2.events.StreamEnded) for e in events):
             events += conn.receive_data(await sock.receive_some(65536))
-    assert _body(events, 1) == b"upgraded"
+    assert body_of(events, 1) == b"upgraded"
     assert seen == [("2", "/up", lean_h2._BodyWriter)]
     await sock.aclose()
 
@@ -431,5 +427,5 @@ async def test_parts_left_unframed_at_the_output_bound_go_on_without_another_eve
     port = await _start(nursery, app)
     client = await _wide_open_request(port)
     events = await client.read_until(_ended(1), 10)
-    assert _body(events, 1) == b"w" * 1_000_000 + b"end"
+    assert body_of(events, 1) == b"w" * 1_000_000 + b"end"
     await client.aclose()

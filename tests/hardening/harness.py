@@ -255,6 +255,11 @@ def of(events: list[h2.events.Event], kind: type) -> list[Any]:
     return [e for e in events if isinstance(e, kind)]
 
 
+def body_of(events: list[h2.events.Event], sid: int) -> bytes:
+    """The DATA stream ``sid`` received, in order."""
+    return b"".join(e.data for e in of(events, h2.events.DataReceived) if e.stream_id == sid)
+
+
 def p99(latencies: list[float]) -> float:
     ordered = sorted(latencies)
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else float("nan")
